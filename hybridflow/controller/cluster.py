@@ -1,0 +1,139 @@
+"""Start (or join) Ray and tear down exactly what this process started.
+
+Shared machines may run other people's Ray clusters, so we never stop Ray by
+name (`ray stop` kills every cluster on the host): the embedded cluster gets its
+own temp dir and we remember the PIDs of the processes it spawned, then check
+by PID that they are gone after `ray.shutdown()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+
+import psutil
+import ray
+
+log = logging.getLogger(__name__)
+
+# AF_UNIX paths are limited to 107 bytes and Ray appends
+# "/session_<date>_<time>_<us>_<pid>/sockets/plasma_store" (~66 bytes).
+_MAX_TEMP_DIR_LEN = 40
+
+
+class RayHandle:
+    """What `start_ray` set up; `shutdown()` (or `with`) undoes it."""
+
+    def __init__(self, address: str, temp_dir: str | None, procs: list[psutil.Process],
+                 owns_temp_dir: bool):
+        self.address = address
+        self.temp_dir = temp_dir
+        self._procs = procs  # psutil objects detect PID reuse via create time
+        self._owns_temp_dir = owns_temp_dir
+        self._closed = False
+
+    @property
+    def embedded(self) -> bool:
+        return bool(self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        """PIDs of the Ray processes this handle is responsible for."""
+        return sorted(p.pid for p in self._procs)
+
+    def alive_pids(self) -> list[int]:
+        return sorted(p.pid for p in self._procs if _alive(p))
+
+    def shutdown(self, timeout_s: float = 15.0) -> list[int]:
+        """Disconnect, stop the embedded cluster, verify by PID; idempotent.
+
+        Returns the PIDs that outlived ray.shutdown() and had to be killed.
+        """
+        if self._closed:
+            return []
+        self._closed = True
+        # Worker processes are spawned by the raylet after start-up, so take
+        # the process tree now, while the parents are still alive.
+        tree = {p.pid: p for p in self._procs}
+        for p in list(self._procs):
+            try:
+                tree.update({c.pid: c for c in p.children(recursive=True)})
+            except psutil.NoSuchProcess:
+                pass
+        self._procs = list(tree.values())
+        if ray.is_initialized():
+            ray.shutdown()
+        _, alive = psutil.wait_procs(self._procs, timeout=timeout_s)
+        killed = [p.pid for p in alive if _alive(p)]
+        if killed:
+            log.warning("Ray processes still alive after ray.shutdown(), killing PIDs %s", killed)
+            for sig in ("terminate", "kill"):
+                for p in alive:
+                    try:
+                        getattr(p, sig)()
+                    except psutil.NoSuchProcess:
+                        pass
+                _, alive = psutil.wait_procs(alive, timeout=3)
+        if self._owns_temp_dir and self.temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+        return killed
+
+    def __enter__(self) -> RayHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        kind = "embedded" if self.embedded else "joined"
+        return f"RayHandle({kind}, address={self.address!r}, temp_dir={self.temp_dir!r})"
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def start_ray(address: str | None = None, num_cpus: int | None = None,
+              temp_dir: str | None = None, **init_kwargs) -> RayHandle:
+    """Start an embedded single-node cluster (address None) or join one.
+
+    temp_dir: for the embedded cluster; a fresh short dir under /tmp is made
+    (and removed on shutdown) when None. A caller-given dir is kept, so its
+    logs survive. Extra keyword arguments go to `ray.init`.
+    """
+    if ray.is_initialized():
+        raise RuntimeError("Ray is already initialised in this process; shut it down first "
+                           "or use the existing connection")
+    if address is not None:
+        if num_cpus is not None or temp_dir is not None:
+            raise ValueError("num_cpus/temp_dir only apply to an embedded cluster (address=None); "
+                             f"joining {address!r} uses that cluster's settings")
+        ctx = ray.init(address=address, **init_kwargs)
+        return RayHandle(ctx.address_info.get("address", address), None, [], False)
+
+    owns = temp_dir is None
+    if owns:
+        temp_dir = tempfile.mkdtemp(prefix="hf_ray_", dir="/tmp")
+    temp_dir = os.path.abspath(temp_dir)
+    if len(temp_dir) > _MAX_TEMP_DIR_LEN:
+        raise ValueError(f"Ray temp_dir {temp_dir!r} is {len(temp_dir)} chars; keep it <= "
+                         f"{_MAX_TEMP_DIR_LEN} (Unix socket paths inside it are length-limited)")
+    os.makedirs(temp_dir, exist_ok=True)
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    try:
+        ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                       log_to_driver=True, _temp_dir=temp_dir, **init_kwargs)
+    except BaseException:
+        if owns:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    procs = [p for p in me.children(recursive=True) if p.pid not in before]
+    log.info("embedded Ray at %s (temp_dir %s, pids %s)", ctx.address_info["address"],
+             temp_dir, [p.pid for p in procs])
+    return RayHandle(ctx.address_info["address"], temp_dir, procs, owns)

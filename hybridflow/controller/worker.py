@@ -1,0 +1,88 @@
+"""Base class for the Ray actors a `RayWorkerGroup` creates.
+
+The group passes rank layout through environment variables (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE) so the same worker
+code also runs under torchrun-style launchers without Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+
+class Worker:
+    def __init__(self, *args, **kwargs):
+        # Ray leaves torch at one thread per core; on shared nodes that
+        # oversubscribes, so follow OMP_NUM_THREADS (the group sets it to 1).
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
+
+    # Properties read the env each time so subclasses that forget
+    # super().__init__() still see their rank.
+    @property
+    def rank(self) -> int:
+        return int(os.environ.get("RANK", 0))
+
+    @property
+    def world_size(self) -> int:
+        return int(os.environ.get("WORLD_SIZE", 1))
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def master_addr(self) -> str:
+        return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+    @property
+    def master_port(self) -> int:
+        return int(os.environ.get("MASTER_PORT", 29500))
+
+    def init_distributed(self, backend: str | None = None, timeout_s: float = 300) -> str:
+        """Join the group's torch.distributed world; returns the backend.
+
+        All ranks must call this together (ONE_TO_ALL does), otherwise the
+        rendezvous waits until `timeout_s`. Calling it again is a no-op.
+        """
+        import torch
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return dist.get_backend()
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            # Ray usually exposes only this actor's GPU(s): index modulo count.
+            torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{self.master_addr}:{self.master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        return backend
+
+    def dispatch_info(self) -> dict:
+        """Layout used by Dispatch.DP_COMPUTE_PROTO_3D; override for TP/PP.
+
+        Pure data parallel by default: every rank is its own dp rank and
+        returns its own results.
+        """
+        return {"dp_rank": self.rank, "dp_size": self.world_size, "collect": True}
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    @staticmethod
+    def find_free_port() -> int:
+        """A TCP port free on this node right now (the OS may reuse it later)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]

@@ -1,0 +1,231 @@
+"""`RayWorkerGroup`: one Ray actor per pool bundle, driven as a single object.
+
+Every `@register`-ed method of the worker class becomes a method of the group
+that dispatches its arguments per the method's mode, runs on the ranks in
+parallel and collects the results (see decorator.DISPATCH_TABLE).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import time
+import uuid
+from collections import Counter
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .decorator import (DISPATCH_TABLE, Call, CollectFn, Dispatch, Plan, RegisterSpec,
+                        get_register_spec)
+from .resource_pool import ResourcePool
+from .worker import Worker
+
+# Arguments this cheap are sent inline; anything else that several ranks share
+# is put into the object store once instead of serialised once per rank.
+_INLINE_TYPES = (type(None), bool, int, float, str, Dispatch, ray.ObjectRef)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its tracebacks; logs want plain text
+
+
+class WorkerGroupError(RuntimeError):
+    """A remote call failed; names the rank and method, keeps the remote traceback."""
+
+    def __init__(self, message: str, rank: int, method: str, cause: BaseException | None):
+        super().__init__(message)
+        self.rank, self.method, self.cause = rank, method, cause
+
+
+class DispatchFuture:
+    """Result of a `blocking=False` call; `.get()` waits and collects."""
+
+    def __init__(self, wg: RayWorkerGroup, method: str, plan: Plan, refs: list, collect: CollectFn):
+        self._wg, self._method, self._plan = wg, method, plan
+        self._refs, self._collect = refs, collect
+
+    @property
+    def refs(self) -> list:
+        return list(self._refs)
+
+    def done(self) -> bool:
+        ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0)
+        return len(ready) == len(self._refs)
+
+    def get(self, timeout: float | None = None) -> Any:
+        rank_of = {ref: call.rank for ref, call in zip(self._refs, self._plan.calls)}
+        results, pending = {}, list(self._refs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            # Wait for one at a time so the first failure surfaces at once,
+            # even while other ranks block in a collective waiting for it.
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                ranks = sorted(rank_of[r] for r in pending)
+                raise TimeoutError(f"{self._wg.name}.{self._method}: ranks {ranks} "
+                                   f"not finished after {timeout}s")
+            more = []
+            if pending:  # drain whatever else is already finished
+                more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+            for ref in ready + more:
+                try:
+                    results[ref] = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    raise self._wg._error(self._method, rank_of[ref], e) from e
+        return self._collect(self._plan, [results[r] for r in self._refs])
+
+
+class RayWorkerGroup:
+    def __init__(self, pool: ResourcePool, worker_cls: type, *args,
+                 name_prefix: str | None = None, share: float = 1.0,
+                 env: dict[str, str] | None = None, **kwargs):
+        if not isinstance(worker_cls, type):
+            raise TypeError("RayWorkerGroup wants the plain worker class, not a Ray actor class "
+                            f"(got {worker_cls!r}); it applies ray.remote itself")
+        self.pool = pool
+        self.worker_cls = worker_cls
+        self.name = name_prefix or f"{worker_cls.__name__}_{uuid.uuid4().hex[:6]}"
+        self.share = share
+        self._dispatch_infos: list[dict] | None = None
+        self._workers: list = []
+        self._reserved = 0.0
+        self._bind_registered_methods()  # first: a name clash should cost no actors
+        pool.reserve(share, f"worker group {self.name!r}")
+        self._reserved = share
+        try:
+            self._create_workers(args, kwargs, env or {})
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---------------------------------------------------------------- setup
+    def _create_workers(self, args, kwargs, extra_env: dict) -> None:
+        pool, pg = self.pool, self.pool.placement_group
+        node_ids = pool.bundle_node_ids()
+        master_addr, master_port = self._master_addr_port(pg, node_ids)
+        # Fractional resources: Ray keeps 4 decimals; round down so a 1/3
+        # share times 3 groups still fits in the bundle.
+        frac = lambda x: math.floor(x * self.share * 1e4) / 1e4  # noqa: E731
+        remote_cls = ray.remote(self.worker_cls)
+        for rank, node in enumerate(node_ids):
+            env = {
+                "RANK": str(rank), "WORLD_SIZE": str(pool.world_size),
+                "LOCAL_RANK": str(node_ids[:rank].count(node)),
+                "LOCAL_WORLD_SIZE": str(node_ids.count(node)),
+                "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+                "OMP_NUM_THREADS": "1",
+                **{k: str(v) for k, v in extra_env.items()},
+            }
+            actor = remote_cls.options(
+                name=f"{self.name}_{rank}",
+                num_cpus=frac(pool.cpus_per_bundle),
+                num_gpus=frac(pool.gpus_per_bundle),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank),
+                runtime_env={"env_vars": env},
+            ).remote(*args, **kwargs)
+            self._workers.append(actor)
+
+    @staticmethod
+    def _master_addr_port(pg, node_ids: list[str]) -> tuple[str, int]:
+        """Rank 0's address and a port free on its node."""
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        rank0_ip = ips[node_ids[0]]
+        # All ranks on one node: loopback avoids picking a wrong interface.
+        addr = "127.0.0.1" if len(set(node_ids)) == 1 else rank0_ip
+        if rank0_ip == ray.util.get_node_ip_address():
+            return addr, Worker.find_free_port()
+        probe = ray.remote(num_cpus=0)(Worker.find_free_port).options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=0))
+        return addr, ray.get(probe.remote())
+
+    def _bind_registered_methods(self) -> None:
+        for attr in dir(self.worker_cls):
+            spec = get_register_spec(getattr(self.worker_cls, attr, None))
+            if spec is None:
+                continue
+            if hasattr(self, attr):
+                raise AttributeError(f"{self.worker_cls.__name__}.{attr} is @register-ed but "
+                                     f"clashes with RayWorkerGroup.{attr}; rename it")
+            setattr(self, attr, self._make_method(attr, spec))
+
+    def _make_method(self, method: str, spec: RegisterSpec):
+        @functools.wraps(getattr(self.worker_cls, method))
+        def call(*args, **kwargs):
+            return self._run(method, spec.dispatch_mode, spec.blocking, args, kwargs)
+        return call
+
+    # ------------------------------------------------------------- dispatch
+    @property
+    def world_size(self) -> int:
+        return self.pool.world_size
+
+    @property
+    def workers(self) -> list:
+        return list(self._workers)
+
+    def dispatch_infos(self) -> list[dict]:
+        """Per-rank `dispatch_info()`, fetched once (layout is fixed per group)."""
+        if self._dispatch_infos is None:
+            infos = self.execute_all("dispatch_info")
+            for rank, info in enumerate(infos):
+                if not isinstance(info, dict) or not {"dp_rank", "dp_size", "collect"} <= set(info):
+                    raise ValueError(f"{self.name}: rank {rank} dispatch_info() returned {info!r}; "
+                                     "expected dict(dp_rank=int, dp_size=int, collect=bool)")
+            self._dispatch_infos = infos
+        return self._dispatch_infos
+
+    def execute_all(self, method: str, *args, **kwargs) -> list:
+        """Call any worker method (registered or not) on every rank."""
+        return self._run(method, Dispatch.ONE_TO_ALL, True, args, kwargs)
+
+    def execute_rank_zero(self, method: str, *args, **kwargs) -> Any:
+        return self._run(method, Dispatch.RANK_ZERO, True, args, kwargs)
+
+    def _run(self, method: str, mode: Dispatch, blocking: bool, args: tuple, kwargs: dict):
+        if not self._workers:
+            raise RuntimeError(f"worker group {self.name!r} is shut down")
+        dispatch_fn, collect_fn = DISPATCH_TABLE[mode]
+        plan = dispatch_fn(self, method, args, kwargs)
+        refs = self._submit(method, plan.calls)
+        future = DispatchFuture(self, method, plan, refs, collect_fn)
+        return future.get() if blocking else future
+
+    def _submit(self, method: str, calls: list[Call]) -> list:
+        shared = Counter(id(a) for c in calls for a in (*c.args, *c.kwargs.values())
+                         if not isinstance(a, _INLINE_TYPES))
+        refs_by_id: dict[int, Any] = {}
+
+        def prep(a):
+            if shared.get(id(a), 0) < 2:
+                return a
+            if id(a) not in refs_by_id:
+                refs_by_id[id(a)] = ray.put(a)
+            return refs_by_id[id(a)]
+
+        return [getattr(self._workers[c.rank], method).remote(
+                    *map(prep, c.args), **{k: prep(v) for k, v in c.kwargs.items()})
+                for c in calls]
+
+    def _error(self, method: str, rank: int, e: BaseException) -> WorkerGroupError:
+        return WorkerGroupError(
+            f"worker group {self.name!r}: {self.worker_cls.__name__}.{method} failed on rank "
+            f"{rank} of {self.world_size}:\n{_ANSI.sub('', str(e))}",
+            rank, method, getattr(e, "cause", None) or e)
+
+    # ------------------------------------------------------------- teardown
+    def shutdown(self) -> None:
+        """Kill this group's actors and give its share back to the pool."""
+        for actor in self._workers:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead: nothing to do
+                pass
+        self.pool.release(self._reserved)
+        self._workers, self._reserved = [], 0.0
+
+    def __repr__(self) -> str:
+        return (f"RayWorkerGroup({self.name!r}, {self.worker_cls.__name__}, "
+                f"world_size={self.world_size})")

@@ -1,0 +1,160 @@
+"""Hugging Face (Qwen2/Llama) <-> megatron-core weight conversion with tensor/pipeline sharding.
+
+Layout facts (checked against HF logits): megatron's fused ``linear_qkv`` is ordered per query group g as
+[the q heads of g, k_g, v_g]; ``linear_fc1`` is [gate; up] per TP rank; row-parallel layers
+(``linear_proj``, ``linear_fc2``) split the input dim, column-parallel ones the output dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Where this rank sits: tensor-parallel rank/size and pipeline stage/size."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def layer_range(self, num_layers: int) -> range:
+        per_stage = num_layers // self.pp_size
+        return range(self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage)
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def _heads(cfg):
+    nh, ng = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
+    return nh, ng, hd
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg) -> torch.Tensor:
+    """HF q/k/v (weights [out, in] or biases [out]) -> megatron's per-group interleaved linear_qkv."""
+    nh, ng, hd = _heads(cfg)
+    tail = q.shape[1:]
+    q = q.reshape(ng, nh // ng * hd, *tail)
+    k = k.reshape(ng, hd, *tail)
+    v = v.reshape(ng, hd, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of fuse_qkv for the full (TP-gathered) tensor."""
+    nh, ng, hd = _heads(cfg)
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(ng, (nh // ng + 2) * hd, *tail)
+    q, k, v = torch.split(grouped, [nh // ng * hd, hd, hd], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def _chunk(t: torch.Tensor, dim: int, shard: Shard) -> torch.Tensor:
+    return torch.chunk(t, shard.tp_size, dim=dim)[shard.tp_rank].clone()
+
+
+# Per-layer params: megatron suffix -> (HF suffix, TP split dim or None for replicated).
+_LAYER_SIMPLE = {
+    "input_layernorm.weight": ("input_layernorm.weight", None),
+    "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight", None),
+    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight", 1),
+    "mlp.linear_fc2.weight": ("mlp.down_proj.weight", 1),
+}
+
+
+def hf_to_megatron(hf_sd: dict, cfg, shard: Shard = Shard(), *, value_head: bool = False) -> dict:
+    """This rank's megatron state dict (local layer numbering) from a full HF state dict."""
+    out = {}
+    tie = bool(getattr(cfg, "tie_word_embeddings", False))
+    if shard.first_stage:
+        out["embedding.word_embeddings.weight"] = _chunk(hf_sd["model.embed_tokens.weight"], 0, shard)
+    for local, layer in enumerate(shard.layer_range(cfg.num_hidden_layers)):
+        src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
+        for mkey, (hkey, dim) in _LAYER_SIMPLE.items():
+            t = hf_sd[src + hkey]
+            out[dst + mkey] = t.clone() if dim is None else _chunk(t, dim, shard)
+        for kind in ("weight", "bias"):
+            if src + f"self_attn.q_proj.{kind}" not in hf_sd:
+                continue
+            qkv = fuse_qkv(*(hf_sd[src + f"self_attn.{p}_proj.{kind}"] for p in "qkv"), cfg)
+            out[dst + f"self_attention.linear_qkv.{kind}"] = _chunk(qkv, 0, shard)
+        gate = _chunk(hf_sd[src + "mlp.gate_proj.weight"], 0, shard)
+        up = _chunk(hf_sd[src + "mlp.up_proj.weight"], 0, shard)
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+    if shard.last_stage:
+        out["decoder.final_layernorm.weight"] = hf_sd["model.norm.weight"].clone()
+        if value_head:
+            if "score.weight" in hf_sd:  # a critic checkpoint: keep its trained head
+                out["output_layer.weight"] = hf_sd["score.weight"].clone()
+        elif tie:
+            if not shard.first_stage:  # megatron keeps a copy of the tied embedding on the last stage
+                out["output_layer.weight"] = _chunk(hf_sd["model.embed_tokens.weight"], 0, shard)
+        else:
+            out["output_layer.weight"] = _chunk(hf_sd["lm_head.weight"], 0, shard)
+    return out
+
+
+def load_into(model: torch.nn.Module, local_sd: dict) -> None:
+    """Copy a converted state dict into the model, failing on any parameter left unset or unknown."""
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    missing = sorted(set(own) - set(local_sd) - {"output_layer.weight"})
+    unknown = sorted(set(local_sd) - set(own))
+    if missing or unknown:
+        raise KeyError(f"weight conversion mismatch: missing {missing[:5]}, unexpected {unknown[:5]}")
+    with torch.no_grad():
+        for k, v in local_sd.items():
+            if own[k].shape != v.shape:
+                raise ValueError(f"{k}: converted shape {tuple(v.shape)} != model shape {tuple(own[k].shape)}")
+            own[k].copy_(v)
+
+
+def megatron_to_hf(full_sd: dict, cfg, shard: Shard, *, value_head: bool = False) -> dict:
+    """HF tensors for the layers of one pipeline stage, from that stage's TP-gathered megatron tensors.
+
+    ``full_sd`` holds full (unsharded along TP) tensors; for linear_fc1 the gather is expected to
+    have concatenated per-rank [gate_r; up_r] blocks, which is undone here.
+    """
+    out = {}
+    tp = shard.tp_size
+    if "embedding.word_embeddings.weight" in full_sd:
+        out["model.embed_tokens.weight"] = full_sd["embedding.word_embeddings.weight"]
+    for local, layer in enumerate(shard.layer_range(cfg.num_hidden_layers)):
+        src, dst = f"decoder.layers.{local}.", f"model.layers.{layer}."
+        for mkey, (hkey, _) in _LAYER_SIMPLE.items():
+            out[dst + hkey] = full_sd[src + mkey]
+        for kind in ("weight", "bias"):
+            key = src + f"self_attention.linear_qkv.{kind}"
+            if key in full_sd:
+                for p, t in zip("qkv", split_qkv(full_sd[key], cfg)):
+                    out[dst + f"self_attn.{p}_proj.{kind}"] = t
+        blocks = [torch.chunk(b, 2, dim=0) for b in torch.chunk(full_sd[src + "mlp.linear_fc1.weight"], tp, dim=0)]
+        out[dst + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in blocks], dim=0)
+        out[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in blocks], dim=0)
+    if "decoder.final_layernorm.weight" in full_sd:
+        out["model.norm.weight"] = full_sd["decoder.final_layernorm.weight"]
+        if "output_layer.weight" in full_sd:
+            name = "score.weight" if value_head else "lm_head.weight"
+            if not (not value_head and getattr(cfg, "tie_word_embeddings", False)):
+                out[name] = full_sd["output_layer.weight"]
+    return out
+
+
+# TP split dim of each megatron param (by suffix); None = replicated across TP.
+def tp_split_dim(name: str, value_head: bool = False) -> int | None:
+    if name.endswith(("layernorm.weight", "final_layernorm.weight")):
+        return None
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    if name == "output_layer.weight" and value_head:
+        return None
+    return 0

@@ -1,0 +1,120 @@
+"""Build megatron-core GPT models (policy or value) from a Hugging Face Llama/Qwen2 config."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.megatron import cpu_compat
+
+SUPPORTED_ARCHS = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+
+
+def _rope_theta(hf_config) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
+                               params_dtype: torch.dtype = torch.float32):
+    """The megatron TransformerConfig equivalent to a HF Qwen2/Llama config (no fused CUDA kernels on CPU)."""
+    from megatron.core.transformer import TransformerConfig
+
+    archs = getattr(hf_config, "architectures", None) or []
+    if archs and archs[0] not in SUPPORTED_ARCHS:
+        raise ValueError(f"model architecture {archs[0]} is not supported (supported: {SUPPORTED_ARCHS})")
+    on_gpu = not cpu_compat.cuda_absent()
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # dense models; allgather rejects variable lengths
+        batch_p2p_comm=False,  # gloo + batched p2p gives wrong pipeline losses (measured)
+        attention_softmax_in_fp32=True,
+        bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=on_gpu,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=not on_gpu,
+    )
+
+
+def layer_spec(config):
+    """Transformer Engine spec when TE and CUDA are present, megatron's local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if not cpu_compat.cuda_absent():
+        try:
+            import transformer_engine  # noqa: F401
+
+            return specs.get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+class ValueHead(torch.nn.Linear):
+    """hidden -> scalar value; replaces GPTModel's vocab output layer for critics.
+
+    The weight is replicated on every TP rank; under sequence parallel the hidden states are gathered
+    first so every rank computes (and differentiates) the same full-sequence values.
+    """
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool):
+        super().__init__(hidden_size, 1, bias=False)
+        torch.nn.init.zeros_(self.weight)  # start from V=0: no random value scale to unlearn
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):  # noqa: ARG002 (GPTModel API)
+        if self.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+        return super().forward(hidden), None
+
+
+def build_gpt(hf_config, tf_config, *, value_head: bool = False, pre_process: bool = True,
+              post_process: bool = True):
+    """A GPTModel for this rank's pipeline stage: a policy (vocab logits) or a value model."""
+    from megatron.core.models.gpt import GPTModel
+
+    tie = bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head
+    with cpu_compat.megatron_cpu_scope():
+        model = GPTModel(
+            config=tf_config,
+            transformer_layer_spec=layer_spec(tf_config),
+            vocab_size=hf_config.vocab_size,
+            max_sequence_length=hf_config.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=tie,
+            position_embedding_type="rope",
+            rotary_base=_rope_theta(hf_config),
+            parallel_output=True,
+        )
+    if value_head and post_process:
+        model.output_layer = ValueHead(tf_config.hidden_size, tf_config.sequence_parallel)
+    return model

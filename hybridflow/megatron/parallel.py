@@ -1,0 +1,50 @@
+"""Process groups: the one place that sets up megatron-core's parallel_state for a worker process."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from hybridflow.megatron import cpu_compat
+from hybridflow.megatron.convert import Shard
+
+
+def init_model_parallel(tp: int, pp: int, seed: int) -> None:
+    """Create TP/PP/DP groups over the already-initialized default group (gloo on CPU, nccl on GPU).
+
+    The world must divide by tp*pp; the data-parallel size is what remains.
+    """
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialized before megatron's model parallel groups")
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")
+    cpu_compat.enable()
+    if ps.model_parallel_is_initialized():
+        if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
+            raise ValueError("this process already has megatron groups of a different layout")
+    else:
+        with cpu_compat.megatron_cpu_scope():
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    cpu_compat.model_parallel_seed(seed)
+
+
+def current_shard() -> Shard:
+    from megatron.core import parallel_state as ps
+
+    return Shard(
+        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+    )
+
+
+def dispatch_info() -> dict:
+    """For the controller's 3D dispatch: this rank's DP shard, and whether it returns results
+    (TP rank 0 on the last pipeline stage)."""
+    from megatron.core import parallel_state as ps
+
+    return dict(
+        dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+        collect=ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage(),
+    )

@@ -1,0 +1,35 @@
+"""Scorers map (response text, ground truth) -> float; the batch helper places each score on the
+last response token, which is where outcome rewards live in PPO."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+_SCORERS: dict[str, Callable[[str, str], float]] = {}
+
+
+def register_scorer(name: str):
+    def deco(fn):
+        if name in _SCORERS and _SCORERS[name] is not fn:
+            raise ValueError(f"reward scorer {name!r} is already registered")
+        _SCORERS[name] = fn
+        return fn
+    return deco
+
+
+def get_scorer(name: str) -> Callable[[str, str], float]:
+    if name not in _SCORERS:
+        raise KeyError(f"unknown reward scorer {name!r}; known: {', '.join(sorted(_SCORERS))}")
+    return _SCORERS[name]
+
+
+def score_batch(scorer, texts: list[str], answers, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-sequence scores [b], token-level scores [b, R] with each score on the last valid token)."""
+    scores = torch.tensor([float(scorer(t, str(a))) for t, a in zip(texts, answers)], dtype=torch.float32)
+    token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
+    lengths = response_mask.sum(-1).long()
+    rows = torch.nonzero(lengths > 0).flatten()
+    token_scores[rows, lengths[rows] - 1] = scores[rows]
+    return scores, token_scores

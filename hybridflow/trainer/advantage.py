@@ -1,0 +1,58 @@
+"""Driver-side algorithm steps on a rollout batch: rewards, KL-in-reward, advantages."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hybridflow.algorithms import compute_advantage, kl_penalty, masked_mean
+from hybridflow.protocol import Batch
+from hybridflow.rewards import get_scorer, score_batch
+
+
+def score_responses(batch: Batch, tokenizer, scorer_name: str) -> Batch:
+    """Decode responses, score them against ``answer``; adds ``scores`` and ``token_level_scores``."""
+    mask = batch.tensors["response_mask"]
+    texts = [tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
+             for r, m in zip(batch.tensors["responses"], mask)]
+    scores, token_scores = score_batch(get_scorer(scorer_name), texts, batch.non_tensors["answer"], mask)
+    return batch.union(Batch.from_dict(tensors={"scores": scores, "token_level_scores": token_scores},
+                                       non_tensors={"response_text": np.array(texts, dtype=object)}))
+
+
+def apply_kl_in_reward(batch: Batch, kl_coef: float, kind: str) -> tuple[Batch, float]:
+    """token_level_rewards = scores - coef * KL(actor || ref) per token; returns the mean KL too."""
+    mask = batch.tensors["response_mask"]
+    kld = kl_penalty(batch.tensors["old_log_probs"], batch.tensors["ref_log_prob"], kind) * mask
+    rewards = batch.tensors["token_level_scores"] - kl_coef * kld
+    current_kl = masked_mean(kld, mask, dim=-1).mean().item()
+    return batch.union(Batch.from_dict(tensors={"token_level_rewards": rewards})), current_kl
+
+
+def add_advantages(batch: Batch, algo) -> Batch:
+    t = batch.tensors
+    adv, returns = compute_advantage(
+        algo.adv_estimator, t["token_level_rewards"], t["response_mask"], values=t.get("values"),
+        index=batch.non_tensors.get("uid"), reward_baselines=t.get("reward_baselines"),
+        gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+    return batch.union(Batch.from_dict(tensors={"advantages": adv, "returns": returns}))
+
+
+def rollout_metrics(batch: Batch) -> dict:
+    t = batch.tensors
+    mask = t["response_mask"].float()
+    out = {
+        "reward/score_mean": t["scores"].mean().item(),
+        "response/length_mean": mask.sum(-1).mean().item(),
+        "actor/entropy": masked_mean(t["entropy"], mask).item() if "entropy" in t else float("nan"),
+    }
+    if "values" in t:
+        out["critic/values_mean"] = masked_mean(t["values"], mask).item()
+    if "advantages" in t:
+        out["critic/advantages_mean"] = masked_mean(t["advantages"], mask).item()
+    return out
+
+
+def as_group_ids(n_prompts: int, n: int, step: int) -> np.ndarray:
+    """Group ids for rollout.n samples per prompt (rows repeated consecutively)."""
+    return np.array([f"{step}-{i}" for i in range(n_prompts) for _ in range(n)], dtype=object)
+

@@ -1,0 +1,91 @@
+"""Entry point: ``python -m hybridflow.trainer.main --config configs/quickstart_cpu.yaml key.sub=value ...``.
+
+The config is loaded and checked before Ray or any worker starts, so a bad key fails in a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from hybridflow.config import ConfigError, load_config
+from hybridflow.config.schema import ExperimentConfig
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="hybridflow", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", action="append", required=True, help="YAML file(s); later ones override")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    return ap.parse_args(argv)
+
+
+def load(argv=None) -> ExperimentConfig:
+    args = parse_args(argv)
+    return load_config(ExperimentConfig, args.config, args.overrides)
+
+
+def check_files(cfg: ExperimentConfig) -> None:
+    """Input files must exist before workers start (quickstart files are built by prepare)."""
+    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        for f in files:
+            if not os.path.exists(f):
+                raise ConfigError(f"{key}: file not found: {f}")
+    if not os.path.isdir(cfg.model.path):
+        raise ConfigError(f"model.path: not a model folder: {cfg.model.path}")
+    if not cfg.data.train_files:
+        raise ConfigError("data.train_files: at least one parquet file is required")
+
+
+def run(cfg: ExperimentConfig) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from hybridflow.controller import start_ray
+    from hybridflow.trainer.ppo import PPOTrainer, build_worker_groups
+
+    if cfg.prepare.enable:
+        from hybridflow.trainer.prepare import prepare_quickstart
+
+        prepare_quickstart(cfg)
+    check_files(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    with start_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, temp_dir=cfg.ray.temp_dir):
+        actor, critic, pools = build_worker_groups(cfg)
+        try:
+            return PPOTrainer(cfg, tokenizer, actor, critic).fit()
+        finally:
+            for group in (actor, critic):
+                if group is not None:
+                    group.shutdown()
+            for pool in pools:
+                pool.remove()
+
+
+def _exit_on_signals() -> None:
+    """SIGTERM (scancel, kill) and SIGINT unwind through ``finally`` so Ray and workers are stopped.
+
+    Background jobs of a non-interactive shell start with SIGINT ignored: install handlers explicitly.
+    """
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = load(argv)
+        if not cfg.prepare.enable:
+            check_files(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    _exit_on_signals()
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Metrics: one JSON line per step, a console line, timers, and the reward/accuracy curve PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+CONSOLE_KEYS = [  # (metric, short label, format)
+    ("reward/score_mean", "reward", ".3f"), ("val/accuracy", "val_acc", ".3f"), ("actor/ppo_kl", "kl", ".4f"),
+    ("actor/ref_kl", "ref_kl", ".4f"), ("actor/pg_clipfrac", "clip", ".3f"),
+    ("response/length_mean", "len", ".2f"), ("perf/tokens_per_s", "tok/s", ".0f"), ("time/step_s", "s/step", ".2f"),
+]
+
+
+class Timer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def pop(self) -> dict:
+        out, self.seconds = {f"time/{k}_s": v for k, v in self.seconds.items()}, {}
+        return out
+
+
+class MetricsLog:
+    def __init__(self, out_dir: str):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self.path.write_text("")
+        self.rows: list[dict] = []
+
+    def log(self, step: int, metrics: dict) -> str:
+        row = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
+        self.rows.append(row)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        return self.console_line(row)
+
+    @staticmethod
+    def console_line(row: dict) -> str:
+        parts = [f"step {row['step']:>4}"]
+        for key, label, fmt in CONSOLE_KEYS:
+            v = row.get(key)
+            if isinstance(v, float) and not math.isnan(v):
+                parts.append(f"{label} {v:{fmt}}")
+        stages = [(k[5:-2], v) for k, v in row.items() if k.startswith("time/") and k != "time/step_s"]
+        if stages:
+            parts.append("[" + " ".join(f"{k} {v:.2f}s" for k, v in stages) + "]")
+        return " | ".join(parts)
+
+    def plot(self, name: str = "curve.png") -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, label in (("reward/score_mean", "train reward"), ("val/accuracy", "val accuracy (greedy)")):
+            pts = [(r["step"], r[key]) for r in self.rows if isinstance(r.get(key), float)]
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if key.startswith("val") else None, label=label)
+        ax.set_xlabel("PPO step")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        path = self.dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path

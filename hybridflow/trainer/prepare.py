@@ -1,0 +1,29 @@
+"""Quickstart preparation: tokenizer, tiny Qwen2 model, arithmetic parquet and the SFT warm start,
+each built only when absent (so `make run` can be re-run cheaply)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def prepare_quickstart(cfg) -> None:
+    p = cfg.prepare
+    data_dir = Path(p.data_dir)
+    if not (data_dir / "train.parquet").exists() or not (data_dir / "val.parquet").exists():
+        from hybridflow.data.arithmetic import write_arithmetic_parquet
+
+        write_arithmetic_parquet(data_dir, max_operand=p.max_operand, n_val=p.n_val, seed=cfg.trainer.seed)
+    base = Path(p.base_model_dir)
+    if not (base / "model.safetensors").exists():
+        from hybridflow.data.tiny_model import build_tiny_qwen2
+        from hybridflow.data.tokenizer import build_char_tokenizer
+
+        tokenizer = build_char_tokenizer(base)
+        build_tiny_qwen2(base, tokenizer, hidden_size=p.hidden_size, num_layers=p.num_layers,
+                         max_position_embeddings=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                         seed=cfg.trainer.seed)
+    if not (Path(cfg.model.path) / "model.safetensors").exists():
+        from hybridflow.trainer.sft import warm_start
+
+        warm_start(str(base), cfg.model.path, str(data_dir / "train.parquet"), steps=p.sft_steps, lr=p.sft_lr,
+                   batch_size=p.sft_batch_size, seed=cfg.trainer.seed)

@@ -1,0 +1,178 @@
+"""The colocated actor + rollout + reference worker: one process per device.
+
+The actor (megatron-core, trained), the reference (megatron-core, frozen) and the vLLM rollout engine
+share the process; after every actor update the new weights reach vLLM in place before the next
+generation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.algorithms import kl_penalty, aggregate_loss, policy_loss
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.megatron import parallel
+from hybridflow.megatron.engine import MegatronRole, OptimSettings, token_log_probs, vocab_parallel_entropy
+from hybridflow.protocol import Batch
+from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
+from hybridflow.workers.common import (concat_outputs, load_hf_folder, mean_metrics, micro_batches,
+                                       response_part)
+
+
+def optim_settings(optim, megatron_cfg) -> OptimSettings:
+    return OptimSettings(lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
+                         clip_grad=optim.clip_grad,
+                         use_distributed_optimizer=megatron_cfg.use_distributed_optimizer)
+
+
+def responses_to_batch(prompts: Batch, responses: list[list[int]], max_len: int, pad_id: int,
+                       eos_id: int) -> Batch:
+    """Right-pad responses and append them to the left-padded prompts (verl's layout)."""
+    n = len(responses)
+    resp = torch.full((n, max_len), pad_id, dtype=torch.long)
+    resp_mask = torch.zeros((n, max_len), dtype=torch.long)
+    for i, r in enumerate(responses):
+        r = r[:max_len]
+        if eos_id in r:
+            r = r[: r.index(eos_id) + 1]  # EOS is part of the response (it is an action)
+        resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        resp_mask[i, : len(r)] = 1
+    attention = torch.cat([prompts.tensors["attention_mask"], resp_mask], dim=1)
+    return Batch.from_dict(tensors={
+        "responses": resp,
+        "response_mask": resp_mask,
+        "input_ids": torch.cat([prompts.tensors["input_ids"], resp], dim=1),
+        "attention_mask": attention,
+        "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+    })
+
+
+class ActorRolloutRefWorker(Worker):
+    def __init__(self, cfg, with_ref: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        self.init_distributed()
+        mp = cfg.actor.megatron
+        parallel.init_model_parallel(mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size,
+                                     seed=cfg.trainer.seed)
+        hf_config, state = load_hf_folder(cfg.model.path)
+        self.actor = MegatronRole(hf_config, state, optim=optim_settings(cfg.actor.optim, mp))
+        self.ref = MegatronRole(hf_config, state) if with_ref else None
+        del state
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.rollout = VLLMRollout(
+            cfg.model.path, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+            tensor_parallel_size=cfg.rollout.tensor_model_parallel_size, kv_cache_gib=cfg.rollout.kv_cache_gib,
+            dtype=cfg.rollout.dtype, seed=cfg.trainer.seed + self.rank,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
+        self._rollout_stale = False  # True once the actor has moved past the rollout's weights
+
+    def dispatch_info(self) -> dict:
+        return parallel.dispatch_info()
+
+    # --- rollout ----------------------------------------------------------------------------------
+
+    def _sync_rollout(self) -> None:
+        self.rollout.update_weights(self.actor.hf_state_dict())
+        self._rollout_stale = False
+
+    @register(Dispatch.DP_COMPUTE_PROTO_3D)
+    def generate(self, prompts: Batch) -> Batch:
+        """Sample one response per row (repeat rows beforehand for n > 1).
+
+        ``prompts.meta`` may override sampling: ``temperature`` (0 = greedy), ``max_new_tokens``.
+        """
+        if self._rollout_stale:
+            self._sync_rollout()
+        r = self.cfg.rollout
+        sampling = SamplingSettings(
+            temperature=prompts.meta.get("temperature", r.temperature), top_p=r.top_p, top_k=r.top_k,
+            max_new_tokens=prompts.meta.get("max_new_tokens", self.cfg.data.max_response_length))
+        ids, mask = prompts.tensors["input_ids"], prompts.tensors["attention_mask"].bool()
+        prompt_ids = [row[m].tolist() for row, m in zip(ids, mask)]
+        outs = self.rollout.generate(prompt_ids, sampling)
+        new = responses_to_batch(prompts, [o[0] for o in outs], self.cfg.data.max_response_length,
+                                 self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
+        kept = {k: v for k, v in prompts.tensors.items() if k not in new.tensors}
+        return Batch(tensors={**kept, "prompts": ids, **new.tensors}, non_tensors=prompts.non_tensors,
+                     meta=prompts.meta)
+
+    # --- log-probs --------------------------------------------------------------------------------
+
+    def _log_probs(self, role: MegatronRole, batch: Batch, with_entropy: bool) -> dict:
+        R = batch.tensors["responses"].shape[1]
+
+        def output_fn(mb, logits):
+            out = {"log_probs": response_part(token_log_probs(logits, mb["labels"]), R)}
+            if with_entropy:
+                out["entropy"] = response_part(vocab_parallel_entropy(logits), R)
+            return out
+
+        outs = role.forward(micro_batches(batch, self.cfg.actor.log_prob_micro_batch_size), output_fn)
+        return {k: concat_outputs(outs, k) for k in (["log_probs", "entropy"] if with_entropy else ["log_probs"])}
+
+    @register(Dispatch.DP_COMPUTE_PROTO_3D)
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        out = self._log_probs(self.actor, batch, with_entropy=True)
+        return Batch.from_dict(tensors={"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
+
+    @register(Dispatch.DP_COMPUTE_PROTO_3D)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        out = self._log_probs(self.ref, batch, with_entropy=False)
+        return Batch.from_dict(tensors={"ref_log_prob": out["log_probs"]})
+
+    # --- update -----------------------------------------------------------------------------------
+
+    @register(Dispatch.DP_COMPUTE_PROTO_3D)
+    def update_actor(self, batch: Batch) -> dict:
+        a = self.cfg.actor
+        R = batch.tensors["responses"].shape[1]
+        keys = ["old_log_probs", "advantages", "response_mask"] + (["ref_log_prob"] if a.use_kl_loss else [])
+        dp = parallel.dispatch_info()["dp_size"]
+        mini_size = a.ppo_mini_batch_size // dp
+
+        def loss_fn(mb, logits):
+            log_prob = response_part(token_log_probs(logits, mb["labels"]), R)
+            mask = mb["response_mask"]
+            loss, m = policy_loss("vanilla", mb["old_log_probs"], log_prob, mb["advantages"], mask,
+                                  loss_agg_mode=a.loss_agg_mode, clip_ratio_low=a.clip_ratio_low,
+                                  clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c)
+            metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
+            if a.use_kl_loss:
+                kl = aggregate_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode)
+                loss = loss + a.kl_loss_coef * kl
+                metrics["actor/kl_loss"] = kl.detach()
+            return loss, metrics
+
+        all_metrics = []
+        for _ in range(a.ppo_epochs):
+            for mini in batch.split(mini_size):
+                mbs = micro_batches(mini, a.ppo_micro_batch_size, extra_keys=keys)
+                all_metrics.append(self.actor.train_mini_batch(mbs, loss_fn))
+        self._rollout_stale = True
+        metrics = mean_metrics(all_metrics)
+        metrics["actor/grad_norm"] = metrics.pop("grad_norm")
+        metrics.pop("update_skipped", None)
+        return metrics
+
+    # --- export -----------------------------------------------------------------------------------
+
+    @register(Dispatch.RANK_ZERO)
+    def hf_config_dict(self) -> dict:
+        return self.actor.hf_config.to_dict()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def export_hf_state_dict(self) -> dict:
+        """The actor's full weights with HF names, as numpy arrays (cheap to move through Ray)."""
+        return {k: v.numpy() for k, v in self.actor.hf_state_dict().items()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_hf(self, out_dir: str) -> None:
+        """Write the actor as a HF folder (config, safetensors, tokenizer) from rank 0, atomically."""
+        state = self.actor.hf_state_dict()
+        if self.rank == 0:
+            from hybridflow.workers.export import save_hf_folder
+
+            save_hf_folder(out_dir, self.actor.hf_config, state, self.tokenizer)

@@ -1,0 +1,251 @@
+"""Controller runtime on a real (embedded, 2-CPU) Ray cluster.
+
+Resources are fractional so every group of the module fits at once:
+dp group 2 x 0.25, 3D group 4 x 0.25, colocated pool 2 x 0.5 = 2 CPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+import ray
+import ray.cloudpickle
+import torch
+
+from hybridflow.controller import (
+    DISPATCH_TABLE, Dispatch, DispatchFuture, RayWorkerGroup, ResourcePool,
+    ResourcePoolError, Worker, WorkerGroupError, register,
+)
+from hybridflow.protocol import Batch
+
+# pytest imports this file by path; Ray workers cannot import it by name, so
+# ship its worker classes by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _batch(n: int) -> Batch:
+    return Batch.from_dict(tensors={"x": torch.arange(n, dtype=torch.float32)},
+                           non_tensors={"id": [f"s{i}" for i in range(n)]})
+
+
+class DPWorker(Worker):
+    def __init__(self, scale: float = 2.0):
+        super().__init__()
+        self.scale = scale
+
+    @register(Dispatch.ONE_TO_ALL)
+    def info(self, tag):
+        return {"rank": self.rank, "world_size": self.world_size, "tag": tag,
+                "local_rank": self.local_rank, "master": (self.master_addr, self.master_port),
+                "omp": os.environ["OMP_NUM_THREADS"], "torch_threads": torch.get_num_threads(),
+                "flag": os.environ.get("HF_TEST_FLAG")}
+
+    def _double(self, batch: Batch) -> Batch:
+        return Batch.from_dict(
+            tensors={"x": batch["x"] * self.scale},
+            non_tensors={"id": batch["id"], "rank": np.full(len(batch), self.rank)})
+
+    @register(Dispatch.DP_COMPUTE)
+    def double(self, batch: Batch) -> Batch:
+        return self._double(batch)
+
+    @register(Dispatch.DP_COMPUTE_PADDED)
+    def double_padded(self, batch: Batch) -> Batch:
+        return self._double(batch)
+
+    @register(Dispatch.RANK_ZERO)
+    def whoami(self):
+        return self.rank
+
+    @register(Dispatch.ALL_TO_ALL)
+    def add_rank(self, a):
+        return a + self.rank
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def slow(self, seconds: float):
+        time.sleep(seconds)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fail_on(self, rank: int):
+        if self.rank == rank:
+            raise ValueError(f"boom from rank {self.rank}")
+        return "ok"
+
+    @register(Dispatch.ONE_TO_ALL)
+    def allreduce(self):
+        import torch.distributed as dist
+
+        backend = self.init_distributed(timeout_s=60)
+        assert self.init_distributed() == backend  # idempotent
+        t = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(t)
+        return t.item(), backend, dist.get_world_size()
+
+
+class Worker3D(Worker):
+    """Fake 2 (dp) x 2 (tp) layout: dp_rank = rank // 2, tp rank 1 returns results."""
+
+    def dispatch_info(self) -> dict:
+        return {"dp_rank": self.rank // 2, "dp_size": self.world_size // 2,
+                "collect": self.rank % 2 == 1}
+
+    @register(Dispatch.DP_COMPUTE_PROTO_3D)
+    def compute(self, batch: Batch) -> Batch:
+        self.seen = batch["x"].tolist()
+        return Batch.from_dict(tensors={"x": batch["x"] * 2},
+                               non_tensors={"rank": np.full(len(batch), self.rank)})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def last_seen(self):
+        return self.seen
+
+
+class Colocated(Worker):
+    def __init__(self, role: str):
+        super().__init__()
+        self.role = role
+
+    @register(Dispatch.ONE_TO_ALL)
+    def where(self):
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"role": self.role, "rank": self.rank, "node": ctx.get_node_id(),
+                "pg": ctx.get_placement_group_id(), "resources": ctx.get_assigned_resources()}
+
+
+@pytest.fixture(scope="module")
+def dp_group(ray_cluster):
+    pool = ResourcePool("dp", world_size=2, cpus_per_bundle=0.25)
+    wg = RayWorkerGroup(pool, DPWorker, 2.0, name_prefix="dp", env={"HF_TEST_FLAG": "on"})
+    yield wg
+    wg.shutdown()
+    pool.remove()
+
+
+def test_dispatch_table_covers_every_mode():
+    assert set(DISPATCH_TABLE) == set(Dispatch)
+
+
+def test_one_to_all_env_and_layout(dp_group):
+    infos = dp_group.info("hi")
+    assert [i["rank"] for i in infos] == [0, 1]
+    assert all(i["world_size"] == 2 and i["tag"] == "hi" for i in infos)
+    assert [i["local_rank"] for i in infos] == [0, 1]  # single node
+    assert len({i["master"] for i in infos}) == 1  # one rendezvous per group
+    assert all(i["omp"] == "1" and i["torch_threads"] == 1 for i in infos)
+    assert all(i["flag"] == "on" for i in infos)
+    assert dp_group.world_size == 2
+
+
+def test_dp_compute_preserves_order(dp_group):
+    out = dp_group.double(_batch(8))
+    assert isinstance(out, Batch) and len(out) == 8
+    assert torch.equal(out["x"], torch.arange(8, dtype=torch.float32) * 2)
+    assert out["id"].tolist() == [f"s{i}" for i in range(8)]
+    assert out["rank"].tolist() == [0] * 4 + [1] * 4
+
+
+def test_dp_compute_divisibility_error(dp_group):
+    with pytest.raises(ValueError, match=r"double: DP_COMPUTE .* size 5 into 2 equal chunks"):
+        dp_group.double(_batch(5))
+
+
+def test_dp_compute_padded_unpads(dp_group):
+    out = dp_group.double_padded(_batch(5))
+    assert torch.equal(out["x"], torch.arange(5, dtype=torch.float32) * 2)
+    assert out["rank"].tolist() == [0, 0, 0, 1, 1]
+
+
+def test_rank_zero_all_to_all_and_non_blocking(dp_group):
+    assert dp_group.whoami() == 0
+    assert dp_group.add_rank([10, 20]) == [10, 21]
+    with pytest.raises(ValueError, match="ALL_TO_ALL"):
+        dp_group.add_rank([1, 2, 3])
+    fut = dp_group.slow(0.2)
+    assert isinstance(fut, DispatchFuture)
+    assert fut.get(timeout=30) == [0, 1] and fut.done()
+    assert dp_group.execute_all("whoami") == [0, 1]  # any method, all ranks
+
+
+def test_worker_exception_names_rank_and_method(dp_group):
+    with pytest.raises(WorkerGroupError) as ei:
+        dp_group.fail_on(1)
+    msg = str(ei.value)
+    assert "DPWorker.fail_on failed on rank 1 of 2" in msg
+    assert "boom from rank 1" in msg and ", in fail_on" in msg  # remote traceback kept
+    assert "\x1b[" not in msg
+    assert ei.value.rank == 1 and ei.value.method == "fail_on"
+    assert isinstance(ei.value.cause, ValueError)
+    assert dp_group.fail_on(-1) == ["ok", "ok"]  # actors survive a raised exception
+
+
+def test_torch_distributed_gloo_all_reduce(dp_group):
+    assert dp_group.allreduce() == [(3.0, "gloo", 2), (3.0, "gloo", 2)]
+
+
+def test_dp_compute_proto_3d(ray_cluster):
+    pool = ResourcePool("three_d", world_size=4, cpus_per_bundle=0.25)
+    wg = RayWorkerGroup(pool, Worker3D, name_prefix="three_d")
+    try:
+        out = wg.compute(_batch(6))
+        assert torch.equal(out["x"], torch.arange(6, dtype=torch.float32) * 2)
+        assert out["rank"].tolist() == [1, 1, 1, 3, 3, 3]  # only collect ranks, dp order
+        # every rank computed its dp shard, collecting or not
+        assert wg.last_seen() == [[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
+        with pytest.raises(ValueError, match="compute: DP_COMPUTE_PROTO_3D .* size 5 into 2"):
+            wg.compute(_batch(5))
+    finally:
+        wg.shutdown()
+        pool.remove()
+
+
+def _bundle_cpu_free(pool: ResourcePool, expect: list[float], timeout_s: float = 10) -> list[float]:
+    """Free CPU per bundle, polled: the GCS resource view trails placement a bit."""
+    pg = pool.placement_group.id.hex()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        avail = ray.available_resources()
+        free = [avail.get(f"CPU_group_{i}_{pg}", 0.0) for i in range(pool.world_size)]
+        if free == pytest.approx(expect) or time.monotonic() > deadline:
+            return free
+        time.sleep(0.1)
+
+
+def test_colocated_groups_share_bundles(ray_cluster):
+    pool = ResourcePool("coloc", world_size=2, cpus_per_bundle=0.5)
+    actor = RayWorkerGroup(pool, Colocated, "actor", name_prefix="coloc_actor", share=0.5)
+    critic = None
+    try:
+        a = actor.where()
+        # one actor rank per bundle, each holding half of it
+        assert _bundle_cpu_free(pool, [0.25, 0.25]) == pytest.approx([0.25, 0.25])
+        critic = RayWorkerGroup(pool, Colocated, role="critic", name_prefix="coloc_critic",
+                                share=0.5)
+        c = critic.where()
+        assert _bundle_cpu_free(pool, [0.0, 0.0]) == pytest.approx([0.0, 0.0])
+        with pytest.raises(ResourcePoolError, match="does not fit"):
+            RayWorkerGroup(pool, Colocated, "extra", share=0.5)
+        assert [x["role"] for x in a] == ["actor"] * 2 and [x["role"] for x in c] == ["critic"] * 2
+        assert {x["pg"] for x in a + c} == {pool.placement_group.id.hex()}
+        assert all(x["resources"] == {"CPU": pytest.approx(0.25)} for x in a + c)
+    finally:
+        for group in (actor, critic):
+            if group is not None:
+                group.shutdown()
+    assert pool.free_share == pytest.approx(1.0)
+    with pytest.raises(RuntimeError, match="shut down"):
+        actor.where()
+    pool.remove()
+
+
+def test_pool_shortage_error_is_clear(ray_cluster):
+    pool = ResourcePool("too_big", world_size=4, cpus_per_bundle=1.0, ready_timeout_s=1)
+    with pytest.raises(ResourcePoolError, match=r"asked 4 CPUs / 0 GPUs, cluster has .*/2 CPUs"):
+        pool.placement_group
+    pool.remove()
