@@ -43,8 +43,8 @@ class Optim:
 class Actor:
     megatron: MegatronParallel = field(default_factory=MegatronParallel)
     optim: Optim = field(default_factory=Optim)
-    ppo_mini_batch_size: int = 16  # sequences per optimizer step (after rollout.n expansion)
-    ppo_micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
+    ppo_mini_batch_size: int = 16  # sequences per optimizer step, all data-parallel ranks together
+    ppo_micro_batch_size: int = 8  # sequences per forward/backward on each rank (gradient accumulation)
     ppo_epochs: int = 1  # passes over each rollout batch
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
@@ -233,14 +233,27 @@ class ExperimentConfig:
             if rollout_batch % mini:
                 raise ValueError(f"{name}.ppo_mini_batch_size ({mini}) must divide data.batch_size x "
                                  f"rollout.n ({rollout_batch})")
-        mp = self.actor.megatron
-        group = mp.tensor_model_parallel_size * mp.pipeline_model_parallel_size
-        if self.resources.n_workers % group:
-            raise ValueError(f"resources.n_workers ({self.resources.n_workers}) is not divisible by actor "
-                             f"tensor x pipeline parallel size ({group})")
-        dp = self.resources.n_workers // group
-        if self.data.batch_size % dp:
-            raise ValueError(f"data.batch_size ({self.data.batch_size}) must divide across the actor's "
-                             f"{dp} data-parallel ranks")
+        critic_pool = ("resources.n_workers" if self.critic.placement == "colocated" else "resources.critic_n_workers")
+        roles = [("actor", self.actor, "resources.n_workers")] + ([("critic", self.critic, critic_pool)] if self.use_critic else [])
+        for name, role, pool_key in roles:
+            pool = getattr(self.resources, pool_key.split(".")[1])
+            mp = role.megatron
+            group = mp.tensor_model_parallel_size * mp.pipeline_model_parallel_size
+            if pool % group:
+                raise ValueError(f"{pool_key} ({pool}) is not divisible by {name} tensor x pipeline "
+                                 f"parallel size ({group})")
+            dp = pool // group
+            if rollout_batch % dp or role.ppo_mini_batch_size % dp:
+                raise ValueError(f"data.batch_size x rollout.n ({rollout_batch}) and {name}.ppo_mini_batch_size "
+                                 f"({role.ppo_mini_batch_size}) must divide across the {name}'s {dp} "
+                                 "data-parallel ranks")
+        t_g, t = self.rollout.tensor_model_parallel_size, self.actor.megatron.tensor_model_parallel_size
+        if t % t_g:
+            raise ValueError(f"rollout.tensor_model_parallel_size ({t_g}) must divide "
+                             f"actor.megatron.tensor_model_parallel_size ({t})")
+        replicas = self.resources.n_workers // t_g
+        if rollout_batch % replicas:
+            raise ValueError(f"data.batch_size x rollout.n ({rollout_batch}) must divide across the "
+                             f"{replicas} generation replicas (resources.n_workers / rollout.tensor_model_parallel_size)")
         if self.algorithm.adv_estimator == "gae" and self.critic.enable is False:
             raise ValueError("algorithm.adv_estimator 'gae' needs a critic: critic.enable is false")

@@ -32,19 +32,22 @@ class Dispatch(Enum):
 class RegisterSpec:
     dispatch_mode: Dispatch
     blocking: bool
+    mesh: str = "train"
 
 
-def register(dispatch_mode: Dispatch = Dispatch.ONE_TO_ALL, blocking: bool = True):
+def register(dispatch_mode: Dispatch = Dispatch.ONE_TO_ALL, blocking: bool = True, mesh: str = "train"):
     """Mark a worker method to be bound onto its worker group.
 
-    The function itself is returned unchanged (only an attribute is added), so
+    ``mesh`` names the layout DP_COMPUTE_PROTO_3D splits over: the worker's ``dispatch_info(mesh)``
+    (e.g. the training mesh for updates, the generation mesh for rollouts, which may group ranks
+    differently). The function itself is returned unchanged (only an attribute is added), so
     calling it inside the worker costs nothing extra.
     """
     if not isinstance(dispatch_mode, Dispatch):
         raise TypeError(f"dispatch_mode must be a Dispatch, got {dispatch_mode!r}")
 
     def deco(fn):
-        setattr(fn, REGISTER_ATTR, RegisterSpec(dispatch_mode, blocking))
+        setattr(fn, REGISTER_ATTR, RegisterSpec(dispatch_mode, blocking, mesh))
         return fn
 
     return deco
@@ -130,7 +133,7 @@ def _dp_compute_padded(wg, method, args, kwargs) -> Plan:
 
 
 def _dp_compute_3d(wg, method, args, kwargs) -> Plan:
-    infos = wg.dispatch_infos()
+    infos = wg.dispatch_infos(wg.mesh_of(method))
     dp_size = infos[0]["dp_size"]
     if any(i["dp_size"] != dp_size for i in infos):
         raise ValueError(f"{method}: ranks disagree on dp_size: {[i['dp_size'] for i in infos]}")

@@ -67,8 +67,9 @@ class Worker:
         )
         return backend
 
-    def dispatch_info(self) -> dict:
-        """Layout used by Dispatch.DP_COMPUTE_PROTO_3D; override for TP/PP.
+    def dispatch_info(self, mesh: str = "train") -> dict:  # noqa: ARG002 (one mesh here)
+        """Layout used by Dispatch.DP_COMPUTE_PROTO_3D for methods registered on ``mesh``; override
+        for TP/PP.
 
         Pure data parallel by default: every rank is its own dp rank and
         returns its own results.

@@ -87,7 +87,8 @@ class RayWorkerGroup:
         self.worker_cls = worker_cls
         self.name = name_prefix or f"{worker_cls.__name__}_{uuid.uuid4().hex[:6]}"
         self.share = share
-        self._dispatch_infos: list[dict] | None = None
+        self._dispatch_infos: dict[str, list[dict]] = {}
+        self._meshes: dict[str, str] = {}
         self._workers: list = []
         self._reserved = 0.0
         self._bind_registered_methods()  # first: a name clash should cost no actors
@@ -150,6 +151,7 @@ class RayWorkerGroup:
                 raise AttributeError(f"{self.worker_cls.__name__}.{attr} is @register-ed but "
                                      f"clashes with RayWorkerGroup.{attr}; rename it")
             setattr(self, attr, self._make_method(attr, spec))
+            self._meshes[attr] = spec.mesh
 
     def _make_method(self, method: str, spec: RegisterSpec):
         @functools.wraps(getattr(self.worker_cls, method))
@@ -166,16 +168,19 @@ class RayWorkerGroup:
     def workers(self) -> list:
         return list(self._workers)
 
-    def dispatch_infos(self) -> list[dict]:
-        """Per-rank `dispatch_info()`, fetched once (layout is fixed per group)."""
-        if self._dispatch_infos is None:
-            infos = self.execute_all("dispatch_info")
+    def mesh_of(self, method: str) -> str:
+        return self._meshes.get(method, "train")
+
+    def dispatch_infos(self, mesh: str = "train") -> list[dict]:
+        """Per-rank `dispatch_info(mesh)`, fetched once per mesh (layouts are fixed per group)."""
+        if mesh not in self._dispatch_infos:
+            infos = self.execute_all("dispatch_info", mesh)
             for rank, info in enumerate(infos):
                 if not isinstance(info, dict) or not {"dp_rank", "dp_size", "collect"} <= set(info):
                     raise ValueError(f"{self.name}: rank {rank} dispatch_info() returned {info!r}; "
                                      "expected dict(dp_rank=int, dp_size=int, collect=bool)")
-            self._dispatch_infos = infos
-        return self._dispatch_infos
+            self._dispatch_infos[mesh] = infos
+        return self._dispatch_infos[mesh]
 
     def execute_all(self, method: str, *args, **kwargs) -> list:
         """Call any worker method (registered or not) on every rank."""

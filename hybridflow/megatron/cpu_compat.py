@@ -139,7 +139,9 @@ def enable() -> None:
     with _lock:
         if _enabled:
             return
-        torch.cuda.current_device = lambda: 0
+        # A device, not an int: megatron passes it as `device=` and `.to()` inside autograd backward
+        # functions, where the (thread-local, forward-only) device-rewriting mode is not active.
+        torch.cuda.current_device = lambda: _CPU
         torch.cuda.synchronize = lambda *a, **k: None
         torch.cuda.empty_cache = lambda: None
         from megatron.core.tensor_parallel import random as mrandom

@@ -64,14 +64,15 @@ class MegatronRole:
     """A GPT policy or value model sharded over this process's megatron groups."""
 
     def __init__(self, hf_config, hf_state_dict: dict, *, value_head: bool = False,
-                 optim: OptimSettings | None = None, params_dtype=torch.float32):
+                 optim: OptimSettings | None = None, params_dtype=torch.float32, sequence_parallel: bool = False):
         from megatron.core import parallel_state as ps
 
         self.hf_config = hf_config
         self.value_head = value_head
         self.shard = parallel.current_shard()
         self.tf_config = transformer_config_from_hf(
-            hf_config, tp=self.shard.tp_size, pp=self.shard.pp_size, params_dtype=params_dtype)
+            hf_config, tp=self.shard.tp_size, pp=self.shard.pp_size, sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype)
         model = build_gpt(hf_config, self.tf_config, value_head=value_head,
                           pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
         convert.load_into(model, convert.hf_to_megatron(hf_state_dict, hf_config, self.shard, value_head=value_head))

@@ -80,7 +80,8 @@ class ValueHead(torch.nn.Linear):
     """hidden -> scalar value; replaces GPTModel's vocab output layer for critics.
 
     The weight is replicated on every TP rank; under sequence parallel the hidden states are gathered
-    first so every rank computes (and differentiates) the same full-sequence values.
+    first so every rank computes (and differentiates) the same full-sequence values. The gather's
+    backward must only split (not reduce-scatter): every rank already holds the full gradient.
     """
 
     def __init__(self, hidden_size: int, sequence_parallel: bool):
@@ -92,7 +93,7 @@ class ValueHead(torch.nn.Linear):
         if self.sequence_parallel:
             from megatron.core import tensor_parallel
 
-            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return super().forward(hidden), None
 
 

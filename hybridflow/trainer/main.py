@@ -36,6 +36,26 @@ def check_files(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"model.path: not a model folder: {cfg.model.path}")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files: at least one parquet file is required")
+    check_layouts(cfg)
+
+
+def check_layouts(cfg: ExperimentConfig) -> None:
+    """Each role's TP must divide the model's heads, KV groups and vocab; its PP the layers."""
+    from transformers import AutoConfig
+
+    model = AutoConfig.from_pretrained(cfg.model.path)
+    sizes = {"num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_key_value_heads,
+             "vocab_size": model.vocab_size}
+    for role in ("actor", "critic"):
+        mp = getattr(cfg, role).megatron
+        tp, pp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size
+        for name, n in sizes.items():
+            if n % tp:
+                raise ConfigError(f"{role}.megatron.tensor_model_parallel_size ({tp}) does not divide the "
+                                  f"model's {name} ({n}) in {cfg.model.path}")
+        if model.num_hidden_layers % pp:
+            raise ConfigError(f"{role}.megatron.pipeline_model_parallel_size ({pp}) does not divide the "
+                              f"model's {model.num_hidden_layers} layers in {cfg.model.path}")
 
 
 def run(cfg: ExperimentConfig) -> list[dict]:

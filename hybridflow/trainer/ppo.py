@@ -114,7 +114,7 @@ class PPOTrainer:
         return {"val/accuracy": torch.cat(scores).mean().item()}
 
     def _dp_size(self) -> int:
-        return self.actor_rollout.dispatch_infos()[0]["dp_size"]
+        return self.actor_rollout.dispatch_infos("rollout")[0]["dp_size"]
 
     def fit(self) -> list[dict]:
         cfg = self.cfg.trainer

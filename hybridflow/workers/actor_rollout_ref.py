@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.algorithms import kl_penalty, aggregate_loss, policy_loss
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.megatron import parallel
-from hybridflow.megatron.engine import MegatronRole, OptimSettings, token_log_probs, vocab_parallel_entropy
+from hybridflow.megatron.engine import MegatronRole, OptimSettings
 from hybridflow.protocol import Batch
 from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
-from hybridflow.workers.common import (concat_outputs, load_hf_folder, mean_metrics, micro_batches,
-                                       response_part)
+from hybridflow.workers import role_ops
+from hybridflow.workers.common import load_hf_folder
 
 
 def optim_settings(optim, megatron_cfg) -> OptimSettings:
@@ -56,10 +55,17 @@ class ActorRolloutRefWorker(Worker):
         parallel.init_model_parallel(mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size,
                                      seed=cfg.trainer.seed)
         hf_config, state = load_hf_folder(cfg.model.path)
-        self.actor = MegatronRole(hf_config, state, optim=optim_settings(cfg.actor.optim, mp))
-        self.ref = MegatronRole(hf_config, state) if with_ref else None
+        self.actor = MegatronRole(hf_config, state, optim=optim_settings(cfg.actor.optim, mp),
+                                  sequence_parallel=mp.sequence_parallel)
+        self.ref = MegatronRole(hf_config, state, sequence_parallel=mp.sequence_parallel) if with_ref else None
         del state
         from transformers import AutoTokenizer
+
+        from hybridflow.resharding.plan import HybridPlan, Layout
+
+        shard = self.actor.shard
+        self.rollout_layout = HybridPlan(Layout(shard.pp_size, shard.tp_size, parallel.dispatch_info()["dp_size"]),
+                                         p_g=1, t_g=cfg.rollout.tensor_model_parallel_size)
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.rollout = VLLMRollout(
@@ -69,7 +75,10 @@ class ActorRolloutRefWorker(Worker):
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
         self._rollout_stale = False  # True once the actor has moved past the rollout's weights
 
-    def dispatch_info(self) -> dict:
+    def dispatch_info(self, mesh: str = "train") -> dict:
+        """'train': megatron's DP shards; 'rollout': one shard per generation replica."""
+        if mesh == "rollout":
+            return self.rollout_layout.dispatch_info(self.rank)
         return parallel.dispatch_info()
 
     # --- rollout ----------------------------------------------------------------------------------
@@ -78,9 +87,10 @@ class ActorRolloutRefWorker(Worker):
         self.rollout.update_weights(self.actor.hf_state_dict())
         self._rollout_stale = False
 
-    @register(Dispatch.DP_COMPUTE_PROTO_3D)
+    @register(Dispatch.DP_COMPUTE_PROTO_3D, mesh="rollout")
     def generate(self, prompts: Batch) -> Batch:
-        """Sample one response per row (repeat rows beforehand for n > 1).
+        """Sample one response per row (repeat rows beforehand for n > 1); each generation replica
+        gets its own prompts.
 
         ``prompts.meta`` may override sampling: ``temperature`` (0 = greedy), ``max_new_tokens``.
         """
@@ -99,62 +109,22 @@ class ActorRolloutRefWorker(Worker):
         return Batch(tensors={**kept, "prompts": ids, **new.tensors}, non_tensors=prompts.non_tensors,
                      meta=prompts.meta)
 
-    # --- log-probs --------------------------------------------------------------------------------
-
-    def _log_probs(self, role: MegatronRole, batch: Batch, with_entropy: bool) -> dict:
-        R = batch.tensors["responses"].shape[1]
-
-        def output_fn(mb, logits):
-            out = {"log_probs": response_part(token_log_probs(logits, mb["labels"]), R)}
-            if with_entropy:
-                out["entropy"] = response_part(vocab_parallel_entropy(logits), R)
-            return out
-
-        outs = role.forward(micro_batches(batch, self.cfg.actor.log_prob_micro_batch_size), output_fn)
-        return {k: concat_outputs(outs, k) for k in (["log_probs", "entropy"] if with_entropy else ["log_probs"])}
+    # --- log-probs and update -------------------------------------------------------------------
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        out = self._log_probs(self.actor, batch, with_entropy=True)
+        out = role_ops.log_probs(self.actor, batch, self.cfg.actor.log_prob_micro_batch_size, with_entropy=True)
         return Batch.from_dict(tensors={"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        out = self._log_probs(self.ref, batch, with_entropy=False)
+        out = role_ops.log_probs(self.ref, batch, self.cfg.actor.log_prob_micro_batch_size)
         return Batch.from_dict(tensors={"ref_log_prob": out["log_probs"]})
-
-    # --- update -----------------------------------------------------------------------------------
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def update_actor(self, batch: Batch) -> dict:
-        a = self.cfg.actor
-        R = batch.tensors["responses"].shape[1]
-        keys = ["old_log_probs", "advantages", "response_mask"] + (["ref_log_prob"] if a.use_kl_loss else [])
-        dp = parallel.dispatch_info()["dp_size"]
-        mini_size = a.ppo_mini_batch_size // dp
-
-        def loss_fn(mb, logits):
-            log_prob = response_part(token_log_probs(logits, mb["labels"]), R)
-            mask = mb["response_mask"]
-            loss, m = policy_loss("vanilla", mb["old_log_probs"], log_prob, mb["advantages"], mask,
-                                  loss_agg_mode=a.loss_agg_mode, clip_ratio_low=a.clip_ratio_low,
-                                  clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c)
-            metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
-            if a.use_kl_loss:
-                kl = aggregate_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode)
-                loss = loss + a.kl_loss_coef * kl
-                metrics["actor/kl_loss"] = kl.detach()
-            return loss, metrics
-
-        all_metrics = []
-        for _ in range(a.ppo_epochs):
-            for mini in batch.split(mini_size):
-                mbs = micro_batches(mini, a.ppo_micro_batch_size, extra_keys=keys)
-                all_metrics.append(self.actor.train_mini_batch(mbs, loss_fn))
+        metrics = role_ops.update_policy(self.actor, batch, self.cfg.actor, parallel.dispatch_info()["dp_size"])
         self._rollout_stale = True
-        metrics = mean_metrics(all_metrics)
-        metrics["actor/grad_norm"] = metrics.pop("grad_norm")
-        metrics.pop("update_skipped", None)
         return metrics
 
     # --- export -----------------------------------------------------------------------------------

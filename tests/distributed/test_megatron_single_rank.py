@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.launcher import run_ranks
+from hybridflow.spawn import run_ranks
 
 pytestmark = pytest.mark.distributed
 

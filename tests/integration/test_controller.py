@@ -90,9 +90,15 @@ class DPWorker(Worker):
 class Worker3D(Worker):
     """Fake 2 (dp) x 2 (tp) layout: dp_rank = rank // 2, tp rank 1 returns results."""
 
-    def dispatch_info(self) -> dict:
+    def dispatch_info(self, mesh: str = "train") -> dict:
+        if mesh == "flat":  # a second layout: every rank its own shard
+            return {"dp_rank": self.rank, "dp_size": self.world_size, "collect": True}
         return {"dp_rank": self.rank // 2, "dp_size": self.world_size // 2,
                 "collect": self.rank % 2 == 1}
+
+    @register(Dispatch.DP_COMPUTE_PROTO_3D, mesh="flat")
+    def tag_flat(self, batch: Batch) -> Batch:
+        return Batch.from_dict(tensors={"rank": torch.full((len(batch),), self.rank)})
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def compute(self, batch: Batch) -> Batch:
@@ -200,6 +206,8 @@ def test_dp_compute_proto_3d(ray_cluster):
         assert wg.last_seen() == [[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
         with pytest.raises(ValueError, match="compute: DP_COMPUTE_PROTO_3D .* size 5 into 2"):
             wg.compute(_batch(5))
+        # a method registered on another mesh splits over that mesh's layout
+        assert wg.tag_flat(_batch(8))["rank"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     finally:
         wg.shutdown()
         pool.remove()

@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks in fresh processes and return each rank's result."""
+"""Run a function on N local gloo ranks in fresh processes (tests, benchmarks) and return each rank's result."""
 
 from __future__ import annotations
 

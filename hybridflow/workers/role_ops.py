@@ -1,0 +1,130 @@
+"""What the workers compute with a MegatronRole: log-probs, values, and the PPO policy/value updates.
+
+Plain functions of (role, batch, settings), so equivalence tests drive exactly the code the workers run.
+Every rank of the role calls them with its data-parallel shard; outputs exist on the last pipeline stage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.algorithms import aggregate_loss, kl_penalty, policy_loss, value_loss
+from hybridflow.megatron.engine import MegatronRole, token_log_probs, vocab_parallel_entropy
+from hybridflow.protocol import Batch
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def micro_batches(batch: Batch, size: int, extra_keys=(), seq_multiple: int = 1) -> list[dict]:
+    """Dicts for megatron's schedule. ``labels`` are the next tokens; sequences are right-padded (mask 0)
+    to a multiple of ``seq_multiple`` (sequence parallel splits the sequence across TP ranks)."""
+    out = []
+    for mb in batch.select(tensor_keys=[*MODEL_INPUTS, *extra_keys]).split(size):
+        d = {k: mb.tensors[k] for k in (*MODEL_INPUTS, *extra_keys)}
+        d["labels"] = torch.roll(d["input_ids"], shifts=-1, dims=1)
+        pad = -d["input_ids"].shape[1] % seq_multiple
+        if pad:
+            for k in (*MODEL_INPUTS, "labels"):
+                d[k] = torch.nn.functional.pad(d[k], (0, pad))
+        out.append(d)
+    return out
+
+
+def response_part(per_token: torch.Tensor, prompt_length: int, response_length: int) -> torch.Tensor:
+    """Outputs at the positions that predict the response tokens: [b, s] -> [b, R]."""
+    return per_token[:, prompt_length - 1:prompt_length - 1 + response_length]
+
+
+def _lengths(batch: Batch) -> tuple[int, int]:
+    r = batch.tensors["responses"].shape[1]
+    return batch.tensors["input_ids"].shape[1] - r, r
+
+
+def _concat(outputs: list[dict], key: str):
+    return torch.cat([o[key] for o in outputs]) if outputs else None
+
+
+def _mean(all_metrics: list[dict]) -> dict:
+    keys = {k for m in all_metrics for k in m}
+    return {k: sum(m[k] for m in all_metrics if k in m) / sum(1 for m in all_metrics if k in m) for k in keys}
+
+
+def _seq_multiple(role: MegatronRole) -> int:
+    return role.shard.tp_size if role.tf_config.sequence_parallel else 1
+
+
+def log_probs(role: MegatronRole, batch: Batch, micro_batch_size: int, with_entropy: bool = False) -> dict:
+    """{'log_probs': [b, R], 'entropy': [b, R]} of the response tokens (None off the last stage)."""
+    P, R = _lengths(batch)
+
+    def output_fn(mb, logits):
+        out = {"log_probs": response_part(token_log_probs(logits, mb["labels"]), P, R)}
+        if with_entropy:
+            out["entropy"] = response_part(vocab_parallel_entropy(logits), P, R)
+        return out
+
+    outs = role.forward(micro_batches(batch, micro_batch_size, seq_multiple=_seq_multiple(role)), output_fn)
+    return {k: _concat(outs, k) for k in (("log_probs", "entropy") if with_entropy else ("log_probs",))}
+
+
+def values(role: MegatronRole, batch: Batch, micro_batch_size: int):
+    """Critic values [b, R] at the positions that predict each response token."""
+    P, R = _lengths(batch)
+    outs = role.forward(micro_batches(batch, micro_batch_size, seq_multiple=_seq_multiple(role)),
+                        lambda mb, v: {"values": response_part(v[..., 0], P, R)})
+    return _concat(outs, "values")
+
+
+def _train(role, batch, *, mini_batch_size, micro_batch_size, epochs, keys, loss_fn) -> dict:
+    all_metrics = []
+    for _ in range(epochs):
+        for mini in batch.split(mini_batch_size):
+            mbs = micro_batches(mini, micro_batch_size, extra_keys=keys, seq_multiple=_seq_multiple(role))
+            all_metrics.append(role.train_mini_batch(mbs, loss_fn))
+    metrics = _mean(all_metrics)
+    metrics.pop("update_skipped", None)
+    return metrics
+
+
+def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int) -> dict:
+    """PPO clipped policy loss (+ optional KL-to-reference loss) over mini-batches of this DP shard."""
+    a = actor_cfg
+    P, R = _lengths(batch)
+    keys = ["old_log_probs", "advantages", "response_mask"] + (["ref_log_prob"] if a.use_kl_loss else [])
+
+    def loss_fn(mb, logits):
+        log_prob = response_part(token_log_probs(logits, mb["labels"]), P, R)
+        mask = mb["response_mask"]
+        loss, m = policy_loss("vanilla", mb["old_log_probs"], log_prob, mb["advantages"], mask,
+                              loss_agg_mode=a.loss_agg_mode, clip_ratio_low=a.clip_ratio_low,
+                              clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c)
+        # clone: megatron's schedule divides the returned loss in place by the micro-batch count
+        metrics = {"actor/pg_loss": loss.detach().clone(), **{f"actor/{k}": v for k, v in m.items()}}
+        if a.use_kl_loss:
+            kl = aggregate_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode)
+            loss = loss + a.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.detach().clone()
+        return loss, metrics
+
+    metrics = _train(role, batch, mini_batch_size=a.ppo_mini_batch_size // dp_size,
+                     micro_batch_size=a.ppo_micro_batch_size, epochs=a.ppo_epochs, keys=keys, loss_fn=loss_fn)
+    metrics["actor/grad_norm"] = metrics.pop("grad_norm")
+    return metrics
+
+
+def update_value(role: MegatronRole, batch: Batch, critic_cfg, dp_size: int) -> dict:
+    """Clipped value loss over mini-batches of this DP shard."""
+    c = critic_cfg
+    P, R = _lengths(batch)
+
+    def loss_fn(mb, v):
+        vpreds = response_part(v[..., 0], P, R)
+        loss, clipfrac = value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
+                                    cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode)
+        return loss, {"critic/vf_loss": loss.detach().clone(), "critic/vf_clipfrac": clipfrac.detach()}
+
+    metrics = _train(role, batch, mini_batch_size=c.ppo_mini_batch_size // dp_size,
+                     micro_batch_size=c.ppo_micro_batch_size, epochs=c.ppo_epochs,
+                     keys=["values", "returns", "response_mask"], loss_fn=loss_fn)
+    metrics["critic/grad_norm"] = metrics.pop("grad_norm")
+    return metrics

@@ -1,0 +1,173 @@
+"""Loading user reward files (verl's custom_reward_function) and adapting them to suite scorers."""
+
+import pickle
+import sys
+import textwrap
+
+import pytest
+
+from hybridflow.rewards.custom import adapt_to_scorer, load_custom_reward_function
+
+
+def _write(tmp_path, body, name="my_reward.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.py"
+    with pytest.raises(FileNotFoundError) as e:
+        load_custom_reward_function(str(path))
+    assert str(e.value) == f"custom_reward_function.path={path}: file not found"
+
+
+@pytest.mark.parametrize("body, error", [
+    ("raise RuntimeError('boom')\n", "RuntimeError: boom"),
+    ("def compute_score(:\n", "SyntaxError"),
+    ("import no_such_module_xyz\n", "ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+])
+def test_import_failure(tmp_path, body, error):
+    path = _write(tmp_path, body)
+    before = set(sys.modules)
+    with pytest.raises(ImportError) as e:
+        load_custom_reward_function(str(path))
+    msg = str(e.value)
+    assert msg.startswith(f"custom_reward_function.path={path}: importing the file failed: ") and error in msg
+    assert set(sys.modules) == before  # a broken module is not left half-registered
+
+
+def test_missing_function_lists_callables(tmp_path):
+    path = _write(tmp_path, """
+        import os
+        VALUE = 3
+        class Helper: pass
+        def other_score(data_source, solution_str, ground_truth, extra_info=None): return 1.0
+        def _private(): pass
+    """)
+    with pytest.raises(AttributeError) as e:
+        load_custom_reward_function(str(path), "compute_score")
+    assert str(e.value) == (f"custom_reward_function.name='compute_score': no such function in {path}; "
+                            "callables there: Helper, other_score")
+    empty = _write(tmp_path, "X = 1\n", "empty.py")
+    with pytest.raises(AttributeError, match=r"callables there: \(none\)"):
+        load_custom_reward_function(str(empty))
+
+
+def test_not_callable(tmp_path):
+    path = _write(tmp_path, "compute_score = 3\n")
+    with pytest.raises(TypeError) as e:
+        load_custom_reward_function(str(path))
+    assert str(e.value) == f"custom_reward_function.name='compute_score' in {path} is a int, not a function"
+
+
+@pytest.mark.parametrize("params, reason", [
+    ("solution_str, ground_truth", "unexpected keyword argument 'data_source'"),
+    ("data_source, solution_str, ground_truth", "unexpected keyword argument 'extra_info'"),
+    ("data_source, solution_str, ground_truth, extra_info, method", "missing a required argument: 'method'"),
+    ("data_source, solution_str, ground_truth, extra_info, /", "positional only"),
+    ("*args", "unexpected keyword argument"),
+])
+def test_wrong_signature(tmp_path, params, reason):
+    path = _write(tmp_path, f"def score({params}):\n    return 0.0\n")
+    with pytest.raises(TypeError) as e:
+        load_custom_reward_function(str(path), name="score")
+    msg = str(e.value)
+    assert msg.startswith(f"custom_reward_function.name='score' in {path} has signature score({params})")
+    assert "cannot be called as score(data_source=..., solution_str=..., ground_truth=..., extra_info=...)" in msg
+    assert reason in msg
+
+
+def test_async_rejected(tmp_path):
+    path = _write(tmp_path, "async def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                            "    return 1.0\n")
+    with pytest.raises(TypeError, match=r"custom_reward_function.name='compute_score' in .*my_reward.py is async"):
+        load_custom_reward_function(str(path))
+
+
+@pytest.mark.parametrize("params", [
+    "data_source, solution_str, ground_truth, extra_info=None",
+    "data_source, solution_str, ground_truth, extra_info",  # verl always passes extra_info
+    "data_source, solution_str, ground_truth, **kwargs",
+    "**kwargs",
+    "data_source, solution_str, ground_truth, extra_info=None, scale=1.0",
+])
+def test_accepted_signatures(tmp_path, params):
+    path = _write(tmp_path, f"def compute_score({params}):\n    return 0.5\n")
+    assert load_custom_reward_function(str(path))("d", "s", "g") == 0.5
+
+
+def test_working_function_with_and_without_extra_info(tmp_path):
+    path = _write(tmp_path, """
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            correct = solution_str.strip().endswith(ground_truth)
+            return {"score": 1.0 if correct else 0.0, "source": data_source, "extra": extra_info}
+    """)
+    fn = load_custom_reward_function(str(path))
+    assert fn("openai/gsm8k", "so 42", "42") == {"score": 1.0, "source": "openai/gsm8k", "extra": None}
+    assert fn("openai/gsm8k", "so 41", "42", extra_info={"split": "test"}) == {
+        "score": 0.0, "source": "openai/gsm8k", "extra": {"split": "test"}}
+    assert fn(data_source="d", solution_str="42", ground_truth="42")["score"] == 1.0
+
+    scorer = adapt_to_scorer(fn, data_source="openai/gsm8k")
+    assert scorer("so 42", "42") == 1.0 and scorer("so 41", "42") == 0.0
+    assert fn.path == str(path) and fn.name == "compute_score"
+
+
+def test_pickles_by_reloading_the_file(tmp_path):
+    path = _write(tmp_path, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                            "    return float(solution_str == ground_truth)\n")
+    scorer = pickle.loads(pickle.dumps(adapt_to_scorer(load_custom_reward_function(str(path)))))
+    assert scorer("7", "7") == 1.0 and scorer("7", "8") == 0.0
+
+
+def test_same_stem_in_two_folders_do_not_collide(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    fa = load_custom_reward_function(str(_write(tmp_path / "a", "def compute_score(**kw): return 1.0\n", "r.py")))
+    fb = load_custom_reward_function(str(_write(tmp_path / "b", "def compute_score(**kw): return 2.0\n", "r.py")))
+    assert (fa("d", "s", "g"), fb("d", "s", "g")) == (1.0, 2.0)
+
+
+def test_adapted_scorer_results():
+    def numbers(data_source, solution_str, ground_truth, extra_info=None):
+        return {"int": 1, "bool": True, "dict": {"score": 0.25, "acc": True}}[solution_str]
+
+    scorer = adapt_to_scorer(numbers)
+    assert scorer("int", "") == 1.0 and isinstance(scorer("int", ""), float)
+    assert scorer("bool", "") == 1.0
+    assert scorer("dict", "") == 0.25
+
+    def text(data_source, solution_str, ground_truth, extra_info=None):
+        return "1.0"
+
+    with pytest.raises(TypeError) as e:
+        adapt_to_scorer(text)("x", "y")
+    assert str(e.value) == ("reward function 'test_adapted_scorer_results.<locals>.text' returned str '1.0'; "
+                            "expected a number or a dict with a numeric 'score'")
+
+    def no_score(data_source, solution_str, ground_truth, extra_info=None):
+        return {"acc": 1.0}
+
+    with pytest.raises(TypeError, match=r"'test_adapted_scorer_results.<locals>.no_score' returned a dict "
+                                        r"without a 'score' key \(keys: \['acc'\]\)"):
+        adapt_to_scorer(no_score)("x", "y")
+
+
+def test_adapted_loaded_function_error_names_file(tmp_path):
+    path = _write(tmp_path, "def compute_score(**kw):\n    return None\n")
+    with pytest.raises(TypeError) as e:
+        adapt_to_scorer(load_custom_reward_function(str(path)))("x", "y")
+    assert str(e.value).startswith(f"custom reward function 'compute_score' from {path} returned NoneType None")
+
+
+def test_data_source_passed_through():
+    seen = []
+
+    def record(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append((data_source, solution_str, ground_truth, extra_info))
+        return 0.0
+
+    adapt_to_scorer(record)("resp", "gt")
+    adapt_to_scorer(record, data_source="openai/gsm8k")("resp", "gt")
+    assert seen == [("custom", "resp", "gt", None), ("openai/gsm8k", "resp", "gt", None)]
