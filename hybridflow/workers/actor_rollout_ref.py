@@ -114,12 +114,12 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def compute_log_prob(self, batch: Batch) -> Batch:
         out = role_ops.log_probs(self.actor, batch, self.cfg.actor.log_prob_micro_batch_size, with_entropy=True)
-        return Batch.from_dict(tensors={"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
+        return role_ops.last_stage_batch(old_log_probs=out["log_probs"], entropy=out["entropy"])
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         out = role_ops.log_probs(self.ref, batch, self.cfg.actor.log_prob_micro_batch_size)
-        return Batch.from_dict(tensors={"ref_log_prob": out["log_probs"]})
+        return role_ops.last_stage_batch(ref_log_prob=out["log_probs"])
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def update_actor(self, batch: Batch) -> dict:

@@ -28,8 +28,8 @@ class CriticWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def compute_values(self, batch: Batch) -> Batch:
-        return Batch.from_dict(tensors={
-            "values": role_ops.values(self.critic, batch, self.cfg.critic.log_prob_micro_batch_size)})
+        return role_ops.last_stage_batch(
+            values=role_ops.values(self.critic, batch, self.cfg.critic.log_prob_micro_batch_size))
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def update_critic(self, batch: Batch) -> dict:

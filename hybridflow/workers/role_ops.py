@@ -40,6 +40,14 @@ def _lengths(batch: Batch) -> tuple[int, int]:
     return batch.tensors["input_ids"].shape[1] - r, r
 
 
+def last_stage_batch(**tensors) -> Batch | None:
+    """A Batch of the outputs; None on pipeline stages that have none (the controller collects only
+    from the last stage)."""
+    if any(t is None for t in tensors.values()):
+        return None
+    return Batch.from_dict(tensors=tensors)
+
+
 def _concat(outputs: list[dict], key: str):
     return torch.cat([o[key] for o in outputs]) if outputs else None
 

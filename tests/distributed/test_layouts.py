@@ -127,18 +127,22 @@ def single_rank(hf_dir):
     return _run(hf_dir, 1, 1, 1)
 
 
-def test_single_rank_matches_hf(hf_dir, single_rank):
+@pytest.fixture(scope="module")
+def hf_log_probs(hf_dir):
+    """Response-token log-probs from Hugging Face transformers on the full batch."""
     from transformers import AutoModelForCausalLM
 
-    batch = rollout_batch()
+    t = rollout_batch().tensors
     model = AutoModelForCausalLM.from_pretrained(f"{hf_dir}/policy", dtype=torch.float32).eval()
-    t = batch.tensors
     with torch.no_grad():
         logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
                        position_ids=t["position_ids"]).logits[:, P - 1:P - 1 + R]
-    ref = torch.log_softmax(logits, -1).gather(-1, t["input_ids"][:, P:, None])[..., 0]
-    valid = t["response_mask"].bool()
-    assert (single_rank["log_probs"] - ref)[valid].abs().max() < 1e-4
+    return torch.log_softmax(logits, -1).gather(-1, t["input_ids"][:, P:, None])[..., 0]
+
+
+def test_single_rank_matches_hf(hf_dir, single_rank, hf_log_probs):
+    valid = rollout_batch().tensors["response_mask"].bool()
+    assert (single_rank["log_probs"] - hf_log_probs)[valid].abs().max() < 1e-4
     assert all(single_rank["reimport"])
     from hybridflow.workers.common import load_hf_folder
 
@@ -148,9 +152,10 @@ def test_single_rank_matches_hf(hf_dir, single_rank):
 
 
 @pytest.mark.parametrize("t,p,d", LAYOUTS[1:], ids=[f"tp{t}_pp{p}_dp{d}" for t, p, d in LAYOUTS[1:]])
-def test_layout_reproduces_single_rank(hf_dir, single_rank, t, p, d):
+def test_layout_reproduces_single_rank(hf_dir, single_rank, hf_log_probs, t, p, d):
     got = _run(hf_dir, t, p, d)
     valid = rollout_batch().tensors["response_mask"].bool()
+    assert (got["log_probs"] - hf_log_probs)[valid].abs().max() < 1e-4
     for key in ("log_probs", "entropy", "values"):
         diff = (got[key] - single_rank[key])[valid].abs().max().item()
         assert diff < 1e-5, f"{key} differs by {diff}"

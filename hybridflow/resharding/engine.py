@@ -1,0 +1,216 @@
+"""The train -> generation weight transition on torch.distributed (gloo here, nccl on GPU).
+
+``hybrid`` (the paper's 3D-HybridEngine): one broadcast per member inside each micro-DP group, so every rank
+receives exactly the (d_g - 1) training shards that complete its generation shard, and never holds more than
+its generation shard (M / t_g). ``gather_all`` (verl today): every tensor is all-gathered across TP and
+broadcast across PP on every rank, which then keeps only its own slice.
+
+Both yield this rank's vLLM tensor-parallel shard in vLLM's parameter layout and record bytes moved and
+peak extra parameter bytes. Generation pipeline parallelism is planned (plan.py) but executed only for
+p_g = 1 (vLLM on CPU has no pipeline stages).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.megatron import convert
+from hybridflow.resharding import vllm_layout
+from hybridflow.resharding.plan import HybridPlan, Layout
+
+
+@dataclass
+class TransitionStats:
+    scheme: str
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    peak_extra_bytes: int = 0  # parameter bytes held beyond the training shard, at the worst moment
+    own_shard_bytes: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def as_metrics(self, prefix: str = "reshard") -> dict:
+        return {f"{prefix}/bytes_received": float(self.bytes_received), f"{prefix}/bytes_sent": float(self.bytes_sent),
+                f"{prefix}/peak_extra_bytes": float(self.peak_extra_bytes), f"{prefix}/seconds": self.seconds}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _local_shard(module) -> dict:
+    return {k: v.detach() for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
+
+
+class Resharder:
+    """Per rank; build it on every rank of the actor's world together (it creates process groups)."""
+
+    def __init__(self, module, hf_config, train: Layout, t_g: int, scheme: str = "hybrid"):
+        if scheme not in ("hybrid", "gather_all"):
+            raise ValueError(f"rollout.resharding must be 'hybrid' or 'gather_all', got {scheme!r}")
+        vllm_layout.check_supported(hf_config, t_g)
+        self.module, self.cfg, self.scheme = module, hf_config, scheme
+        self.plan = HybridPlan(train, p_g=1, t_g=t_g)
+        self.rank = dist.get_rank()
+        self.me = self.plan.ranks[self.rank]
+        self.tie = bool(getattr(hf_config, "tie_word_embeddings", False))
+        # Two group sets, created by all ranks in the same order (new_group is collective): the
+        # micro-DP groups exchange TP-split tensors; inside them, "stage slices" (members at the same
+        # TP offset, one per stage) exchange the tensors megatron replicates across TP (norms), which
+        # only members of other stages need.
+        self.micro_group = self.slice_group = None
+        for members in sorted({rp.micro_dp_group for rp in self.plan.ranks}):
+            group = dist.new_group(list(members))
+            if self.rank in members:
+                self.micro_group = group
+        self.slice_members = tuple(r for r in self.me.micro_dp_group
+                                   if train.coords(r)[0] % self.plan.tp_block == self._offset(self.rank))
+        for members in sorted({tuple(r for r in rp.micro_dp_group
+                                     if train.coords(r)[0] % self.plan.tp_block == self._offset(rp.rank))
+                               for rp in self.plan.ranks}):
+            group = dist.new_group(list(members))
+            if self.rank in members:
+                self.slice_group = group
+        local = _local_shard(module)
+        split = [(k, tuple(v.shape), v.dtype) for k, v in sorted(local.items()) if convert.tp_split_dim(k) is not None]
+        replicated = [(k, tuple(v.shape), v.dtype) for k, v in sorted(local.items()) if convert.tp_split_dim(k) is None]
+        metas = [None] * len(self.me.micro_dp_group)
+        dist.all_gather_object(metas, split, group=self.micro_group)
+        self.split_meta = dict(zip(self.me.micro_dp_group, metas))
+        metas = [None] * len(self.slice_members)
+        dist.all_gather_object(metas, replicated, group=self.slice_group)
+        self.replicated_meta = dict(zip(self.slice_members, metas))
+
+    def _offset(self, rank: int) -> int:
+        return self.plan.train.coords(rank)[0] % self.plan.tp_block
+
+    # --- hybrid -----------------------------------------------------------------------------------
+
+    def _hybrid(self, stats: TransitionStats):
+        """Broadcast every member's flat shard inside the micro-DP group; returns a lazy iterator over
+        this rank's vLLM-layout tensors (assembled one layer at a time)."""
+        local = _local_shard(self.module)
+        stats.own_shard_bytes = sum(_nbytes(v) for v in local.values())
+        shards = {r: {} for r in self.me.micro_dp_group}  # member -> {name: view into a received buffer}
+        own_sent = 0
+        exchanges = [(self.me.micro_dp_group, self.split_meta, self.micro_group)]
+        if len(self.slice_members) > 1:
+            exchanges.append((self.slice_members, self.replicated_meta, self.slice_group))
+        for members, metas, group in exchanges:
+            for member in members:
+                meta = metas[member]
+                if not meta:
+                    continue
+                if member == self.rank:
+                    flat = torch.cat([local[k].reshape(-1) for k, _, _ in meta])
+                    stats.bytes_sent += _nbytes(flat) * (len(members) - 1)
+                    own_sent += _nbytes(flat)
+                else:
+                    flat = torch.empty(sum(torch.Size(s).numel() for _, s, _ in meta), dtype=meta[0][2])
+                dist.broadcast(flat, src=member, group=group)
+                if member != self.rank:
+                    stats.bytes_received += _nbytes(flat)
+                offset = 0
+                for name, shape, _ in meta:
+                    n = torch.Size(shape).numel()
+                    shards[member][name] = flat[offset:offset + n].view(shape)
+                    offset += n
+        shards[self.rank] = {**local, **shards[self.rank]}  # own replicated tensors need no transfer
+        # Generation shard buffers (own copy + received) plus the largest layer assembled at a time.
+        stats.peak_extra_bytes = own_sent + stats.bytes_received
+        return self._assemble(shards, stats)
+
+    def _assemble(self, shards: dict, stats: TransitionStats):
+        """vLLM shard k from the members' megatron shards (keyed by member rank), one layer at a time."""
+        tr, block = self.plan.train, self.plan.tp_block
+        by_pos = {tr.coords(r)[0] % block + block * tr.coords(r)[2]: s for r, s in shards.items()}
+        per_stage = self.cfg.num_hidden_layers // tr.p
+        base, transient = stats.peak_extra_bytes, 0
+        for s in range(tr.p):
+            members = [by_pos[j + block * s] for j in range(block)]  # consecutive TP shards of stage s
+            replicated = next(m for m in members if "decoder.layers.0.input_layernorm.weight" in m)
+            members = [{**replicated, **m} for m in members]  # norms from whichever member holds them
+            pieces = []
+            if s == 0:
+                pieces.append({"model.embed_tokens.weight":
+                               torch.cat([m["embedding.word_embeddings.weight"] for m in members])})
+            for local in range(per_stage):
+                pre = f"decoder.layers.{local}."
+                layer = [{k[len(pre):]: v for k, v in m.items() if k.startswith(pre)} for m in members]
+                pieces.append(vllm_layout.layer_from_megatron_shards(
+                    layer, f"model.layers.{s * per_stage + local}.", self.cfg, tr.t))
+            if s == tr.p - 1:
+                last = {"model.norm.weight": members[0]["decoder.final_layernorm.weight"]}
+                if not self.tie:
+                    last["lm_head.weight"] = torch.cat([m["output_layer.weight"] for m in members])
+                pieces.append(last)
+            for piece in pieces:
+                transient = max(transient, sum(_nbytes(t) for t in piece.values()))
+                stats.peak_extra_bytes = base + transient
+                yield from piece.items()
+
+    # --- gather-all baseline ----------------------------------------------------------------------
+
+    def _gather_all(self, stats: TransitionStats) -> dict:
+        from megatron.core import parallel_state as ps
+
+        tr = self.plan.train
+        local = _local_shard(self.module)
+        stats.own_shard_bytes = sum(_nbytes(v) for v in local.values())
+        tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+        stages = [None] * tr.p  # every stage's parameter list, so all ranks walk the same tensors
+        dist.all_gather_object(stages, [(k, tuple(v.shape), v.dtype) for k, v in sorted(local.items())], group=pp_group)
+        pp_ranks = dist.get_process_group_ranks(pp_group)
+        k_gen, t_g = self.me.gen_tp_rank, self.plan.t_g
+        out, kept, biggest = {}, 0, 0
+        for stage, meta in enumerate(stages):
+            full_stage = {}
+            for name, shape, dtype in meta:
+                dim = convert.tp_split_dim(name)
+                if stage == tr.coords(self.rank)[2]:
+                    t = local[name]
+                    if tr.t > 1 and dim is not None:
+                        parts = [torch.empty_like(t) for _ in range(tr.t)]
+                        dist.all_gather(parts, t.contiguous(), group=tp_group)
+                        stats.bytes_received += _nbytes(t) * (tr.t - 1)
+                        stats.bytes_sent += _nbytes(t) * (tr.t - 1)
+                        t = torch.cat(parts, dim=dim)
+                    else:
+                        t = t.clone()
+                else:
+                    full = list(shape)
+                    if dim is not None:
+                        full[dim] *= tr.t
+                    t = torch.empty(full, dtype=dtype)
+                if tr.p > 1:
+                    dist.broadcast(t, src=pp_ranks[stage], group=pp_group)
+                    if stage != tr.coords(self.rank)[2]:
+                        stats.bytes_received += _nbytes(t)
+                biggest = max(biggest, _nbytes(t))
+                full_stage[name] = t
+            hf = convert.megatron_to_hf(full_stage, self.cfg, convert.Shard(0, tr.t, stage, tr.p))
+            for name, tensor in vllm_layout.hf_to_vllm_shard(hf, self.cfg, k_gen, t_g).items():
+                out[name] = tensor.clone()  # vLLM keeps its own slice; the full tensors are dropped
+                kept += _nbytes(out[name])
+        stats.peak_extra_bytes = kept + biggest
+        return out
+
+    def to_generation(self) -> tuple[dict, TransitionStats]:
+        """This rank's vLLM-layout generation shard {vLLM param name: tensor} and the transition's stats."""
+        stats = TransitionStats(self.scheme)
+        start = time.perf_counter()
+        with torch.no_grad():
+            shard = dict(self.stream(stats))
+        stats.seconds = time.perf_counter() - start
+        return shard, stats
+
+    def stream(self, stats: TransitionStats):
+        """(vLLM name, tensor) pairs of this rank's generation shard, produced as the consumer asks
+        (hybrid assembles one layer at a time); ``stats`` is complete once the iterator is exhausted."""
+        if self.scheme == "hybrid":
+            return self._hybrid(stats)
+        return iter(self._gather_all(stats).items())

@@ -1,0 +1,89 @@
+"""vLLM's tensor-parallel parameter layout for Qwen2/Llama, built from megatron or HF tensors.
+
+vLLM shard k of t_g holds: ``qkv_proj`` = [q heads of k; k heads of k; v heads of k] (fused), ``gate_up_proj``
+= [gate rows of k; up rows of k], ``o_proj``/``down_proj`` = input columns of k, embedding/lm_head = vocab rows
+of k, norms whole. Megatron TP shards of size t/t_g that make up vLLM shard k are consecutive (ranks at the
+same position of a micro-DP group), so the conversion is local: no communication.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.megatron.convert import _heads, split_qkv
+
+
+def _shard_cfg(cfg, parts: int):
+    """A view of the config with heads divided among ``parts`` TP shards (for per-shard qkv splits)."""
+    nh, ng, hd = _heads(cfg)
+
+    class _C:
+        num_attention_heads = nh // parts
+        num_key_value_heads = ng // parts
+        head_dim = hd
+        hidden_size = cfg.hidden_size
+
+    return _C
+
+
+def check_supported(cfg, t_g: int) -> None:
+    nh, ng, _ = _heads(cfg)
+    if ng % t_g or nh % t_g:
+        raise ValueError(f"generation TP {t_g} must divide attention heads ({nh}) and KV heads ({ng})")
+    if cfg.vocab_size % (64 * t_g):  # vLLM pads the vocab to 64 per shard; megatron splits it evenly
+        raise ValueError(f"vocab_size {cfg.vocab_size} must be a multiple of 64 x generation TP ({t_g}) so "
+                         "vLLM's vocab shards coincide with megatron's")
+
+
+def layer_from_megatron_shards(shards: list[dict], prefix: str, cfg, t: int) -> dict:
+    """vLLM-layout tensors of one decoder layer from the consecutive megatron TP shards (each a dict of
+    that shard's ``decoder.layers.{local}.*`` tensors, keyed by suffix) that form one vLLM shard."""
+    sub = _shard_cfg(cfg, t)
+    out = {}
+    for kind in ("weight", "bias"):
+        key = f"self_attention.linear_qkv.{kind}"
+        if key in shards[0]:
+            parts = [split_qkv(s[key], sub) for s in shards]  # per training shard: its q, k, v
+            out[f"{prefix}self_attn.qkv_proj.{kind}"] = torch.cat([torch.cat(p) for p in zip(*parts)])
+    gates, ups = zip(*(torch.chunk(s["mlp.linear_fc1.weight"], 2, dim=0) for s in shards))
+    out[f"{prefix}mlp.gate_up_proj.weight"] = torch.cat([*gates, *ups])
+    out[f"{prefix}self_attn.o_proj.weight"] = torch.cat([s["self_attention.linear_proj.weight"] for s in shards], 1)
+    out[f"{prefix}mlp.down_proj.weight"] = torch.cat([s["mlp.linear_fc2.weight"] for s in shards], 1)
+    out[f"{prefix}input_layernorm.weight"] = shards[0]["input_layernorm.weight"]
+    out[f"{prefix}post_attention_layernorm.weight"] = shards[0]["pre_mlp_layernorm.weight"]
+    return out
+
+
+def hf_to_vllm_shard(hf: dict, cfg, k: int, t_g: int) -> dict:
+    """Reference conversion: vLLM shard k of t_g straight from a full HF state dict (single rank)."""
+    nh, ng, hd = _heads(cfg)
+    out = {}
+
+    def rows(t, n):  # shard k of n equal row blocks
+        return torch.chunk(t, n, dim=0)[k]
+
+    for name, t in hf.items():
+        if ".self_attn.q_proj." in name:
+            base = name.replace("q_proj", "qkv_proj")
+            kt, vt = hf[name.replace("q_proj", "k_proj")], hf[name.replace("q_proj", "v_proj")]
+            out[base] = torch.cat([rows(t, t_g), rows(kt, t_g), rows(vt, t_g)])
+        elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or "mlp.up_proj" in name:
+            continue
+        elif "mlp.gate_proj" in name:
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat(
+                [rows(t, t_g), rows(hf[name.replace("gate_proj", "up_proj")], t_g)])
+        elif "o_proj" in name or "down_proj" in name:
+            out[name] = torch.chunk(t, t_g, dim=1)[k]
+        elif "embed_tokens" in name or "lm_head" in name:
+            out[name] = rows(t, t_g)
+        else:
+            out[name] = t
+    return out
+
+
+def to_hf_names(vllm_shard: dict) -> dict:
+    """vLLM-layout shard -> HF checkpoint names (fused tensors split back, as views), for weight loaders."""
+    out = {}
+    for name, t in vllm_shard.items():
+        out[name] = t
+    return out
