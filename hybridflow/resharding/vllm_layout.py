@@ -30,7 +30,7 @@ def check_supported(cfg, t_g: int) -> None:
     nh, ng, _ = _heads(cfg)
     if ng % t_g or nh % t_g:
         raise ValueError(f"generation TP {t_g} must divide attention heads ({nh}) and KV heads ({ng})")
-    if cfg.vocab_size % (64 * t_g):  # vLLM pads the vocab to 64 per shard; megatron splits it evenly
+    if t_g > 1 and cfg.vocab_size % (64 * t_g):  # vLLM pads the vocab to 64 per shard; megatron splits it evenly
         raise ValueError(f"vocab_size {cfg.vocab_size} must be a multiple of 64 x generation TP ({t_g}) so "
                          "vLLM's vocab shards coincide with megatron's")
 
@@ -81,9 +81,18 @@ def hf_to_vllm_shard(hf: dict, cfg, k: int, t_g: int) -> dict:
     return out
 
 
-def to_hf_names(vllm_shard: dict) -> dict:
-    """vLLM-layout shard -> HF checkpoint names (fused tensors split back, as views), for weight loaders."""
-    out = {}
-    for name, t in vllm_shard.items():
-        out[name] = t
-    return out
+def to_checkpoint_names(items, cfg):
+    """Full (t_g = 1) vLLM-layout tensors -> HF checkpoint names, the form vLLM's weight loaders take.
+    Fused tensors are split back as views (no copies)."""
+    nh, ng, hd = _heads(cfg)
+    for name, t in items:
+        if ".qkv_proj." in name:
+            q, k, v = torch.split(t, [nh * hd, ng * hd, ng * hd])
+            for part, tensor in zip("qkv", (q, k, v)):
+                yield name.replace("qkv_proj", f"{part}_proj"), tensor
+        elif ".gate_up_proj." in name:
+            gate, up = torch.chunk(t, 2)
+            yield name.replace("gate_up_proj", "gate_proj"), gate
+            yield name.replace("gate_up_proj", "up_proj"), up
+        else:
+            yield name, t

@@ -52,9 +52,11 @@ class VLLMRollout:
         worker = self.llm.llm_engine.model_executor.driver_worker
         return getattr(worker, "worker", worker)
 
-    def update_weights(self, hf_state_dict: dict) -> None:
-        """Load new HF-named weights in place, then drop cached prefixes computed with the old ones."""
-        self._worker().reload_weights(weights_iterator=iter(hf_state_dict.items()))
+    def update_weights(self, weights) -> None:
+        """Load new HF-named weights in place (a dict or an iterable of (name, tensor), consumed as it
+        is produced), then drop cached prefixes computed with the old ones."""
+        items = weights.items() if isinstance(weights, dict) else weights
+        self._worker().reload_weights(weights_iterator=iter(items))
         self.llm.reset_prefix_cache()
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[list[int]]]:

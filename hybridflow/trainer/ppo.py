@@ -65,11 +65,11 @@ class PPOTrainer:
         batch = prompts.repeat(n, interleave=True)
         with t("gen"):
             batch = self.actor_rollout.generate(batch)
+        metrics = dict(batch.meta.pop("reshard", {}))
         with t("reward"):
             batch = score_responses(batch, self.tokenizer, cfg.reward.name)
         with t("old_log_prob"):
             batch = batch.union(self.actor_rollout.compute_log_prob(batch))
-        metrics = {}
         if "ref_log_prob" in self._needs():
             with t("ref"):
                 batch = batch.union(self.actor_rollout.compute_ref_log_prob(batch))

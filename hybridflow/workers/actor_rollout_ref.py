@@ -7,6 +7,8 @@ generation.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hybridflow.controller import Dispatch, Worker, register
@@ -63,9 +65,13 @@ class ActorRolloutRefWorker(Worker):
 
         from hybridflow.resharding.plan import HybridPlan, Layout
 
+        from hybridflow.resharding.engine import Resharder
+
         shard = self.actor.shard
-        self.rollout_layout = HybridPlan(Layout(shard.pp_size, shard.tp_size, parallel.dispatch_info()["dp_size"]),
-                                         p_g=1, t_g=cfg.rollout.tensor_model_parallel_size)
+        train = Layout(shard.pp_size, shard.tp_size, parallel.dispatch_info()["dp_size"])
+        self.rollout_layout = HybridPlan(train, p_g=1, t_g=cfg.rollout.tensor_model_parallel_size)
+        self.resharder = Resharder(self.actor.module, hf_config, train, cfg.rollout.tensor_model_parallel_size,
+                                   cfg.rollout.resharding)
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.rollout = VLLMRollout(
@@ -83,9 +89,19 @@ class ActorRolloutRefWorker(Worker):
 
     # --- rollout ----------------------------------------------------------------------------------
 
-    def _sync_rollout(self) -> None:
-        self.rollout.update_weights(self.actor.hf_state_dict())
+    def _sync_rollout(self) -> dict:
+        """Push the actor's current weights into this rank's vLLM engine through the configured
+        transition; returns its accounting as metrics."""
+        from hybridflow.resharding.engine import TransitionStats
+        from hybridflow.resharding.vllm_layout import to_checkpoint_names
+
+        stats = TransitionStats(self.resharder.scheme)
+        start = time.perf_counter()
+        with torch.no_grad():
+            self.rollout.update_weights(to_checkpoint_names(self.resharder.stream(stats), self.actor.hf_config))
+        stats.seconds = time.perf_counter() - start
         self._rollout_stale = False
+        return stats.as_metrics()
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D, mesh="rollout")
     def generate(self, prompts: Batch) -> Batch:
@@ -94,8 +110,7 @@ class ActorRolloutRefWorker(Worker):
 
         ``prompts.meta`` may override sampling: ``temperature`` (0 = greedy), ``max_new_tokens``.
         """
-        if self._rollout_stale:
-            self._sync_rollout()
+        reshard = self._sync_rollout() if self._rollout_stale else {}
         r = self.cfg.rollout
         sampling = SamplingSettings(
             temperature=prompts.meta.get("temperature", r.temperature), top_p=r.top_p, top_k=r.top_k,
@@ -107,7 +122,7 @@ class ActorRolloutRefWorker(Worker):
                                  self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
         kept = {k: v for k, v in prompts.tensors.items() if k not in new.tensors}
         return Batch(tensors={**kept, "prompts": ids, **new.tensors}, non_tensors=prompts.non_tensors,
-                     meta=prompts.meta)
+                     meta={**prompts.meta, "reshard": reshard})
 
     # --- log-probs and update -------------------------------------------------------------------
 

@@ -15,12 +15,28 @@ import torch
 from hybridflow.config import load_config
 from hybridflow.config.schema import ExperimentConfig
 from hybridflow.protocol import Batch
+from hybridflow.rewards import register_scorer
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def cfg(tmp_path_factory):
+@register_scorer("test_digit_overlap")
+def digit_overlap(response: str, answer: str) -> float:
+    """Partial credit, so that even a weak warm start yields non-zero advantages in every step."""
+    return sum(c in response for c in set(answer)) / max(len(set(answer)), 1)
+
+
+LAYOUTS = {  # name -> overrides: one process, and 2-process TP / PP actors feeding per-rank vLLM engines
+    "single": [],
+    "actor_tp2_hybrid": ["actor.megatron.tensor_model_parallel_size=2", "actor.megatron.sequence_parallel=true",
+                         "resources.n_workers=2", "resources.cpus_per_worker=1", "rollout.resharding=hybrid"],
+    "actor_pp2_gather_all": ["actor.megatron.pipeline_model_parallel_size=2", "resources.n_workers=2",
+                             "resources.cpus_per_worker=1", "rollout.resharding=gather_all"],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def cfg(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("ppo_e2e")
     cfg = load_config(ExperimentConfig, ["configs/quickstart_cpu.yaml"], [
         f"prepare.data_dir={out}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
@@ -28,7 +44,8 @@ def cfg(tmp_path_factory):
         f"trainer.output_dir={out}/run", "prepare.sft_steps=150", "prepare.hidden_size=128",
         "prepare.num_layers=2", "prepare.n_val=32", "data.batch_size=16", "actor.ppo_mini_batch_size=16",
         "actor.ppo_micro_batch_size=8", "critic.ppo_mini_batch_size=16", "critic.ppo_micro_batch_size=8",
-        "actor.optim.lr=1e-3", "ray.num_cpus=2",
+        "actor.optim.lr=1e-3", "ray.num_cpus=2", "reward.name=test_digit_overlap",
+        *LAYOUTS[request.param],
     ])
     from hybridflow.trainer.prepare import prepare_quickstart
 
