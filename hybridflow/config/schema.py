@@ -103,11 +103,7 @@ class Rollout:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.tensor_model_parallel_size != 1:
-            # The planner and the transition handle t_g > 1; vLLM engines spanning several training
-            # processes (strided generation TP groups) are not wired up yet.
-            raise ValueError("tensor_model_parallel_size > 1 is not supported yet: each training rank runs "
-                             "its own vLLM engine (generation TP 1)")
+
 
 
 @dataclass
@@ -157,7 +153,7 @@ class Model:
 
 @dataclass
 class Reward:
-    name: str = "arithmetic"  # a registered rule scorer
+    name: str = "arithmetic"  # a registered rule scorer; validation accuracy always uses it
 
     def validate(self):
         from hybridflow.rewards import get_scorer
@@ -166,6 +162,38 @@ class Reward:
             get_scorer(self.name)
         except KeyError as e:
             raise ValueError(e.args[0]) from None
+
+
+@dataclass
+class CustomReward:
+    """A user reward function (verl's signature: fn(data_source, solution_str, ground_truth, extra_info))."""
+
+    path: str | None = None  # python file; when set it scores training rollouts instead of reward.name
+    name: str = "compute_score"  # function in that file
+
+    def validate(self):
+        if self.path is None:
+            return
+        from hybridflow.rewards.custom import load_custom_reward_function
+
+        try:
+            load_custom_reward_function(self.path, self.name)
+        except (OSError, ImportError, AttributeError, TypeError) as e:
+            raise ValueError(str(e)) from None
+
+
+@dataclass
+class RewardModel:
+    """A learned reward model: a HF AutoModelForSequenceClassification (one logit) scoring prompt+response."""
+
+    enable: bool = False
+    path: str | None = None  # HF folder (config, weights, tokenizer)
+    micro_batch_size: int = 16
+    max_length: int = 512  # tokens of prompt+response as the reward model tokenizes them
+
+    def validate(self):
+        if self.enable and not self.path:
+            raise ValueError("path is required when enable is true")
 
 
 @dataclass
@@ -194,6 +222,7 @@ class Prepare:
     n_val: int = 256
     hidden_size: int = 128
     num_layers: int = 4
+    vocab_multiple: int = 16  # pad the vocabulary to a multiple of this (128 allows generation TP 2)
     sft_steps: int = 500
     sft_lr: float = 1e-3
     sft_batch_size: int = 64
@@ -225,6 +254,8 @@ class ExperimentConfig:
     rollout: Rollout = field(default_factory=Rollout)
     algorithm: Algorithm = field(default_factory=Algorithm)
     reward: Reward = field(default_factory=Reward)
+    custom_reward_function: CustomReward = field(default_factory=CustomReward)
+    reward_model: RewardModel = field(default_factory=RewardModel)
     resources: Resources = field(default_factory=Resources)
     ray: RayCfg = field(default_factory=RayCfg)
     prepare: Prepare = field(default_factory=Prepare)
@@ -261,5 +292,8 @@ class ExperimentConfig:
         if rollout_batch % replicas:
             raise ValueError(f"data.batch_size x rollout.n ({rollout_batch}) must divide across the "
                              f"{replicas} generation replicas (resources.n_workers / rollout.tensor_model_parallel_size)")
+        if self.algorithm.adv_estimator == "remax" and self.data.batch_size % replicas:
+            raise ValueError(f"data.batch_size ({self.data.batch_size}) must divide across the {replicas} generation "
+                             "replicas: remax generates a greedy baseline per prompt")
         if self.algorithm.adv_estimator == "gae" and self.critic.enable is False:
             raise ValueError("algorithm.adv_estimator 'gae' needs a critic: critic.enable is false")

@@ -81,18 +81,35 @@ def hf_to_vllm_shard(hf: dict, cfg, k: int, t_g: int) -> dict:
     return out
 
 
-def to_checkpoint_names(items, cfg):
-    """Full (t_g = 1) vLLM-layout tensors -> HF checkpoint names, the form vLLM's weight loaders take.
-    Fused tensors are split back as views (no copies)."""
+def _staged(t: torch.Tensor, dim: int, k: int, t_g: int) -> torch.Tensor:
+    """A full-shape tensor holding shard ``t`` at block k along ``dim``: vLLM's weight loaders take
+    checkpoint-shaped tensors and narrow out block k themselves. Only block k is ever read, so the
+    rest stays uninitialised; one such tensor exists at a time (the consumer drops it)."""
+    if t_g == 1:
+        return t
+    shape = list(t.shape)
+    shape[dim] *= t_g
+    full = torch.empty(shape, dtype=t.dtype)
+    full.narrow(dim, k * t.shape[dim], t.shape[dim]).copy_(t)
+    return full
+
+
+def to_checkpoint_names(items, cfg, k: int = 0, t_g: int = 1):
+    """vLLM-layout shard k of t_g -> HF checkpoint names and shapes, the form vLLM's weight loaders take.
+    Fused tensors are split back as views; with t_g > 1 each piece is staged into a checkpoint-shaped
+    tensor (see _staged)."""
     nh, ng, hd = _heads(cfg)
+    q_rows, kv_rows = nh * hd // t_g, ng * hd // t_g
     for name, t in items:
         if ".qkv_proj." in name:
-            q, k, v = torch.split(t, [nh * hd, ng * hd, ng * hd])
-            for part, tensor in zip("qkv", (q, k, v)):
-                yield name.replace("qkv_proj", f"{part}_proj"), tensor
+            for part, piece in zip("qkv", torch.split(t, [q_rows, kv_rows, kv_rows])):
+                yield name.replace("qkv_proj", f"{part}_proj"), _staged(piece, 0, k, t_g)
         elif ".gate_up_proj." in name:
-            gate, up = torch.chunk(t, 2)
-            yield name.replace("gate_up_proj", "gate_proj"), gate
-            yield name.replace("gate_up_proj", "up_proj"), up
+            for part, piece in zip(("gate_proj", "up_proj"), torch.chunk(t, 2)):
+                yield name.replace("gate_up_proj", part), _staged(piece, 0, k, t_g)
+        elif "o_proj" in name or "down_proj" in name:
+            yield name, _staged(t, 1, k, t_g)
+        elif "embed_tokens" in name or "lm_head" in name:
+            yield name, _staged(t, 0, k, t_g)
         else:
             yield name, t

@@ -7,10 +7,33 @@ world. Weights are updated in place after every actor step through the worker's 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
 import torch
+
+
+@contextlib.contextmanager
+def _vllm_groups_from(groups: list[tuple[int, ...]] | None):
+    """While vLLM builds its process groups, map its consecutive rank layout (ExternalDP x ... x TP,
+    TP fastest) onto ``groups``: virtual rank replica * t_g + i is real rank groups[replica][i]."""
+    if not groups or len(groups[0]) == 1:
+        yield
+        return
+    import vllm.distributed.parallel_state as vps
+
+    real = [r for group in groups for r in group]
+    original = vps.init_model_parallel_group
+
+    def remapped(group_ranks, *args, **kwargs):
+        return original([[real[r] for r in ranks] for ranks in group_ranks], *args, **kwargs)
+
+    vps.init_model_parallel_group = remapped
+    try:
+        yield
+    finally:
+        vps.init_model_parallel_group = original
 
 
 @dataclass
@@ -28,25 +51,43 @@ class VLLMRollout:
 
     def __init__(self, hf_dir: str, *, max_model_len: int, tensor_parallel_size: int = 1,
                  kv_cache_gib: int = 1, dtype: str = "float32", seed: int = 0,
-                 gpu_memory_utilization: float = 0.4):
+                 gpu_memory_utilization: float = 0.4, generation_groups: list[tuple[int, ...]] | None = None):
+        """``generation_groups``: with tensor_parallel_size > 1, the ranks of each generation TP group
+        (the resharding planner's replicas, strided over the training ranks). vLLM's external launcher
+        builds its groups over the existing torch.distributed world from consecutive ranks; those
+        consecutive ("virtual") ranks are mapped onto the planner's groups."""
         # In-process engine: starts in 3-5 s instead of 16-34 s on this machine.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-reload INFO lines drown the metrics
         from vllm import LLM
 
+        kwargs = {}
+        if tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer owns thread placement
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op process-wide and reseeds the
         # global RNG: keep the trainer's thread count and RNG stream as they were.
         set_threads, rng = torch.set_num_threads, torch.get_rng_state()
         threads = torch.get_num_threads()
         try:
-            self.llm = LLM(model=hf_dir, tokenizer=hf_dir, dtype=dtype, enforce_eager=True,
-                           max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
-                           seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-                           enable_prefix_caching=True, disable_log_stats=True)
+            with _vllm_groups_from(generation_groups):
+                self.llm = LLM(model=hf_dir, tokenizer=hf_dir, dtype=dtype, enforce_eager=True,
+                               max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                               seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+                               enable_prefix_caching=True, disable_log_stats=True, **kwargs)
         finally:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
             torch.set_rng_state(rng)
+
+    def close(self) -> None:
+        """Destroy vLLM's process groups: its CPU TP communicator keeps named /dev/shm segments that
+        a killed process leaves behind, and a later engine with the same group layout then fails."""
+        from vllm.distributed.parallel_state import destroy_model_parallel
+
+        destroy_model_parallel()
+        self.llm = None
 
     def _worker(self):
         worker = self.llm.llm_engine.model_executor.driver_worker

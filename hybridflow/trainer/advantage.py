@@ -6,15 +6,16 @@ import numpy as np
 
 from hybridflow.algorithms import compute_advantage, kl_penalty, masked_mean
 from hybridflow.protocol import Batch
-from hybridflow.rewards import get_scorer, score_batch
+from hybridflow.rewards import score_batch
 
 
-def score_responses(batch: Batch, tokenizer, scorer_name: str) -> Batch:
-    """Decode responses, score them against ``answer``; adds ``scores`` and ``token_level_scores``."""
+def score_responses(batch: Batch, tokenizer, scorer) -> Batch:
+    """Decode responses, score them against ``answer`` with ``scorer(response, answer)``; adds
+    ``scores`` and ``token_level_scores``."""
     mask = batch.tensors["response_mask"]
     texts = [tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
              for r, m in zip(batch.tensors["responses"], mask)]
-    scores, token_scores = score_batch(get_scorer(scorer_name), texts, batch.non_tensors["answer"], mask)
+    scores, token_scores = score_batch(scorer, texts, batch.non_tensors["answer"], mask)
     return batch.union(Batch.from_dict(tensors={"scores": scores, "token_level_scores": token_scores},
                                        non_tensors={"response_text": np.array(texts, dtype=object)}))
 
@@ -42,6 +43,7 @@ def rollout_metrics(batch: Batch) -> dict:
     mask = t["response_mask"].float()
     out = {
         "reward/score_mean": t["scores"].mean().item(),
+        **({"reward/rule_score_mean": t["rule_scores"].mean().item()} if "rule_scores" in t else {}),
         "response/length_mean": mask.sum(-1).mean().item(),
         "actor/entropy": masked_mean(t["entropy"], mask).item() if "entropy" in t else float("nan"),
     }

@@ -34,6 +34,8 @@ def check_files(cfg: ExperimentConfig) -> None:
                 raise ConfigError(f"{key}: file not found: {f}")
     if not os.path.isdir(cfg.model.path):
         raise ConfigError(f"model.path: not a model folder: {cfg.model.path}")
+    if cfg.reward_model.enable and not os.path.isdir(cfg.reward_model.path):
+        raise ConfigError(f"reward_model.path: not a model folder: {cfg.reward_model.path}")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files: at least one parquet file is required")
     check_layouts(cfg)
@@ -56,6 +58,12 @@ def check_layouts(cfg: ExperimentConfig) -> None:
         if model.num_hidden_layers % pp:
             raise ConfigError(f"{role}.megatron.pipeline_model_parallel_size ({pp}) does not divide the "
                               f"model's {model.num_hidden_layers} layers in {cfg.model.path}")
+    from hybridflow.resharding.vllm_layout import check_supported
+
+    try:
+        check_supported(model, cfg.rollout.tensor_model_parallel_size)
+    except ValueError as e:
+        raise ConfigError(f"rollout.tensor_model_parallel_size: {e} ({cfg.model.path})") from None
 
 
 def run(cfg: ExperimentConfig) -> list[dict]:
@@ -71,15 +79,11 @@ def run(cfg: ExperimentConfig) -> list[dict]:
     check_files(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     with start_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, temp_dir=cfg.ray.temp_dir):
-        actor, critic, pools = build_worker_groups(cfg)
+        workers = build_worker_groups(cfg)
         try:
-            return PPOTrainer(cfg, tokenizer, actor, critic).fit()
+            return PPOTrainer(cfg, tokenizer, workers).fit()
         finally:
-            for group in (actor, critic):
-                if group is not None:
-                    group.shutdown()
-            for pool in pools:
-                pool.remove()
+            workers.shutdown()
 
 
 def _exit_on_signals() -> None:

@@ -2,41 +2,78 @@
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from hybridflow.algorithms import make_kl_controller
 from hybridflow.controller import RayWorkerGroup, ResourcePool
 from hybridflow.data.dataset import PromptDataset
 from hybridflow.protocol import Batch
+from hybridflow.rewards import get_scorer
 from hybridflow.trainer.advantage import (add_advantages, apply_kl_in_reward, as_group_ids, rollout_metrics,
                                           score_responses)
 from hybridflow.trainer.metrics import MetricsLog, Timer
 
 
-def build_worker_groups(cfg):
-    """Placement: actor/rollout/ref share one pool; the critic shares it or gets its own."""
+@dataclass
+class WorkerGroups:
+    actor_rollout: RayWorkerGroup
+    critic: RayWorkerGroup | None = None
+    reward_model: RayWorkerGroup | None = None
+    pools: list = field(default_factory=list)
+
+    def shutdown(self) -> None:
+        try:
+            self.actor_rollout.close()
+        except Exception as e:  # a dead worker cannot clean up; the groups are killed regardless
+            logging.getLogger(__name__).warning("rollout close failed: %s", e)
+        for group in (self.actor_rollout, self.critic, self.reward_model):
+            if group is not None:
+                group.shutdown()
+        for pool in self.pools:
+            pool.remove()
+
+
+def build_worker_groups(cfg) -> WorkerGroups:
+    """Placement: actor/rollout/ref share one pool with the colocated critic and the reward model
+    (each taking an equal share of every bundle); a separate critic gets a pool of its own."""
     from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
     from hybridflow.workers.critic import CriticWorker
+    from hybridflow.workers.reward_model import RewardModelWorker
 
     res = cfg.resources
-    pool = ResourcePool("actor_rollout_ref", res.n_workers, cpus_per_bundle=res.cpus_per_worker,
-                        gpus_per_bundle=res.gpus_per_worker)
-    colocated = cfg.use_critic and cfg.critic.placement == "colocated"
-    actor_share = 0.5 if colocated else 1.0
+    bundle = dict(cpus_per_bundle=res.cpus_per_worker, gpus_per_bundle=res.gpus_per_worker)
+    pool = ResourcePool("actor_rollout_ref", res.n_workers, **bundle)
+    colocated_critic = cfg.use_critic and cfg.critic.placement == "colocated"
+    share = 1.0 / (1 + colocated_critic + cfg.reward_model.enable)
     needs_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
-    actor = RayWorkerGroup(pool, ActorRolloutRefWorker, cfg, needs_ref, name_prefix="actor_rollout_ref",
-                           share=actor_share)
-    critic, pools = None, [pool]
+    groups = WorkerGroups(RayWorkerGroup(pool, ActorRolloutRefWorker, cfg, needs_ref,
+                                         name_prefix="actor_rollout_ref", share=share), pools=[pool])
     if cfg.use_critic:
-        critic_pool = pool if colocated else ResourcePool(
-            "critic", res.critic_n_workers, cpus_per_bundle=res.cpus_per_worker, gpus_per_bundle=res.gpus_per_worker)
+        critic_pool = pool if colocated_critic else ResourcePool("critic", res.critic_n_workers, **bundle)
         if critic_pool is not pool:
-            pools.append(critic_pool)
-        critic = RayWorkerGroup(critic_pool, CriticWorker, cfg, name_prefix="critic", share=1.0 - actor_share if colocated else 1.0)
-    return actor, critic, pools
+            groups.pools.append(critic_pool)
+        groups.critic = RayWorkerGroup(critic_pool, CriticWorker, cfg, name_prefix="critic",
+                                       share=share if colocated_critic else 1.0)
+    if cfg.reward_model.enable:
+        groups.reward_model = RayWorkerGroup(pool, RewardModelWorker, cfg, name_prefix="reward_model", share=share)
+    return groups
+
+
+def training_scorer(cfg):
+    """The (response, answer) -> float scorer for training rollouts: the user's custom reward
+    function when configured, else the rule scorer ``reward.name``."""
+    c = cfg.custom_reward_function
+    if c.path is None:
+        return get_scorer(cfg.reward.name)
+    from hybridflow.rewards.custom import adapt_to_scorer, load_custom_reward_function
+
+    return adapt_to_scorer(load_custom_reward_function(c.path, c.name))
 
 
 def _mean(dicts: list[dict]) -> dict:
@@ -45,57 +82,81 @@ def _mean(dicts: list[dict]) -> dict:
 
 
 class PPOTrainer:
-    def __init__(self, cfg, tokenizer, actor_rollout, critic=None):
+    def __init__(self, cfg, tokenizer, workers: WorkerGroups):
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.actor_rollout, self.critic = actor_rollout, critic
+        self.actor_rollout, self.critic, self.reward_model = workers.actor_rollout, workers.critic, workers.reward_model
         d = cfg.data
         kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, max_prompt_length=d.max_prompt_length)
         self.train_data = PromptDataset(d.train_files, tokenizer, **kw)
         self.val_data = PromptDataset(d.val_files, tokenizer, **kw) if d.val_files else None
+        self.rule_scorer = get_scorer(cfg.reward.name)  # validation accuracy, and training reward by default
+        self.train_scorer = training_scorer(cfg)
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
         self.timer = Timer()
         self.log = MetricsLog(cfg.trainer.output_dir)
 
     # The paper's few-line PPO: generate, score, prepare experience, update critic and actor.
-    def step(self, prompts: Batch, step: int) -> dict:
-        cfg, t = self.cfg, self.timer
-        n = cfg.rollout.n
+    def step(self, prompts: Batch, step: int) -> tuple[dict, int]:
+        cfg, t, algo = self.cfg, self.timer, self.cfg.algorithm
         prompts.non_tensors["uid"] = as_group_ids(len(prompts), 1, step)
-        batch = prompts.repeat(n, interleave=True)
         with t("gen"):
-            batch = self.actor_rollout.generate(batch)
+            batch = self.actor_rollout.generate(prompts.repeat(cfg.rollout.n, interleave=True))
         metrics = dict(batch.meta.pop("reshard", {}))
         with t("reward"):
-            batch = score_responses(batch, self.tokenizer, cfg.reward.name)
+            batch = self.reward(batch)
+            if algo.adv_estimator == "remax":
+                batch = batch.union(self.greedy_baseline(prompts))
         with t("old_log_prob"):
             batch = batch.union(self.actor_rollout.compute_log_prob(batch))
-        if "ref_log_prob" in self._needs():
+        if self.needs_ref:
             with t("ref"):
                 batch = batch.union(self.actor_rollout.compute_ref_log_prob(batch))
         if self.critic is not None:
             with t("values"):
                 batch = batch.union(self.critic.compute_values(batch))
         with t("adv"):
-            if cfg.algorithm.use_kl_in_reward:
-                batch, kl = apply_kl_in_reward(batch, self.kl_ctrl.value, cfg.algorithm.kl_penalty)
+            if algo.use_kl_in_reward:
+                batch, kl = apply_kl_in_reward(batch, self.kl_ctrl.value, algo.kl_penalty)
                 self.kl_ctrl.update(kl, n_steps=len(batch))
                 metrics.update({"actor/ref_kl": kl, "actor/kl_coef": self.kl_ctrl.value})
             else:
                 batch = batch.union(Batch.from_dict(tensors={"token_level_rewards": batch.tensors["token_level_scores"]}))
-            batch = add_advantages(batch, cfg.algorithm)
+            batch = add_advantages(batch, algo)
         if self.critic is not None:
             with t("update_critic"):
                 metrics.update(_mean(self.critic.update_critic(batch)))
         with t("update_actor"):
             metrics.update(_mean(self.actor_rollout.update_actor(batch)))
         metrics.update(rollout_metrics(batch))
-        n_tokens = int(batch.tensors["attention_mask"].sum())
-        return metrics, n_tokens
+        return metrics, int(batch.tensors["attention_mask"].sum())
 
-    def _needs(self) -> set:
-        a = self.cfg
-        return {"ref_log_prob"} if (a.algorithm.use_kl_in_reward or a.actor.use_kl_loss) else set()
+    @property
+    def needs_ref(self) -> bool:
+        return self.cfg.algorithm.use_kl_in_reward or self.cfg.actor.use_kl_loss
+
+    def reward(self, batch: Batch) -> Batch:
+        """Training reward: the reward model's score when enabled, else the custom function or rule
+        scorer; the rule accuracy is reported either way."""
+        batch = score_responses(batch, self.tokenizer, self.train_scorer)
+        if self.reward_model is None:
+            return batch
+        rule = batch.tensors["scores"]
+        rm = self.reward_model.compute_rm_score(batch).tensors["rm_scores"]
+        mask = batch.tensors["response_mask"]
+        token = torch.zeros(mask.shape, dtype=torch.float32)
+        last = (mask.sum(-1) - 1).clamp(min=0)
+        token[torch.arange(len(mask)), last] = rm * (mask.sum(-1) > 0)
+        out = Batch.from_dict(tensors={"scores": rm, "token_level_scores": token, "rule_scores": rule})
+        return Batch(tensors={**batch.tensors, **out.tensors}, non_tensors=batch.non_tensors, meta=batch.meta)
+
+    def greedy_baseline(self, prompts: Batch) -> Batch:
+        """ReMax: the reward of a greedy response per prompt, repeated for its n samples."""
+        greedy = self.actor_rollout.generate(Batch(tensors=prompts.tensors, non_tensors=prompts.non_tensors,
+                                                   meta={**prompts.meta, "temperature": 0.0}))
+        greedy.meta.pop("reshard", None)
+        base = self.reward(greedy).tensors["token_level_scores"].sum(-1)
+        return Batch.from_dict(tensors={"reward_baselines": base.repeat_interleave(self.cfg.rollout.n)})
 
     def validate(self) -> dict:
         """Greedy accuracy on the held-out prompts (the same evaluation at every step)."""
@@ -108,9 +169,7 @@ class PPOTrainer:
             prompts, pad = prompts.pad_to_divisor(self._dp_size())
             prompts.meta["temperature"] = 0.0
             out = self.actor_rollout.generate(prompts).unpad(pad)
-            scores.append(score_responses(out, self.tokenizer, self.cfg.reward.name).tensors["scores"])
-        import torch
-
+            scores.append(score_responses(out, self.tokenizer, self.rule_scorer).tensors["scores"])
         return {"val/accuracy": torch.cat(scores).mean().item()}
 
     def _dp_size(self) -> int:

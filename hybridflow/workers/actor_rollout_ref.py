@@ -77,8 +77,10 @@ class ActorRolloutRefWorker(Worker):
         self.rollout = VLLMRollout(
             cfg.model.path, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
             tensor_parallel_size=cfg.rollout.tensor_model_parallel_size, kv_cache_gib=cfg.rollout.kv_cache_gib,
-            dtype=cfg.rollout.dtype, seed=cfg.trainer.seed + self.rank,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
+            dtype=cfg.rollout.dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            # ranks of one generation TP group must sample identically: seed per replica
+            seed=cfg.trainer.seed + self.rollout_layout.ranks[self.rank].replica,
+            generation_groups=self.rollout_layout.replicas)
         self._rollout_stale = False  # True once the actor has moved past the rollout's weights
 
     def dispatch_info(self, mesh: str = "train") -> dict:
@@ -98,7 +100,9 @@ class ActorRolloutRefWorker(Worker):
         stats = TransitionStats(self.resharder.scheme)
         start = time.perf_counter()
         with torch.no_grad():
-            self.rollout.update_weights(to_checkpoint_names(self.resharder.stream(stats), self.actor.hf_config))
+            me = self.rollout_layout.ranks[self.rank]
+            self.rollout.update_weights(to_checkpoint_names(self.resharder.stream(stats), self.actor.hf_config,
+                                                            k=me.gen_tp_rank, t_g=self.rollout_layout.t_g))
         stats.seconds = time.perf_counter() - start
         self._rollout_stale = False
         return stats.as_metrics()
@@ -141,6 +145,11 @@ class ActorRolloutRefWorker(Worker):
         metrics = role_ops.update_policy(self.actor, batch, self.cfg.actor, parallel.dispatch_info()["dp_size"])
         self._rollout_stale = True
         return metrics
+
+    @register(Dispatch.ONE_TO_ALL)
+    def close(self) -> None:
+        """Release the rollout engine's shared resources before the process is killed."""
+        self.rollout.close()
 
     # --- export -----------------------------------------------------------------------------------
 

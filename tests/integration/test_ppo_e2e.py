@@ -12,47 +12,25 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow.config import load_config
-from hybridflow.config.schema import ExperimentConfig
 from hybridflow.protocol import Batch
-from hybridflow.rewards import register_scorer
+from tests.integration.conftest import make_cfg, run_steps
 
 pytestmark = pytest.mark.integration
-
-
-@register_scorer("test_digit_overlap")
-def digit_overlap(response: str, answer: str) -> float:
-    """Partial credit, so that even a weak warm start yields non-zero advantages in every step."""
-    return sum(c in response for c in set(answer)) / max(len(set(answer)), 1)
-
 
 LAYOUTS = {  # name -> overrides: one process, and 2-process TP / PP actors feeding per-rank vLLM engines
     "single": [],
     "actor_tp2_hybrid": ["actor.megatron.tensor_model_parallel_size=2", "actor.megatron.sequence_parallel=true",
                          "resources.n_workers=2", "resources.cpus_per_worker=1", "rollout.resharding=hybrid"],
+    "actor_tp2_rollout_tp2": ["actor.megatron.tensor_model_parallel_size=2", "rollout.tensor_model_parallel_size=2",
+                              "resources.n_workers=2", "resources.cpus_per_worker=1"],  # one vLLM engine over 2 ranks
     "actor_pp2_gather_all": ["actor.megatron.pipeline_model_parallel_size=2", "resources.n_workers=2",
                              "resources.cpus_per_worker=1", "rollout.resharding=gather_all"],
     "grpo_kl_loss": ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "actor.use_kl_loss=true",
                      "rollout.n=2", "data.batch_size=8"],  # critic-free: no critic worker at all
+    "critic_separate_pool": ["critic.placement=separate", "resources.cpus_per_worker=1"],  # split placement
+    "remax": ["algorithm.adv_estimator=remax", "algorithm.use_kl_in_reward=false", "rollout.n=2",
+              "data.batch_size=8"],  # a greedy rollout per prompt gives the baseline
 }
-
-
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def cfg(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ppo_e2e")
-    cfg = load_config(ExperimentConfig, ["configs/quickstart_cpu.yaml"], [
-        f"prepare.data_dir={out}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
-        f"data.train_files=[{out}/data/train.parquet]", f"data.val_files=[{out}/data/val.parquet]",
-        f"trainer.output_dir={out}/run", "prepare.sft_steps=150", "prepare.hidden_size=128",
-        "prepare.num_layers=2", "prepare.n_val=32", "data.batch_size=16", "actor.ppo_mini_batch_size=16",
-        "actor.ppo_micro_batch_size=8", "critic.ppo_mini_batch_size=16", "critic.ppo_micro_batch_size=8",
-        "actor.optim.lr=1e-3", "ray.num_cpus=2", "reward.name=test_digit_overlap",
-        *LAYOUTS[request.param],
-    ])
-    from hybridflow.trainer.prepare import prepare_quickstart
-
-    prepare_quickstart(cfg)
-    return cfg
 
 
 def _hf_greedy(cfg, state: dict, prompts, max_new_tokens: int) -> list[list[int]]:
@@ -76,36 +54,33 @@ def _vllm_tokens(batch) -> list[list[int]]:
     return [r[m.bool()].tolist() for r, m in zip(batch.tensors["responses"], batch.tensors["response_mask"])]
 
 
-def test_three_ppo_steps_sync_vllm_with_actor(cfg, ray_cluster):
-    from transformers import AutoTokenizer
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_three_ppo_steps_sync_vllm_with_actor(layout, assets, tmp_path, ray_cluster):
+    from hybridflow.workers.common import load_hf_folder
 
-    from hybridflow.trainer.ppo import PPOTrainer, build_worker_groups
+    cfg = make_cfg(assets, tmp_path, *LAYOUTS[layout])
+    initial = {k: v.numpy() for k, v in load_hf_folder(cfg.model.path)[1].items()}
+    last = {}
 
-    actor, critic, pools = build_worker_groups(cfg)
-    try:
-        trainer = PPOTrainer(cfg, AutoTokenizer.from_pretrained(cfg.model.path), actor, critic)
-        data = trainer.train_data.iterate(cfg.data.batch_size, shuffle=True, seed=0)
+    def check(trainer, step, metrics):
+        keys = ["actor/pg_loss", "actor/grad_norm"] + (
+            ["critic/vf_loss", "critic/grad_norm"] if trainer.critic is not None else
+            ["actor/kl_loss"] if trainer.cfg.actor.use_kl_loss else [])
+        for key in keys:
+            assert math.isfinite(metrics[key]), (key, metrics[key])
+        actor = trainer.actor_rollout
         probe = trainer.val_data.batch(list(range(8)))
-        before = actor.export_hf_state_dict()[0]
-        for step in range(1, 4):
-            metrics, _ = trainer.step(next(data), step)
-            keys = ["actor/pg_loss", "actor/grad_norm"] + (["critic/vf_loss", "critic/grad_norm"] if critic is not None else
-                                                             ["actor/kl_loss"])
-            for key in keys:
-                assert math.isfinite(metrics[key]), (key, metrics[key])
-            state = actor.export_hf_state_dict()[0]
-            # The next generate call pushes the updated actor weights into vLLM (the real sync path).
-            greedy = actor.generate(with_meta(probe, temperature=0.0))
-            expected = _hf_greedy(cfg, state, probe, cfg.data.max_response_length)
-            assert _vllm_tokens(greedy) == expected, f"step {step}: vLLM greedy != HF greedy"
-        changed = [k for k in before if not np.array_equal(before[k], state[k])]
-        assert len(changed) == len(before), f"unchanged actor weights: {set(before) - set(changed)}"
-    finally:
-        actor.shutdown()
-        if critic is not None:
-            critic.shutdown()
-        for pool in pools:
-            pool.remove()
+        state = actor.export_hf_state_dict()[0]
+        # The next generate call pushes the updated actor weights into vLLM (the real sync path).
+        greedy = actor.generate(with_meta(probe, temperature=0.0))
+        assert greedy.meta["reshard"], "the update was not followed by a weight transition"
+        assert _vllm_tokens(greedy) == _hf_greedy(cfg, state, probe, cfg.data.max_response_length), \
+            f"step {step}: vLLM greedy != HF greedy"
+        last.update(state)
+
+    run_steps(cfg, 3, check)
+    changed = [k for k in initial if not np.array_equal(initial[k], last[k])]
+    assert len(changed) == len(initial), f"unchanged actor weights: {set(initial) - set(changed)}"
 
 
 def with_meta(batch, **meta):

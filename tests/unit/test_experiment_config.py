@@ -69,3 +69,9 @@ def test_cli_reports_missing_data_file(capsys, tmp_path):
     assert main(["--config", QUICKSTART, "prepare.enable=false", f"model.path={tmp_path}",
                  f"data.train_files=[{tmp_path}/nope.parquet]"]) == 2
     assert f"data.train_files: file not found: {tmp_path}/nope.parquet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted(__import__("glob").glob("configs/*.yaml")))
+def test_every_shipped_config_loads(path):
+    cfg = load_config(ExperimentConfig, [path])
+    assert cfg.data.batch_size > 0

@@ -1,0 +1,59 @@
+"""Shared assets for the end-to-end tests: one tiny warm-started model and task data per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.config import load_config
+from hybridflow.config.schema import ExperimentConfig
+from hybridflow.rewards import register_scorer
+
+SMALL = ["prepare.sft_steps=150", "prepare.num_layers=2", "prepare.n_val=32", "data.batch_size=16",
+         "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=8", "critic.ppo_mini_batch_size=16",
+         "critic.ppo_micro_batch_size=8", "actor.optim.lr=1e-3", "ray.num_cpus=2"]
+
+
+@register_scorer("test_digit_overlap")
+def digit_overlap(response: str, answer: str) -> float:
+    """Partial credit, so that even a weak warm start yields non-zero advantages in every step."""
+    return sum(c in response for c in set(answer)) / max(len(set(answer)), 1)
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory):
+    out = tmp_path_factory.mktemp("assets")
+    cfg = load_config(ExperimentConfig, ["configs/quickstart_cpu.yaml"], [
+        f"prepare.data_dir={out}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
+        "prepare.vocab_multiple=128", *SMALL])  # vocab 128: vLLM's vocab shards match megatron's at TP 2
+    from hybridflow.trainer.prepare import prepare_quickstart
+
+    prepare_quickstart(cfg)
+    return out
+
+
+def make_cfg(assets, tmp_path, *overrides, config="configs/quickstart_cpu.yaml"):
+    return load_config(ExperimentConfig, [config], [
+        f"model.path={assets}/sft", f"data.train_files=[{assets}/data/train.parquet]",
+        f"data.val_files=[{assets}/data/val.parquet]", f"trainer.output_dir={tmp_path}/run", "prepare.enable=false",
+        *SMALL, "reward.name=test_digit_overlap", *overrides])
+
+
+def run_steps(cfg, n_steps: int, check=None) -> list[dict]:
+    """n PPO-family steps through the real worker groups; ``check(trainer, step, metrics)`` after each."""
+    from transformers import AutoTokenizer
+
+    from hybridflow.trainer.ppo import PPOTrainer, build_worker_groups
+
+    workers = build_worker_groups(cfg)
+    try:
+        trainer = PPOTrainer(cfg, AutoTokenizer.from_pretrained(cfg.model.path), workers)
+        data = trainer.train_data.iterate(cfg.data.batch_size, shuffle=True, seed=0)
+        history = []
+        for step in range(1, n_steps + 1):
+            metrics, _ = trainer.step(next(data), step)
+            history.append(metrics)
+            if check is not None:
+                check(trainer, step, metrics)
+        return history
+    finally:
+        workers.shutdown()
