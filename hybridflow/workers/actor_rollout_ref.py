@@ -13,17 +13,11 @@ import torch
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.megatron import parallel
-from hybridflow.megatron.engine import MegatronRole, OptimSettings
+from hybridflow.megatron.engine import MegatronRole
 from hybridflow.protocol import Batch
 from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
 from hybridflow.workers import role_ops
-from hybridflow.workers.common import load_hf_folder
-
-
-def optim_settings(optim, megatron_cfg) -> OptimSettings:
-    return OptimSettings(lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
-                         clip_grad=optim.clip_grad,
-                         use_distributed_optimizer=megatron_cfg.use_distributed_optimizer)
+from hybridflow.workers.common import init_megatron_worker, optim_settings
 
 
 def responses_to_batch(prompts: Batch, responses: list[list[int]], max_len: int, pad_id: int,
@@ -52,11 +46,8 @@ class ActorRolloutRefWorker(Worker):
     def __init__(self, cfg, with_ref: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.init_distributed()
         mp = cfg.actor.megatron
-        parallel.init_model_parallel(mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size,
-                                     seed=cfg.trainer.seed)
-        hf_config, state = load_hf_folder(cfg.model.path)
+        hf_config, state = init_megatron_worker(self, mp, cfg.trainer.seed, cfg.model.path)
         self.actor = MegatronRole(hf_config, state, optim=optim_settings(cfg.actor.optim, mp),
                                   sequence_parallel=mp.sequence_parallel)
         self.ref = MegatronRole(hf_config, state, sequence_parallel=mp.sequence_parallel) if with_ref else None

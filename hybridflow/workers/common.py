@@ -17,3 +17,22 @@ def load_hf_folder(path: str) -> tuple:
     for f in files:
         state.update(load_file(str(f)))
     return AutoConfig.from_pretrained(path), state
+
+
+def optim_settings(optim, megatron_cfg):
+    """The engine's optimizer settings from a role's ``optim`` and ``megatron`` config sections."""
+    from hybridflow.megatron.engine import OptimSettings
+
+    return OptimSettings(lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
+                         clip_grad=optim.clip_grad, use_distributed_optimizer=megatron_cfg.use_distributed_optimizer)
+
+
+def init_megatron_worker(worker, megatron_cfg, seed: int, model_path: str) -> tuple:
+    """Join the group's torch.distributed world, create megatron's groups for the role's layout, and
+    load the HF weights the role starts from: (HF config, full state dict)."""
+    from hybridflow.megatron import parallel
+
+    worker.init_distributed()
+    parallel.init_model_parallel(megatron_cfg.tensor_model_parallel_size, megatron_cfg.pipeline_model_parallel_size,
+                                 seed=seed)
+    return load_hf_folder(model_path)

@@ -6,20 +6,16 @@ from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.megatron import parallel
 from hybridflow.megatron.engine import MegatronRole
 from hybridflow.protocol import Batch
-from hybridflow.workers.actor_rollout_ref import optim_settings
 from hybridflow.workers import role_ops
-from hybridflow.workers.common import load_hf_folder
+from hybridflow.workers.common import init_megatron_worker, optim_settings
 
 
 class CriticWorker(Worker):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.init_distributed()
         mp = cfg.critic.megatron
-        parallel.init_model_parallel(mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size,
-                                     seed=cfg.trainer.seed)
-        hf_config, state = load_hf_folder(cfg.model.path)
+        hf_config, state = init_megatron_worker(self, mp, cfg.trainer.seed, cfg.model.path)
         self.critic = MegatronRole(hf_config, state, value_head=True, optim=optim_settings(cfg.critic.optim, mp),
                                    sequence_parallel=mp.sequence_parallel)
 
