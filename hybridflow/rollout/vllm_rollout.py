@@ -36,6 +36,39 @@ def _vllm_groups_from(groups: list[tuple[int, ...]] | None):
         vps.init_model_parallel_group = original
 
 
+def _unique_dist_ident() -> str:
+    """A name for this engine's shared-memory segments that no other engine uses: rank 0 picks it and
+    the whole world agrees on it."""
+    import uuid
+
+    import torch.distributed as dist
+
+    ident = [f"hf{uuid.uuid4().hex[:12]}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(ident, src=0)
+    return ident[0]
+
+
+@contextlib.contextmanager
+def _cpu_shm_names(prefix: str | None):
+    """vLLM's CPU TP communicator names its /dev/shm segments from the init method's port, which under
+    the external launcher is the same for every engine ("env://"): a segment leaked by a killed process
+    then makes the next engine with the same groups fail (EEXIST). Prefix the names with ``prefix``
+    while the engine is built (the only time they are made)."""
+    if prefix is None:
+        yield
+        return
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    original = cc._CPUSHMDistributed.make_group_name
+    cc._CPUSHMDistributed.make_group_name = staticmethod(
+        lambda comm: f"{prefix}-{comm.unique_name}-[{'-'.join(str(r) for r in comm.ranks)}]-cpushm")
+    try:
+        yield
+    finally:
+        cc._CPUSHMDistributed.make_group_name = original
+
+
 @dataclass
 class SamplingSettings:
     temperature: float = 1.0
@@ -63,15 +96,17 @@ class VLLMRollout:
         from vllm import LLM
 
         kwargs = {}
+        self._shm_prefix = None
         if tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer owns thread placement
+            self._shm_prefix = _unique_dist_ident()
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op process-wide and reseeds the
         # global RNG: keep the trainer's thread count and RNG stream as they were.
         set_threads, rng = torch.set_num_threads, torch.get_rng_state()
         threads = torch.get_num_threads()
         try:
-            with _vllm_groups_from(generation_groups):
+            with _vllm_groups_from(generation_groups), _cpu_shm_names(self._shm_prefix):
                 self.llm = LLM(model=hf_dir, tokenizer=hf_dir, dtype=dtype, enforce_eager=True,
                                max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                                seed=seed, gpu_memory_utilization=gpu_memory_utilization,
@@ -88,6 +123,11 @@ class VLLMRollout:
 
         destroy_model_parallel()
         self.llm = None
+        if self._shm_prefix:  # segments named after this engine's unique identifier are ours alone
+            for name in os.listdir("/dev/shm"):
+                if name.startswith(self._shm_prefix + "-"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join("/dev/shm", name))
 
     def _worker(self):
         worker = self.llm.llm_engine.model_executor.driver_worker

@@ -162,15 +162,16 @@ class PPOTrainer:
         """Greedy accuracy on the held-out prompts (the same evaluation at every step)."""
         if self.val_data is None:
             return {}
-        scores = []
+        scores, reshard = [], {}
         for start in range(0, len(self.val_data), self.cfg.data.val_batch_size):
             rows = list(range(start, min(start + self.cfg.data.val_batch_size, len(self.val_data))))
             prompts = self.val_data.batch(rows)
             prompts, pad = prompts.pad_to_divisor(self._dp_size())
             prompts.meta["temperature"] = 0.0
             out = self.actor_rollout.generate(prompts).unpad(pad)
+            reshard = reshard or out.meta.pop("reshard", {})  # the sync after an update may happen here
             scores.append(score_responses(out, self.tokenizer, self.rule_scorer).tensors["scores"])
-        return {"val/accuracy": torch.cat(scores).mean().item()}
+        return {**reshard, "val/accuracy": torch.cat(scores).mean().item()}
 
     def _dp_size(self) -> int:
         return self.actor_rollout.dispatch_infos("rollout")[0]["dp_size"]

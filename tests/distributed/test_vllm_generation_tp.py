@@ -43,8 +43,9 @@ def _rank_fn(rank, world, hf_dir, p, t):
     rollout.update_weights(to_checkpoint_names(resharder.stream(stats), cfg, k=me.gen_tp_rank, t_g=2))
     out = rollout.generate(PROMPTS, SamplingSettings(temperature=0, max_new_tokens=6))
     hf = {k: v.clone() for k, v in role.hf_state_dict().items()}
+    prefix = rollout._shm_prefix
     rollout.close()
-    return {"tokens": [o[0] for o in out], "hf": hf if rank == 0 else None, "group": me.gen_group}
+    return {"tokens": [o[0] for o in out], "hf": hf if rank == 0 else None, "group": me.gen_group, "shm": prefix}
 
 
 @pytest.mark.parametrize("p,t", [(1, 4), (2, 2)], ids=["p1t4_to_tg2", "p2t2_to_tg2"])
@@ -68,3 +69,8 @@ def test_strided_generation_tp_matches_hf(tmp_path, p, t):
     assert len({r["group"] for r in results}) == 2
     for r in results:
         assert r["tokens"] == expected, f"generation group {r['group']}"
+    # vLLM's TP communicator segments carry this engine's own prefix and are gone after close()
+    assert len({r["shm"] for r in results}) == 1
+    import os
+
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(results[0]["shm"])]
