@@ -13,7 +13,7 @@ p_g = 1 (vLLM on CPU has no pipeline stages).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,6 @@ class TransitionStats:
     peak_extra_bytes: int = 0  # parameter bytes held beyond the training shard, at the worst moment
     own_shard_bytes: int = 0
     seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     def as_metrics(self, prefix: str = "reshard") -> dict:
         return {f"{prefix}/bytes_received": float(self.bytes_received), f"{prefix}/bytes_sent": float(self.bytes_sent),

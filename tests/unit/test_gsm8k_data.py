@@ -50,7 +50,7 @@ def test_jsonl_to_prompt_parquet(tmp_path, tokenizer, caplog):
     with caplog.at_level(logging.INFO, logger="hybridflow.data.gsm8k"):
         result = preprocess_gsm8k(FIXTURE, tmp_path, tokenizer, max_prompt_length=300)
     assert (result.path, result.kept, result.dropped) == (tmp_path / "train.parquet", 4, 1)
-    assert f"dropped 1 of 5 prompts longer than max_prompt_length=300 tokens" in caplog.text
+    assert "dropped 1 of 5 prompts longer than max_prompt_length=300 tokens" in caplog.text
 
     table = pq.read_table(result.path)
     assert table.column_names == ["prompt", "answer", "data_source", "index"]
