@@ -142,10 +142,10 @@ def megatron_to_hf(full_sd: dict, cfg, shard: Shard, *, value_head: bool = False
         out[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in blocks], dim=0)
     if "decoder.final_layernorm.weight" in full_sd:
         out["model.norm.weight"] = full_sd["decoder.final_layernorm.weight"]
-        if "output_layer.weight" in full_sd:
-            name = "score.weight" if value_head else "lm_head.weight"
-            if not (not value_head and getattr(cfg, "tie_word_embeddings", False)):
-                out[name] = full_sd["output_layer.weight"]
+        # A tied policy's last-stage output layer is megatron's copy of the embedding: not exported.
+        tied = not value_head and getattr(cfg, "tie_word_embeddings", False)
+        if "output_layer.weight" in full_sd and not tied:
+            out["score.weight" if value_head else "lm_head.weight"] = full_sd["output_layer.weight"]
     return out
 
 

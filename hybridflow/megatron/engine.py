@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from hybridflow.megatron import convert, cpu_compat, parallel
 from hybridflow.megatron.model import build_gpt, transformer_config_from_hf
+from hybridflow.util import mean_by_key
 
 
 @dataclass
@@ -141,11 +142,7 @@ class MegatronRole:
         outputs = self._run_schedule(micro_batches, loss_fn, forward_only=False)
         with cpu_compat.megatron_cpu_scope():
             ok, grad_norm, _ = self.optimizer.step()
-        metrics = {}
-        for out in outputs:
-            for k, v in out.items():
-                metrics.setdefault(k, []).append(float(v))
-        metrics = {k: sum(v) / len(v) for k, v in metrics.items()}
+        metrics = mean_by_key(outputs)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_skipped"] = float(not ok)
         return metrics
@@ -174,9 +171,6 @@ class MegatronRole:
                 dist.all_gather(parts, tensor.contiguous(), group=tp_group)
                 tensor = torch.cat(parts, dim=dim)
             full[name] = tensor
-        if self.shard.pp_size > 1 and "output_layer.weight" in full and not self.shard.first_stage \
-                and getattr(self.hf_config, "tie_word_embeddings", False) and not self.value_head:
-            del full["output_layer.weight"]  # the tied copy: the first stage exports the embedding
         hf = convert.megatron_to_hf(full, self.hf_config, self.shard, value_head=self.value_head)
         if self.shard.pp_size > 1:
             stages = [None] * self.shard.pp_size

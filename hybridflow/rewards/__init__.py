@@ -1,5 +1,5 @@
 """Reward scoring: rule-based scorers registered by name, and turning scores into token rewards."""
 
-from hybridflow.rewards.registry import get_scorer, register_scorer, score_batch  # noqa: F401
+from hybridflow.rewards.registry import get_scorer, on_last_token, register_scorer, score_batch  # noqa: F401
 from hybridflow.rewards import arithmetic  # noqa: F401  (registers "arithmetic")
 from hybridflow.rewards import gsm8k  # noqa: F401,E402  (registers "gsm8k", "gsm8k_flexible")

@@ -28,8 +28,14 @@ def get_scorer(name: str) -> Callable[[str, str], float]:
 def score_batch(scorer, texts: list[str], answers, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-sequence scores [b], token-level scores [b, R] with each score on the last valid token)."""
     scores = torch.tensor([float(scorer(t, str(a))) for t, a in zip(texts, answers)], dtype=torch.float32)
+    return scores, on_last_token(scores, response_mask)
+
+
+def on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Token-level [b, R] tensor holding each sequence score on its last valid response token
+    (empty responses get none)."""
     token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
     lengths = response_mask.sum(-1).long()
     rows = torch.nonzero(lengths > 0).flatten()
-    token_scores[rows, lengths[rows] - 1] = scores[rows]
-    return scores, token_scores
+    token_scores[rows, lengths[rows] - 1] = scores[rows].float()
+    return token_scores

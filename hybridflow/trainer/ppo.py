@@ -6,7 +6,6 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -14,10 +13,11 @@ from hybridflow.algorithms import make_kl_controller
 from hybridflow.controller import RayWorkerGroup, ResourcePool
 from hybridflow.data.dataset import PromptDataset
 from hybridflow.protocol import Batch
-from hybridflow.rewards import get_scorer
+from hybridflow.rewards import get_scorer, on_last_token
 from hybridflow.trainer.advantage import (add_advantages, apply_kl_in_reward, as_group_ids, rollout_metrics,
                                           score_responses)
 from hybridflow.trainer.metrics import MetricsLog, Timer
+from hybridflow.util import mean_by_key
 
 
 @dataclass
@@ -76,11 +76,6 @@ def training_scorer(cfg):
     return adapt_to_scorer(load_custom_reward_function(c.path, c.name))
 
 
-def _mean(dicts: list[dict]) -> dict:
-    keys = {k for d in dicts for k in d}
-    return {k: float(np.mean([d[k] for d in dicts if k in d])) for k in keys}
-
-
 class PPOTrainer:
     def __init__(self, cfg, tokenizer, workers: WorkerGroups):
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -125,9 +120,9 @@ class PPOTrainer:
             batch = add_advantages(batch, algo)
         if self.critic is not None:
             with t("update_critic"):
-                metrics.update(_mean(self.critic.update_critic(batch)))
+                metrics.update(mean_by_key(self.critic.update_critic(batch)))
         with t("update_actor"):
-            metrics.update(_mean(self.actor_rollout.update_actor(batch)))
+            metrics.update(mean_by_key(self.actor_rollout.update_actor(batch)))
         metrics.update(rollout_metrics(batch))
         return metrics, int(batch.tensors["attention_mask"].sum())
 
@@ -143,10 +138,7 @@ class PPOTrainer:
             return batch
         rule = batch.tensors["scores"]
         rm = self.reward_model.compute_rm_score(batch).tensors["rm_scores"]
-        mask = batch.tensors["response_mask"]
-        token = torch.zeros(mask.shape, dtype=torch.float32)
-        last = (mask.sum(-1) - 1).clamp(min=0)
-        token[torch.arange(len(mask)), last] = rm * (mask.sum(-1) > 0)
+        token = on_last_token(rm, batch.tensors["response_mask"])
         out = Batch.from_dict(tensors={"scores": rm, "token_level_scores": token, "rule_scores": rule})
         return Batch(tensors={**batch.tensors, **out.tensors}, non_tensors=batch.non_tensors, meta=batch.meta)
 

@@ -144,10 +144,6 @@ class ActorRolloutRefWorker(Worker):
 
     # --- export -----------------------------------------------------------------------------------
 
-    @register(Dispatch.RANK_ZERO)
-    def hf_config_dict(self) -> dict:
-        return self.actor.hf_config.to_dict()
-
     @register(Dispatch.ONE_TO_ALL)
     def export_hf_state_dict(self) -> dict:
         """The actor's full weights with HF names, as numpy arrays (cheap to move through Ray)."""

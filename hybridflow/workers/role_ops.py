@@ -11,6 +11,7 @@ import torch
 from hybridflow.algorithms import aggregate_loss, kl_penalty, policy_loss, value_loss
 from hybridflow.megatron.engine import MegatronRole, token_log_probs, vocab_parallel_entropy
 from hybridflow.protocol import Batch
+from hybridflow.util import mean_by_key
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
@@ -52,11 +53,6 @@ def _concat(outputs: list[dict], key: str):
     return torch.cat([o[key] for o in outputs]) if outputs else None
 
 
-def _mean(all_metrics: list[dict]) -> dict:
-    keys = {k for m in all_metrics for k in m}
-    return {k: sum(m[k] for m in all_metrics if k in m) / sum(1 for m in all_metrics if k in m) for k in keys}
-
-
 def _seq_multiple(role: MegatronRole) -> int:
     return role.shard.tp_size if role.tf_config.sequence_parallel else 1
 
@@ -89,7 +85,7 @@ def _train(role, batch, *, mini_batch_size, micro_batch_size, epochs, keys, loss
         for mini in batch.split(mini_batch_size):
             mbs = micro_batches(mini, micro_batch_size, extra_keys=keys, seq_multiple=_seq_multiple(role))
             all_metrics.append(role.train_mini_batch(mbs, loss_fn))
-    metrics = _mean(all_metrics)
+    metrics = mean_by_key(all_metrics)
     metrics.pop("update_skipped", None)
     return metrics
 
