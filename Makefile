@@ -1,5 +1,6 @@
 # make run  : install into .venv (if needed) and run the CPU quickstart (SFT warm start + PPO)
 # make test : install into .venv (if needed) and run the test suite (CPU tiers)
+# make test-gpu : run the GPU tier (tests/gpu/run.sh) in the current environment, not .venv (1-8 GPUs)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hybridflow-installed
@@ -8,11 +9,11 @@ TORCH  := torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: run test install clean-outputs
+.PHONY: run test test-gpu install clean-outputs
 
 install: $(STAMP)
 
-$(STAMP): setup.py
+$(STAMP): setup.py hybridflow/versions.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH) || $(PY) -m pip install -q $(TORCH) --extra-index-url $(TORCH_INDEX)
@@ -26,6 +27,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# No .venv dependency: GPU machines bring their own environment (see tests/gpu/run.sh for the install).
+test-gpu:
+	bash tests/gpu/run.sh $(PYTEST_ARGS)
 
 clean-outputs:
 	rm -rf outputs/quickstart

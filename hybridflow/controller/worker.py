@@ -48,16 +48,15 @@ class Worker:
         All ranks must call this together (ONE_TO_ALL does), otherwise the
         rendezvous waits until `timeout_s`. Calling it again is a no-op.
         """
-        import torch
         import torch.distributed as dist
 
         if dist.is_initialized():
             return dist.get_backend()
+        from hybridflow import device
+
+        bound = device.bind(self.local_rank)  # before nccl: its communicators live on the current device
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            # Ray usually exposes only this actor's GPU(s): index modulo count.
-            torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
+            backend = "gloo" if bound.type == "cpu" else "nccl"  # nccl is rccl on ROCm builds of torch
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{self.master_addr}:{self.master_port}",

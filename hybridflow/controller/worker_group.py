@@ -18,6 +18,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hybridflow.device import local_ranks
+
 from .decorator import (DISPATCH_TABLE, Call, CollectFn, Dispatch, Plan, RegisterSpec,
                         get_register_spec)
 from .resource_pool import ResourcePool
@@ -109,10 +111,11 @@ class RayWorkerGroup:
         # share times 3 groups still fits in the bundle.
         frac = lambda x: math.floor(x * self.share * 1e4) / 1e4  # noqa: E731
         remote_cls = ray.remote(self.worker_cls)
+        local = local_ranks(node_ids)
         for rank, node in enumerate(node_ids):
             env = {
                 "RANK": str(rank), "WORLD_SIZE": str(pool.world_size),
-                "LOCAL_RANK": str(node_ids[:rank].count(node)),
+                "LOCAL_RANK": str(local[rank]),
                 "LOCAL_WORLD_SIZE": str(node_ids.count(node)),
                 "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
                 "OMP_NUM_THREADS": "1",

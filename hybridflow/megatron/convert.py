@@ -7,6 +7,8 @@ Layout facts (checked against HF logits): megatron's fused ``linear_qkv`` is ord
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -104,9 +106,57 @@ def hf_to_megatron(hf_sd: dict, cfg, shard: Shard = Shard(), *, value_head: bool
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _te_norm_renames() -> tuple[tuple[str, str], ...]:
+    """(local-spec prefix, Transformer Engine prefix) inside a decoder layer. TE's spec fuses each norm
+    into the linear layer after it (``self_attention.linear_qkv.layer_norm_weight``,
+    ``mlp.linear_fc1.layer_norm_weight``); megatron-core records this map in its local spec
+    (gpt_layer_specs.get_gpt_layer_local_spec, ``sharded_state_dict_keys_map``), so we read it there."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return tuple(get_gpt_layer_local_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map.items())
+
+
+_LAYER = re.compile(r"^((?:.*\.)?decoder\.layers\.\d+\.)(.*)$")
+
+
+def _rename(name: str, pairs) -> str:
+    m = _LAYER.match(name)
+    if m:
+        for old, new in pairs:
+            if m[2].startswith(old):
+                return m[1] + new + m[2][len(old):]
+    return name
+
+
+def canonical_names(sd: dict) -> dict:
+    """A megatron state dict in the local spec's names (what conversion and resharding work in), whichever
+    spec built the model; TE's ``_extra_state`` entries (fp8 metadata, not weights) are dropped."""
+    inverse = tuple((new, old) for old, new in _te_norm_renames())
+    return {_rename(k, inverse): v for k, v in sd.items() if not k.endswith("_extra_state")}
+
+
+def uses_te_names(model_keys) -> bool:
+    return any(new in k for k in model_keys for _, new in _te_norm_renames())
+
+
+def model_names(sd: dict, model_keys) -> dict:
+    """Local-spec names -> the names of the model at hand (TE's when it was built with the TE spec)."""
+    if not uses_te_names(model_keys):
+        return sd
+    return {_rename(k, _te_norm_renames()): v for k, v in sd.items()}
+
+
+def local_state_dict(module: torch.nn.Module) -> dict:
+    """This rank's parameters of a megatron GPTModel, detached, in the local spec's names."""
+    return {k: v.detach() for k, v in canonical_names(module.state_dict()).items()}
+
+
 def load_into(model: torch.nn.Module, local_sd: dict) -> None:
-    """Copy a converted state dict into the model, failing on any parameter left unset or unknown."""
+    """Copy a converted state dict (local-spec names) into the model, whichever spec built it, failing on
+    any parameter left unset or unknown. Tensors are copied onto the model's device and dtype."""
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    local_sd = model_names(local_sd, own)
     missing = sorted(set(own) - set(local_sd) - {"output_layer.weight"})
     unknown = sorted(set(local_sd) - set(own))
     if missing or unknown:
@@ -130,6 +180,8 @@ def megatron_to_hf(full_sd: dict, cfg, shard: Shard, *, value_head: bool = False
         out["model.embed_tokens.weight"] = full_sd["embedding.word_embeddings.weight"]
     for local, layer in enumerate(shard.layer_range(cfg.num_hidden_layers)):
         src, dst = f"decoder.layers.{local}.", f"model.layers.{layer}."
+        if src + "mlp.linear_fc1.weight" not in full_sd:  # converting a subset of the layers (streamed export)
+            continue
         for mkey, (hkey, _) in _LAYER_SIMPLE.items():
             out[dst + hkey] = full_sd[src + mkey]
         for kind in ("weight", "bias"):
@@ -149,9 +201,9 @@ def megatron_to_hf(full_sd: dict, cfg, shard: Shard, *, value_head: bool = False
     return out
 
 
-# TP split dim of each megatron param (by suffix); None = replicated across TP.
+# TP split dim of each megatron param (by suffix, local-spec names); None = replicated across TP.
 def tp_split_dim(name: str, value_head: bool = False) -> int | None:
-    if name.endswith(("layernorm.weight", "final_layernorm.weight")):
+    if name.endswith(("layernorm.weight", "layer_norm_weight")):
         return None
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1

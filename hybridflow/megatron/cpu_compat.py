@@ -1,10 +1,9 @@
 """Run megatron-core on a machine without CUDA.
 
 megatron-core assumes CUDA in a handful of places: tensor factories with ``device='cuda'`` or an int
-device, ``Tensor.cuda()``, ``torch.cuda.current_device()``/``synchronize()``, the CUDA RNG tracker, the
-optimizer's ``p.type() == 'torch.cuda.FloatTensor'`` checks and the no-Apex norm's refusal of sequence
-parallel. Everything here is inert when CUDA is present: ``enable()`` returns without patching and
-``megatron_cpu_scope()`` is a null context.
+device, ``Tensor.cuda()``, ``torch.cuda.current_device()``/``synchronize()``, the CUDA RNG tracker, and
+the optimizer's ``p.type() == 'torch.cuda.FloatTensor'`` checks. Everything here is inert when CUDA is
+present: ``enable()`` returns without patching and ``megatron_cpu_scope()`` is a null context.
 
 Global patches are few and harmless to other libraries (vLLM runs in the same process); the
 cuda->cpu device rewrite is a TorchFunctionMode scoped to megatron calls, because torch function modes
@@ -107,30 +106,6 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(saved)
 
 
-def _patch_torch_norm() -> None:
-    # The no-Apex norm asserts `not sequence_parallel`; a plain norm is correct under sequence
-    # parallel as long as its weight gradients are all-reduced across TP, which megatron does for
-    # params marked `sequence_parallel` (finalize_model_grads).
-    from megatron.core.transformer import torch_norm
-
-    original_init = torch_norm.WrappedTorchNorm.__new__
-
-    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
-            normalization="LayerNorm"):
-        sp = config.sequence_parallel
-        config.sequence_parallel = False
-        try:
-            norm = original_init(cls, config, hidden_size, eps, persist_layer_norm,
-                                 zero_centered_gamma, normalization)
-        finally:
-            config.sequence_parallel = sp
-        for p in norm.parameters():
-            setattr(p, "sequence_parallel", sp)
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
-
-
 def enable() -> None:
     """Install the global CPU patches once per process (no-op when CUDA is available)."""
     global _enabled
@@ -150,7 +125,6 @@ def enable() -> None:
         mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
         mrandom.initialize_rng_tracker = lambda *a, **k: None
-        _patch_torch_norm()
         _enabled = True
 
 

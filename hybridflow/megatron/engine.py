@@ -6,15 +6,18 @@ so the same code runs at any TP/PP/DP layout; losses and outputs appear on the l
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from hybridflow import device
 from hybridflow.megatron import convert, cpu_compat, parallel
 from hybridflow.megatron.model import build_gpt, transformer_config_from_hf
+from hybridflow.megatron.offload import Offloader, optimizer_tensors
 from hybridflow.util import mean_by_key
 
 
@@ -28,8 +31,19 @@ class OptimSettings:
     use_distributed_optimizer: bool = False
 
 
+@dataclass(frozen=True)
+class OffloadSettings:
+    """What stays on host memory while the role is idle (verl's param/grad/optimizer_offload)."""
+
+    params: bool = False
+    grads: bool = False
+    optimizer: bool = False
+
+
 def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[b, s] {0,1} padding mask -> megatron's [b, 1, s, s] bool mask (True = not attended), causal."""
+    """[b, s] {0,1} padding mask -> megatron's [b, 1, s, s] bool mask (True = not attended), causal.
+
+    Only for comparisons in tests: the workers pass no mask (causal only, as TE's fused attention runs)."""
     s = attention_mask.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
     allowed = causal[None] & attention_mask.bool()[:, None, :]
@@ -42,6 +56,7 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
 
     group = ps.get_tensor_model_parallel_group()
     with torch.no_grad():
+        logits = logits.float()
         m = logits.max(dim=-1).values
         if ps.get_tensor_model_parallel_world_size() > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
@@ -57,24 +72,27 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log p(label) per position from vocab-parallel logits (differentiable)."""
     from megatron.core import tensor_parallel
 
-    # vocab_parallel_cross_entropy edits its input in place: give it its own copy.
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits.float().clone(), labels)
+    # vocab_parallel_cross_entropy edits its input in place: give it its own (fp32) copy.
+    own = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    return -tensor_parallel.vocab_parallel_cross_entropy(own, labels)
 
 
 class MegatronRole:
-    """A GPT policy or value model sharded over this process's megatron groups."""
+    """A GPT policy or value model sharded over this process's megatron groups, on this worker's device."""
 
     def __init__(self, hf_config, hf_state_dict: dict, *, value_head: bool = False,
-                 optim: OptimSettings | None = None, params_dtype=torch.float32, sequence_parallel: bool = False):
+                 optim: OptimSettings | None = None, dtype: torch.dtype = torch.float32,
+                 sequence_parallel: bool = False, offload: OffloadSettings = OffloadSettings()):
         from megatron.core import parallel_state as ps
 
         self.hf_config = hf_config
         self.value_head = value_head
         self.shard = parallel.current_shard()
+        self.device = device.current()
         self.tf_config = transformer_config_from_hf(
             hf_config, tp=self.shard.tp_size, pp=self.shard.pp_size, sequence_parallel=sequence_parallel,
-            params_dtype=params_dtype)
-        model = build_gpt(hf_config, self.tf_config, value_head=value_head,
+            params_dtype=dtype)
+        model = build_gpt(hf_config, self.tf_config, value_head=value_head, device=self.device,
                           pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
         convert.load_into(model, convert.hf_to_megatron(hf_state_dict, hf_config, self.shard, value_head=value_head))
         self.optimizer = None
@@ -82,7 +100,15 @@ class MegatronRole:
             model.requires_grad_(False)
             self.model = model.eval()
         else:
-            self.model, self.optimizer = self._wrap_for_training(model, optim, params_dtype)
+            self.model, self.optimizer = self._wrap_for_training(model, optim, dtype)
+        params = lambda: list(self.module.parameters())  # noqa: E731
+        self._offloaders = {
+            "params": Offloader(params),
+            "grads": Offloader(lambda: [p.main_grad for p in self.module.parameters() if hasattr(p, "main_grad")]),
+            "optimizer": Offloader(lambda: optimizer_tensors(self.optimizer) if self.optimizer else [], exclude=params),
+        }
+        self.offload_settings = offload
+        self._offload_idle()
 
     def _wrap_for_training(self, model, optim: OptimSettings, params_dtype):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -97,51 +123,86 @@ class MegatronRole:
                     grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                     use_distributed_optimizer=optim.use_distributed_optimizer),
                 module=model)
+            # 16-bit params get megatron's fp32 main params and grads in the optimizer.
             opt = get_megatron_optimizer(OptimizerConfig(
                 optimizer="adam", lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
                 adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
                 clip_grad=optim.clip_grad, use_distributed_optimizer=optim.use_distributed_optimizer,
-                params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16), [ddp])
+                params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+                fp16=params_dtype == torch.float16), [ddp])
+        # The schedule scales each loss by the optimizer's loss scale (as Megatron-LM's training loop
+        # wires it); without this fp16 gradients would be divided by a scale that was never applied.
+        self.tf_config.grad_scale_func = opt.scale_loss
         return ddp, opt
+
+    # --- memory phases ----------------------------------------------------------------------------
+
+    def _offload_idle(self) -> None:
+        s = self.offload_settings
+        kinds = [kind for kind, wanted in (("params", s.params), ("grads", s.grads), ("optimizer", s.optimizer))
+                 if wanted]
+        for kind in kinds:
+            self._offloaders[kind].offload()
+        if kinds and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # give the freed blocks back, or vLLM and colocated roles cannot use them
+
+    @contextlib.contextmanager
+    def resident(self, *, training: bool = False):
+        """The role's params (and, when ``training``, its grads and optimizer state) on the device for the
+        duration; what the offload settings name goes back to host memory afterwards."""
+        kinds = ("params", "grads", "optimizer") if training else ("params",)
+        for kind in kinds:
+            self._offloaders[kind].reload()
+        try:
+            yield self
+        finally:
+            self._offload_idle()
+
+    def host_bytes(self) -> int:
+        """Bytes of this role currently offloaded to host memory."""
+        return sum(o.host_bytes for o in self._offloaders.values())
 
     # --- forward / backward through megatron's schedule -------------------------------------------
 
     def _run_schedule(self, micro_batches: list[dict], loss_fn: Callable, forward_only: bool) -> list[dict]:
         """Run fwd(+bwd) over micro-batches; returns the per-micro-batch dicts from ``loss_fn``
-        (on the last pipeline stage; empty elsewhere)."""
+        (on the last pipeline stage; empty elsewhere).
+
+        Each micro-batch moves to the device right before its forward. No attention mask is passed:
+        rows are laid out so that the causal mask alone is exact (workers/role_ops.py), which is all that
+        TE's flash/cuDNN attention applies on GPU."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iter, model):
-            mb = next(data_iter)
-            out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"],
-                        attention_mask=attention_mask_4d(mb["attention_mask"]))
+            mb = device.to_device(next(data_iter))
+            out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=None)
             return out, partial(loss_fn, mb)
 
-        seq_len = micro_batches[0]["input_ids"].shape[1]
         with cpu_compat.megatron_cpu_scope():
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
-                num_microbatches=len(micro_batches), seq_length=seq_len,
+                num_microbatches=len(micro_batches), seq_length=micro_batches[0]["input_ids"].shape[1],
                 micro_batch_size=micro_batches[0]["input_ids"].shape[0], forward_only=forward_only)
 
     def forward(self, micro_batches: list[dict], output_fn: Callable) -> list[dict]:
-        """Forward only; ``output_fn(mb, model_output) -> dict of tensors`` per micro-batch."""
+        """Forward only; ``output_fn(mb, model_output) -> dict of tensors`` per micro-batch, on host."""
         def loss_fn(mb, output):
             with torch.no_grad():
-                return torch.zeros((), device=output.device), output_fn(mb, output)
+                return torch.zeros((), device=output.device), device.to_host(output_fn(mb, output))
 
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.resident():
             return self._run_schedule(micro_batches, loss_fn, forward_only=True)
 
     def train_mini_batch(self, micro_batches: list[dict], loss_fn: Callable) -> dict:
         """One optimizer step over a mini-batch; ``loss_fn(mb, output) -> (loss, metrics)``."""
         self.model.train()
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        outputs = self._run_schedule(micro_batches, loss_fn, forward_only=False)
-        with cpu_compat.megatron_cpu_scope():
-            ok, grad_norm, _ = self.optimizer.step()
+        with self.resident(training=True):
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            outputs = self._run_schedule(micro_batches, loss_fn, forward_only=False)
+            with cpu_compat.megatron_cpu_scope():
+                ok, grad_norm, _ = self.optimizer.step()
         metrics = mean_by_key(outputs)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_skipped"] = float(not ok)
@@ -154,26 +215,74 @@ class MegatronRole:
         """The GPTModel itself (unwrapped from megatron's DDP when training)."""
         return self.model.module if hasattr(self.model, "module") else self.model
 
-    def hf_state_dict(self) -> dict:
-        """The full HF state dict of this model, assembled from every TP/PP shard (same on all ranks).
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, host tensor) of the whole model, yielded on global rank 0 only, one layer at a time.
 
-        Tensors may be views of the live parameters: copy them to keep them across an update.
+        Every rank of the role must exhaust the iterator together. Only data-parallel rank 0 moves data:
+        each tensor's TP shards are gathered onto TP rank 0, which converts the layer to HF names; other
+        pipeline stages broadcast their converted layers to the first stage. No rank ever holds more than
+        its own shard plus one layer.
         """
         from megatron.core import parallel_state as ps
 
-        local = {k: v.detach() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}
-        tp, tp_group = self.shard.tp_size, ps.get_tensor_model_parallel_group()
+        if ps.get_data_parallel_rank() != 0:
+            return
+        with self.resident():
+            local = convert.local_state_dict(self.module)
+            chunks = _layer_chunks(local)
+            tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+            tp_rank, stage = self.shard.tp_rank, self.shard.pp_rank
+            tp_dst = dist.get_process_group_ranks(tp_group)[0]
+            pp_ranks = dist.get_process_group_ranks(pp_group)
+            # TP rank 0 of every stage walks all stages' chunks (the pipeline broadcast); the other TP
+            # ranks only join the gathers of their own stage.
+            counts = {stage: len(chunks)}
+            if self.shard.pp_size > 1 and tp_rank == 0:
+                every = [None] * self.shard.pp_size
+                dist.all_gather_object(every, len(chunks), group=pp_group)
+                counts = dict(enumerate(every))
+            for s, n in counts.items():
+                for i in range(n):
+                    hf = self._tp_gathered_chunk(local, chunks[i], tp_group, tp_dst) if s == stage else None
+                    if tp_rank != 0:
+                        continue
+                    if self.shard.pp_size > 1:
+                        box = [hf]
+                        dist.broadcast_object_list(box, src=pp_ranks[s], group=pp_group)
+                        hf = box[0]
+                    if dist.get_rank() == 0:
+                        yield from hf.items()
+
+    def _tp_gathered_chunk(self, local: dict, names: list[str], tp_group, tp_dst: int) -> dict | None:
+        """The HF tensors (on host) of one chunk of this stage, on TP rank 0 (None on the others)."""
         full = {}
-        for name, tensor in local.items():
-            dim = convert.tp_split_dim(name, self.value_head)
-            if tp > 1 and dim is not None:
-                parts = [torch.empty_like(tensor) for _ in range(tp)]
-                dist.all_gather(parts, tensor.contiguous(), group=tp_group)
-                tensor = torch.cat(parts, dim=dim)
+        for name in names:
+            tensor, dim = local[name], convert.tp_split_dim(name, self.value_head)
+            if self.shard.tp_size > 1 and dim is not None:
+                parts = [torch.empty_like(tensor) for _ in range(self.shard.tp_size)] if self.shard.tp_rank == 0 else None
+                dist.gather(tensor.contiguous(), parts, dst=tp_dst, group=tp_group)
+                tensor = torch.cat(parts, dim=dim) if parts else None
             full[name] = tensor
+        if self.shard.tp_rank != 0:
+            return None
         hf = convert.megatron_to_hf(full, self.hf_config, self.shard, value_head=self.value_head)
-        if self.shard.pp_size > 1:
-            stages = [None] * self.shard.pp_size
-            dist.all_gather_object(stages, hf, group=ps.get_pipeline_model_parallel_group())
-            hf = {k: v for stage in stages for k, v in stage.items()}
-        return hf
+        # Owned host copies: unsharded tensors are views of the live (maybe soon offloaded) parameters.
+        return {k: v.detach().to("cpu", copy=True) for k, v in hf.items()}
+
+    def hf_state_dict(self) -> dict:
+        """The full HF state dict on global rank 0 (empty elsewhere); all ranks must call it together."""
+        return dict(self.iter_hf_weights())
+
+
+def _layer_chunks(local: dict) -> list[list[str]]:
+    """This stage's parameter names grouped for a streamed export: embedding, each layer, final parts."""
+    layers: dict[int, list[str]] = {}
+    head, tail = [], []
+    for name in sorted(local):
+        if name.startswith("decoder.layers."):
+            layers.setdefault(int(name.split(".")[2]), []).append(name)
+        elif name.startswith("embedding."):
+            head.append(name)
+        else:
+            tail.append(name)
+    return [c for c in (head, *(layers[k] for k in sorted(layers)), tail) if c]

@@ -55,25 +55,69 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, sequence_
         attention_softmax_in_fp32=True,
         bias_dropout_fusion=on_gpu,
         apply_rope_fusion=False,
-        masked_softmax_fusion=on_gpu,
+        # Only the local spec (no TE) reads this, and its fused kernels come from Apex, which may be absent.
+        masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         use_cpu_initialization=not on_gpu,
     )
 
 
+def te_available() -> bool:
+    if cpu_compat.cuda_absent():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def layer_spec(config):
-    """Transformer Engine spec when TE and CUDA are present, megatron's local spec otherwise."""
+    """Transformer Engine spec when TE and CUDA are present, megatron's local spec otherwise.
+
+    Both use the causal attention mask type: TE's flash/cuDNN backends then ignore any attention_mask
+    (and so does the local spec's fused softmax on GPU), which is why rows are laid out so that the
+    causal mask alone is exact (workers/role_ops.py) and no padding mask is passed at all.
+    """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if not cpu_compat.cuda_absent():
-        try:
-            import transformer_engine  # noqa: F401
-
-            return specs.get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            pass
+    if te_available():
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    if config.sequence_parallel:
+        _allow_sequence_parallel_torch_norm()
     return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+_torch_norm_patched = False
+
+
+def _allow_sequence_parallel_torch_norm() -> None:
+    """The local spec's norm without Apex (WrappedTorchNorm, torch_norm.py) asserts
+    ``not config.sequence_parallel``, on GPU as on CPU. A plain norm is correct under sequence parallel
+    as long as its weight gradients are all-reduced across TP, which megatron does for params marked
+    ``sequence_parallel`` (finalize_model_grads): build it with the flag off and mark its params."""
+    global _torch_norm_patched
+    if _torch_norm_patched:
+        return
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+            normalization="LayerNorm"):
+        sp = config.sequence_parallel
+        config.sequence_parallel = False
+        try:
+            norm = original_new(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        finally:
+            config.sequence_parallel = sp
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", sp)
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+    _torch_norm_patched = True
 
 
 class ValueHead(torch.nn.Linear):
@@ -84,8 +128,8 @@ class ValueHead(torch.nn.Linear):
     backward must only split (not reduce-scatter): every rank already holds the full gradient.
     """
 
-    def __init__(self, hidden_size: int, sequence_parallel: bool):
-        super().__init__(hidden_size, 1, bias=False)
+    def __init__(self, hidden_size: int, sequence_parallel: bool, dtype: torch.dtype):
+        super().__init__(hidden_size, 1, bias=False, dtype=dtype)  # the trunk's params dtype
         torch.nn.init.zeros_(self.weight)  # start from V=0: no random value scale to unlearn
         self.sequence_parallel = sequence_parallel
 
@@ -98,8 +142,10 @@ class ValueHead(torch.nn.Linear):
 
 
 def build_gpt(hf_config, tf_config, *, value_head: bool = False, pre_process: bool = True,
-              post_process: bool = True):
-    """A GPTModel for this rank's pipeline stage: a policy (vocab logits) or a value model."""
+              post_process: bool = True, device: torch.device | None = None):
+    """A GPTModel for this rank's pipeline stage (a policy with vocab logits, or a value model), on
+    ``device``: megatron-core never moves a module to the GPU by itself (Megatron-LM's get_model and verl
+    call ``model.cuda()`` after building), and with CPU initialization nothing would reach it otherwise."""
     from megatron.core.models.gpt import GPTModel
 
     tie = bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head
@@ -117,5 +163,7 @@ def build_gpt(hf_config, tf_config, *, value_head: bool = False, pre_process: bo
             parallel_output=True,
         )
     if value_head and post_process:
-        model.output_layer = ValueHead(tf_config.hidden_size, tf_config.sequence_parallel)
-    return model
+        model.output_layer = ValueHead(tf_config.hidden_size, tf_config.sequence_parallel, tf_config.params_dtype)
+    # Every param in the params dtype, as Megatron-LM's Float16Module casts the module: the local spec's
+    # torch norms are created in fp32 whatever params_dtype says.
+    return model.to(device=device, dtype=tf_config.params_dtype)

@@ -42,7 +42,9 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _local_shard(module) -> dict:
-    return {k: v.detach() for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
+    """This rank's training shard in the local spec's names (a TE-built model's fused-norm names are
+    translated), so the transition is the same whichever layer spec built the model."""
+    return convert.local_state_dict(module)
 
 
 class Resharder:
@@ -75,6 +77,7 @@ class Resharder:
             if self.rank in members:
                 self.slice_group = group
         local = _local_shard(module)
+        self.device = next(iter(local.values())).device
         split = [(k, tuple(v.shape), v.dtype) for k, v in sorted(local.items()) if convert.tp_split_dim(k) is not None]
         replicated = [(k, tuple(v.shape), v.dtype) for k, v in sorted(local.items()) if convert.tp_split_dim(k) is None]
         metas = [None] * len(self.me.micro_dp_group)
@@ -96,7 +99,9 @@ class Resharder:
         stats.own_shard_bytes = sum(_nbytes(v) for v in local.values())
         shards = {r: {} for r in self.me.micro_dp_group}  # member -> {name: view into a received buffer}
         own_sent = 0
-        exchanges = [(self.me.micro_dp_group, self.split_meta, self.micro_group)]
+        exchanges = []  # a micro-DP group of one (d_g = 1) exchanges nothing: no copy of the own shard
+        if len(self.me.micro_dp_group) > 1:
+            exchanges.append((self.me.micro_dp_group, self.split_meta, self.micro_group))
         if len(self.slice_members) > 1:
             exchanges.append((self.slice_members, self.replicated_meta, self.slice_group))
         for members, metas, group in exchanges:
@@ -108,8 +113,9 @@ class Resharder:
                     flat = torch.cat([local[k].reshape(-1) for k, _, _ in meta])
                     stats.bytes_sent += _nbytes(flat) * (len(members) - 1)
                     own_sent += _nbytes(flat)
-                else:
-                    flat = torch.empty(sum(torch.Size(s).numel() for _, s, _ in meta), dtype=meta[0][2])
+                else:  # on the shard's device: nccl rejects host buffers
+                    flat = torch.empty(sum(torch.Size(s).numel() for _, s, _ in meta), dtype=meta[0][2],
+                                       device=self.device)
                 dist.broadcast(flat, src=member, group=group)
                 if member != self.rank:
                     stats.bytes_received += _nbytes(flat)
@@ -184,7 +190,7 @@ class Resharder:
                     full = list(shape)
                     if dim is not None:
                         full[dim] *= tr.t
-                    t = torch.empty(full, dtype=dtype)
+                    t = torch.empty(full, dtype=dtype, device=self.device)
                 if tr.p > 1:
                     dist.broadcast(t, src=pp_ranks[stage], group=pp_group)
                     if stage != tr.coords(self.rank)[2]:

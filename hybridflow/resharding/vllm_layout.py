@@ -89,7 +89,7 @@ def _staged(t: torch.Tensor, dim: int, k: int, t_g: int) -> torch.Tensor:
         return t
     shape = list(t.shape)
     shape[dim] *= t_g
-    full = torch.empty(shape, dtype=t.dtype)
+    full = torch.empty(shape, dtype=t.dtype, device=t.device)
     full.narrow(dim, k * t.shape[dim], t.shape[dim]).copy_(t)
     return full
 

@@ -99,15 +99,26 @@ def _exit_on_signals() -> None:
 
 
 def main(argv=None) -> int:
+    import torch
+
+    from hybridflow.versions import check_stack
+
     try:
         cfg = load(argv)
+        # Before the quickstart preparation (an SFT warm start) and before Ray: a wrong vLLM, TE or
+        # transformers fails here in one line, not at the first weight sync.
+        check_stack(torch.cuda.is_available())
         if not cfg.prepare.enable:
             check_files(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     _exit_on_signals()
-    run(cfg)
+    try:
+        run(cfg)
+    except ConfigError as e:  # input files checked after the quickstart preparation built them
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -54,6 +54,9 @@ def build_worker_groups(cfg) -> WorkerGroups:
     needs_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
     groups = WorkerGroups(RayWorkerGroup(pool, ActorRolloutRefWorker, cfg, needs_ref,
                                          name_prefix="actor_rollout_ref", share=share), pools=[pool])
+    # Wait until the actors (and their vLLM engines) are built: vLLM measures the free device memory
+    # while it starts, and a colocated role allocating at the same time would skew or break that.
+    groups.actor_rollout.dispatch_infos()
     if cfg.use_critic:
         critic_pool = pool if colocated_critic else ResourcePool("critic", res.critic_n_workers, **bundle)
         if critic_pool is not pool:
@@ -90,14 +93,16 @@ class PPOTrainer:
         self.kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
         self.timer = Timer()
         self.log = MetricsLog(cfg.trainer.output_dir)
+        self.actor_rollout.sync_weights()  # vLLM starts with dummy weights: deliver the actor's
 
-    # The paper's few-line PPO: generate, score, prepare experience, update critic and actor.
+    # The paper's few-line PPO: generate, score, prepare experience, update critic and actor, and push
+    # the new actor weights into the rollout engine.
     def step(self, prompts: Batch, step: int) -> tuple[dict, int]:
         cfg, t, algo = self.cfg, self.timer, self.cfg.algorithm
         prompts.non_tensors["uid"] = as_group_ids(len(prompts), 1, step)
         with t("gen"):
             batch = self.actor_rollout.generate(prompts.repeat(cfg.rollout.n, interleave=True))
-        metrics = dict(batch.meta.pop("reshard", {}))
+        metrics = dict(batch.meta.pop("memory", {}))
         with t("reward"):
             batch = self.reward(batch)
             if algo.adv_estimator == "remax":
@@ -123,6 +128,8 @@ class PPOTrainer:
                 metrics.update(mean_by_key(self.critic.update_critic(batch)))
         with t("update_actor"):
             metrics.update(mean_by_key(self.actor_rollout.update_actor(batch)))
+        with t("reshard"):
+            metrics.update(self.actor_rollout.sync_weights()[0])
         metrics.update(rollout_metrics(batch))
         return metrics, int(batch.tensors["attention_mask"].sum())
 
@@ -146,7 +153,7 @@ class PPOTrainer:
         """ReMax: the reward of a greedy response per prompt, repeated for its n samples."""
         greedy = self.actor_rollout.generate(Batch(tensors=prompts.tensors, non_tensors=prompts.non_tensors,
                                                    meta={**prompts.meta, "temperature": 0.0}))
-        greedy.meta.pop("reshard", None)
+        greedy.meta.pop("memory", None)
         base = self.reward(greedy).tensors["token_level_scores"].sum(-1)
         return Batch.from_dict(tensors={"reward_baselines": base.repeat_interleave(self.cfg.rollout.n)})
 
@@ -154,16 +161,15 @@ class PPOTrainer:
         """Greedy accuracy on the held-out prompts (the same evaluation at every step)."""
         if self.val_data is None:
             return {}
-        scores, reshard = [], {}
+        scores = []
         for start in range(0, len(self.val_data), self.cfg.data.val_batch_size):
             rows = list(range(start, min(start + self.cfg.data.val_batch_size, len(self.val_data))))
             prompts = self.val_data.batch(rows)
             prompts, pad = prompts.pad_to_divisor(self._dp_size())
             prompts.meta["temperature"] = 0.0
             out = self.actor_rollout.generate(prompts).unpad(pad)
-            reshard = reshard or out.meta.pop("reshard", {})  # the sync after an update may happen here
             scores.append(score_responses(out, self.tokenizer, self.rule_scorer).tensors["scores"])
-        return {**reshard, "val/accuracy": torch.cat(scores).mean().item()}
+        return {"val/accuracy": torch.cat(scores).mean().item()}
 
     def _dp_size(self) -> int:
         return self.actor_rollout.dispatch_infos("rollout")[0]["dp_size"]

@@ -1,8 +1,9 @@
 """The colocated actor + rollout + reference worker: one process per device.
 
 The actor (megatron-core, trained), the reference (megatron-core, frozen) and the vLLM rollout engine
-share the process; after every actor update the new weights reach vLLM in place before the next
-generation.
+share the process and its device in phases, as the paper's hybrid engine intends: vLLM sleeps outside
+generation (GPU), the actor and reference go to host memory while idle when the offload keys say so, and
+the driver pushes the actor's weights into vLLM in place (``sync_weights``) after every update.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import time
 
 import torch
 
+from hybridflow import device
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.megatron import parallel
 from hybridflow.megatron.engine import MegatronRole
 from hybridflow.protocol import Batch
 from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
 from hybridflow.workers import role_ops
-from hybridflow.workers.common import init_megatron_worker, optim_settings
+from hybridflow.workers.common import init_megatron_worker, offload_settings, optim_settings
 
 
 def responses_to_batch(prompts: Batch, responses: list[list[int]], max_len: int, pad_id: int,
@@ -48,15 +50,17 @@ class ActorRolloutRefWorker(Worker):
         self.cfg = cfg
         mp = cfg.actor.megatron
         hf_config, state = init_megatron_worker(self, mp, cfg.trainer.seed, cfg.model.path)
-        self.actor = MegatronRole(hf_config, state, optim=optim_settings(cfg.actor.optim, mp),
-                                  sequence_parallel=mp.sequence_parallel)
-        self.ref = MegatronRole(hf_config, state, sequence_parallel=mp.sequence_parallel) if with_ref else None
+        dtype = device.torch_dtype(mp.dtype)
+        self.actor = MegatronRole(hf_config, state, optim=optim_settings(cfg.actor.optim, mp), dtype=dtype,
+                                  sequence_parallel=mp.sequence_parallel, offload=offload_settings(mp))
+        # The reference lives in the actor's processes: it follows the actor's param_offload.
+        self.ref = MegatronRole(hf_config, state, dtype=dtype, sequence_parallel=mp.sequence_parallel,
+                                offload=offload_settings(mp, params_only=True)) if with_ref else None
         del state
         from transformers import AutoTokenizer
 
-        from hybridflow.resharding.plan import HybridPlan, Layout
-
         from hybridflow.resharding.engine import Resharder
+        from hybridflow.resharding.plan import HybridPlan, Layout
 
         shard = self.actor.shard
         train = Layout(shard.pp_size, shard.tp_size, parallel.dispatch_info()["dp_size"])
@@ -65,14 +69,15 @@ class ActorRolloutRefWorker(Worker):
                                    cfg.rollout.resharding)
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        r = cfg.rollout
         self.rollout = VLLMRollout(
             cfg.model.path, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-            tensor_parallel_size=cfg.rollout.tensor_model_parallel_size, kv_cache_gib=cfg.rollout.kv_cache_gib,
-            dtype=cfg.rollout.dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            tensor_parallel_size=r.tensor_model_parallel_size, kv_cache_gib=r.kv_cache_gib, dtype=r.dtype,
+            gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
+            free_cache_engine=r.free_cache_engine, max_num_batched_tokens=r.max_num_batched_tokens,
             # ranks of one generation TP group must sample identically: seed per replica
             seed=cfg.trainer.seed + self.rollout_layout.ranks[self.rank].replica,
             generation_groups=self.rollout_layout.replicas)
-        self._rollout_stale = False  # True once the actor has moved past the rollout's weights
 
     def dispatch_info(self, mesh: str = "train") -> dict:
         """'train': megatron's DP shards; 'rollout': one shard per generation replica."""
@@ -82,42 +87,44 @@ class ActorRolloutRefWorker(Worker):
 
     # --- rollout ----------------------------------------------------------------------------------
 
-    def _sync_rollout(self) -> dict:
+    @register(Dispatch.ONE_TO_ALL)
+    def sync_weights(self) -> dict:
         """Push the actor's current weights into this rank's vLLM engine through the configured
-        transition; returns its accounting as metrics."""
+        transition (streamed, one layer at a time for ``hybrid``); returns its accounting as metrics."""
         from hybridflow.resharding.engine import TransitionStats
         from hybridflow.resharding.vllm_layout import to_checkpoint_names
 
         stats = TransitionStats(self.resharder.scheme)
         start = time.perf_counter()
-        with torch.no_grad():
+        self.rollout.wake_up(["weights"])
+        with torch.no_grad(), self.actor.resident():
             me = self.rollout_layout.ranks[self.rank]
             self.rollout.update_weights(to_checkpoint_names(self.resharder.stream(stats), self.actor.hf_config,
                                                             k=me.gen_tp_rank, t_g=self.rollout_layout.t_g))
         stats.seconds = time.perf_counter() - start
-        self._rollout_stale = False
-        return stats.as_metrics()
+        return {**stats.as_metrics(), **device.memory_stats("memory/reshard")}
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D, mesh="rollout")
     def generate(self, prompts: Batch) -> Batch:
         """Sample one response per row (repeat rows beforehand for n > 1); each generation replica
-        gets its own prompts.
+        gets its own prompts. The weights are the last ``sync_weights``'.
 
         ``prompts.meta`` may override sampling: ``temperature`` (0 = greedy), ``max_new_tokens``.
         """
-        reshard = self._sync_rollout() if self._rollout_stale else {}
         r = self.cfg.rollout
         sampling = SamplingSettings(
             temperature=prompts.meta.get("temperature", r.temperature), top_p=r.top_p, top_k=r.top_k,
             max_new_tokens=prompts.meta.get("max_new_tokens", self.cfg.data.max_response_length))
         ids, mask = prompts.tensors["input_ids"], prompts.tensors["attention_mask"].bool()
         prompt_ids = [row[m].tolist() for row, m in zip(ids, mask)]
+        self.rollout.wake_up(["weights", "kv_cache"])
         outs = self.rollout.generate(prompt_ids, sampling)
+        self.rollout.sleep()
         new = responses_to_batch(prompts, [o[0] for o in outs], self.cfg.data.max_response_length,
                                  self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
         kept = {k: v for k, v in prompts.tensors.items() if k not in new.tensors}
         return Batch(tensors={**kept, "prompts": ids, **new.tensors}, non_tensors=prompts.non_tensors,
-                     meta={**prompts.meta, "reshard": reshard})
+                     meta={**prompts.meta, "memory": device.memory_stats("memory/generate")})
 
     # --- log-probs and update -------------------------------------------------------------------
 
@@ -134,8 +141,7 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def update_actor(self, batch: Batch) -> dict:
         metrics = role_ops.update_policy(self.actor, batch, self.cfg.actor, parallel.dispatch_info()["dp_size"])
-        self._rollout_stale = True
-        return metrics
+        return {**metrics, **device.memory_stats("memory/update_actor")}
 
     @register(Dispatch.ONE_TO_ALL)
     def close(self) -> None:
@@ -146,14 +152,18 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf_state_dict(self) -> dict:
-        """The actor's full weights with HF names, as numpy arrays (cheap to move through Ray)."""
-        return {k: v.numpy() for k, v in self.actor.hf_state_dict().items()}
+        """The actor's full weights with HF names as host tensors, on rank 0 ({} on the others)."""
+        return self.actor.hf_state_dict()
 
     @register(Dispatch.ONE_TO_ALL)
     def save_hf(self, out_dir: str) -> None:
-        """Write the actor as a HF folder (config, safetensors, tokenizer) from rank 0, atomically."""
-        state = self.actor.hf_state_dict()
-        if self.rank == 0:
-            from hybridflow.workers.export import save_hf_folder
+        """Write the actor as a HF folder (config, sharded safetensors, tokenizer) from rank 0, atomically,
+        streamed one layer at a time (no rank holds the whole model)."""
+        from hybridflow.workers.export import save_hf_folder
 
-            save_hf_folder(out_dir, self.actor.hf_config, state, self.tokenizer)
+        weights = self.actor.iter_hf_weights()
+        if self.rank == 0:
+            save_hf_folder(out_dir, self.actor.hf_config, weights, self.tokenizer)
+        else:
+            for _ in weights:  # every rank drives the gathers
+                pass

@@ -27,6 +27,16 @@ def optim_settings(optim, megatron_cfg):
                          clip_grad=optim.clip_grad, use_distributed_optimizer=megatron_cfg.use_distributed_optimizer)
 
 
+def offload_settings(megatron_cfg, params_only: bool = False):
+    """The engine's offload settings from a role's ``megatron`` config section."""
+    from hybridflow.megatron.engine import OffloadSettings
+
+    m = megatron_cfg
+    if params_only:
+        return OffloadSettings(params=m.param_offload)
+    return OffloadSettings(params=m.param_offload, grads=m.grad_offload, optimizer=m.optimizer_offload)
+
+
 def init_megatron_worker(worker, megatron_cfg, seed: int, model_path: str) -> tuple:
     """Join the group's torch.distributed world, create megatron's groups for the role's layout, and
     load the HF weights the role starts from: (HF config, full state dict)."""

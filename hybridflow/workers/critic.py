@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from hybridflow import device
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.megatron import parallel
 from hybridflow.megatron.engine import MegatronRole
 from hybridflow.protocol import Batch
 from hybridflow.workers import role_ops
-from hybridflow.workers.common import init_megatron_worker, optim_settings
+from hybridflow.workers.common import init_megatron_worker, offload_settings, optim_settings
 
 
 class CriticWorker(Worker):
@@ -17,7 +18,8 @@ class CriticWorker(Worker):
         mp = cfg.critic.megatron
         hf_config, state = init_megatron_worker(self, mp, cfg.trainer.seed, cfg.model.path)
         self.critic = MegatronRole(hf_config, state, value_head=True, optim=optim_settings(cfg.critic.optim, mp),
-                                   sequence_parallel=mp.sequence_parallel)
+                                   dtype=device.torch_dtype(mp.dtype), sequence_parallel=mp.sequence_parallel,
+                                   offload=offload_settings(mp))
 
     def dispatch_info(self, mesh: str = "train") -> dict:  # noqa: ARG002 (the critic has one mesh)
         return parallel.dispatch_info()
@@ -29,4 +31,5 @@ class CriticWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def update_critic(self, batch: Batch) -> dict:
-        return role_ops.update_value(self.critic, batch, self.cfg.critic, parallel.dispatch_info()["dp_size"])
+        metrics = role_ops.update_value(self.critic, batch, self.cfg.critic, parallel.dispatch_info()["dp_size"])
+        return {**metrics, **device.memory_stats("memory/update_critic")}

@@ -17,23 +17,40 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 def micro_batches(batch: Batch, size: int, extra_keys=(), seq_multiple: int = 1) -> list[dict]:
-    """Dicts for megatron's schedule. ``labels`` are the next tokens; sequences are right-padded (mask 0)
-    to a multiple of ``seq_multiple`` (sequence parallel splits the sequence across TP ranks)."""
+    """Dicts for megatron's schedule, laid out so that the causal mask alone is exact.
+
+    Rows arrive as left-padded prompts followed by right-padded responses. Each row is rotated so that
+    its tokens come first and all of its padding follows them: a causal-only attention (TE's flash/cuDNN
+    kernels ignore any padding mask) then never lets a real token see a pad. Columns that no row of the
+    micro-batch uses are trimmed, and the length is padded to ``seq_multiple`` (sequence parallel splits
+    it across TP ranks). ``labels`` are the next tokens; ``response_index`` [b, R] holds the positions
+    whose outputs predict the response tokens and ``response_valid`` [b, R] where a response token exists.
+    """
+    P, R = _lengths(batch)
     out = []
     for mb in batch.select(tensor_keys=[*MODEL_INPUTS, *extra_keys]).split(size):
-        d = {k: mb.tensors[k] for k in (*MODEL_INPUTS, *extra_keys)}
+        mask = mb.tensors["attention_mask"]
+        s = mask.shape[1]
+        lead = (mask.cumsum(1) == 0).sum(1)  # left padding of each row
+        rotate = (torch.arange(s)[None] + lead[:, None]) % s
+        length = int(mask.sum(1).max())
+        length += -length % seq_multiple
+        d = {k: mb.tensors[k] for k in extra_keys}
+        for k in MODEL_INPUTS:
+            t = mb.tensors[k].gather(1, rotate)[:, :length]
+            d[k] = torch.nn.functional.pad(t, (0, length - t.shape[1])) if length > s else t
         d["labels"] = torch.roll(d["input_ids"], shifts=-1, dims=1)
-        pad = -d["input_ids"].shape[1] % seq_multiple
-        if pad:
-            for k in (*MODEL_INPUTS, "labels"):
-                d[k] = torch.nn.functional.pad(d[k], (0, pad))
+        d["response_index"] = ((P - 1 - lead)[:, None] + torch.arange(R)[None]).clamp(max=length - 1)
+        d["response_valid"] = mask[:, P:]
         out.append(d)
     return out
 
 
-def response_part(per_token: torch.Tensor, prompt_length: int, response_length: int) -> torch.Tensor:
-    """Outputs at the positions that predict the response tokens: [b, s] -> [b, R]."""
-    return per_token[:, prompt_length - 1:prompt_length - 1 + response_length]
+def response_part(per_token: torch.Tensor, mb: dict) -> torch.Tensor:
+    """Outputs at the positions that predict the response tokens, [b, s] -> [b, R]; 0 where a row's
+    response has ended."""
+    picked = per_token.gather(1, mb["response_index"])
+    return torch.where(mb["response_valid"].bool(), picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
 
 
 def _lengths(batch: Batch) -> tuple[int, int]:
@@ -59,12 +76,10 @@ def _seq_multiple(role: MegatronRole) -> int:
 
 def log_probs(role: MegatronRole, batch: Batch, micro_batch_size: int, with_entropy: bool = False) -> dict:
     """{'log_probs': [b, R], 'entropy': [b, R]} of the response tokens (None off the last stage)."""
-    P, R = _lengths(batch)
-
     def output_fn(mb, logits):
-        out = {"log_probs": response_part(token_log_probs(logits, mb["labels"]), P, R)}
+        out = {"log_probs": response_part(token_log_probs(logits, mb["labels"]), mb)}
         if with_entropy:
-            out["entropy"] = response_part(vocab_parallel_entropy(logits), P, R)
+            out["entropy"] = response_part(vocab_parallel_entropy(logits), mb)
         return out
 
     outs = role.forward(micro_batches(batch, micro_batch_size, seq_multiple=_seq_multiple(role)), output_fn)
@@ -73,9 +88,8 @@ def log_probs(role: MegatronRole, batch: Batch, micro_batch_size: int, with_entr
 
 def values(role: MegatronRole, batch: Batch, micro_batch_size: int):
     """Critic values [b, R] at the positions that predict each response token."""
-    P, R = _lengths(batch)
     outs = role.forward(micro_batches(batch, micro_batch_size, seq_multiple=_seq_multiple(role)),
-                        lambda mb, v: {"values": response_part(v[..., 0], P, R)})
+                        lambda mb, v: {"values": response_part(v[..., 0].float(), mb)})
     return _concat(outs, "values")
 
 
@@ -93,11 +107,10 @@ def _train(role, batch, *, mini_batch_size, micro_batch_size, epochs, keys, loss
 def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int) -> dict:
     """PPO clipped policy loss (+ optional KL-to-reference loss) over mini-batches of this DP shard."""
     a = actor_cfg
-    P, R = _lengths(batch)
     keys = ["old_log_probs", "advantages", "response_mask"] + (["ref_log_prob"] if a.use_kl_loss else [])
 
     def loss_fn(mb, logits):
-        log_prob = response_part(token_log_probs(logits, mb["labels"]), P, R)
+        log_prob = response_part(token_log_probs(logits, mb["labels"]), mb)
         mask = mb["response_mask"]
         loss, m = policy_loss("vanilla", mb["old_log_probs"], log_prob, mb["advantages"], mask,
                               loss_agg_mode=a.loss_agg_mode, clip_ratio_low=a.clip_ratio_low,
@@ -119,10 +132,9 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int) -> 
 def update_value(role: MegatronRole, batch: Batch, critic_cfg, dp_size: int) -> dict:
     """Clipped value loss over mini-batches of this DP shard."""
     c = critic_cfg
-    P, R = _lengths(batch)
 
     def loss_fn(mb, v):
-        vpreds = response_part(v[..., 0], P, R)
+        vpreds = response_part(v[..., 0].float(), mb)
         loss, clipfrac = value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
                                     cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode)
         return loss, {"critic/vf_loss": loss.detach().clone(), "critic/vf_clipfrac": clipfrac.detach()}

@@ -26,6 +26,22 @@ def hf_dir(tmp_path_factory):
     return str(root)
 
 
+class _TENamed:
+    """The model's parameters as Transformer Engine's layer spec names them (norms fused into the next
+    linear layer, plus TE's ``_extra_state`` entries), which is what a GPU run with TE hands the resharder."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def state_dict(self):
+        from hybridflow.megatron import convert
+
+        sd = convert.model_names(self.module.state_dict(), ["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"])
+        assert any(k.endswith("linear_qkv.layer_norm_weight") for k in sd) and not any("layernorm." in k and
+                                                                                       "final" not in k for k in sd)
+        return {**sd, "decoder.layers.0.self_attention.linear_qkv._extra_state": torch.zeros(3)}
+
+
 def _rank_fn(rank, world, hf_dir, p, t, t_g):
     from megatron.core import parallel_state as ps
 
@@ -43,6 +59,7 @@ def _rank_fn(rank, world, hf_dir, p, t, t_g):
     for scheme in ("hybrid", "gather_all"):
         shard, stats = Resharder(role.model, cfg, layout, t_g, scheme).to_generation()
         out[scheme] = (shard, stats)
+    out["hybrid_te"] = Resharder(_TENamed(role.model), cfg, layout, t_g, "hybrid").to_generation()
     local = {k: v.clone() for k, v in role.model.state_dict().items() if not k.endswith("_extra_state")}
     out["local"] = local
     return out
@@ -63,13 +80,14 @@ def test_transition(hf_dir, layout, t_g):
     for res in results:
         me = plan.ranks[res["rank"]]
         expected = hf_to_vllm_shard(hf, cfg, me.gen_tp_rank, t_g)
-        for scheme in ("hybrid", "gather_all"):
+        for scheme in ("hybrid", "gather_all", "hybrid_te"):
             shard, stats = res[scheme]
             assert set(shard) == set(expected), scheme
             for name, tensor in expected.items():
                 assert torch.equal(shard[name], tensor), f"{scheme} rank {res['rank']}: {name} differs"
         # Bytes: exactly the other members' sent tensors (replicated norms once per stage) ...
         hybrid = res["hybrid"][1]
+        assert res["hybrid_te"][1].bytes_received == hybrid.bytes_received  # TE names: the same transition
         planned = 0
         lay = Layout(p, t, d)
         for other in me.micro_dp_group:

@@ -62,3 +62,69 @@ def test_pipeline_stage_numbers_layers_locally():
     stage1 = hf_to_megatron(_hf_state(cfg), cfg, Shard(0, 1, 1, 2))
     assert "decoder.layers.0.input_layernorm.weight" in stage1 and "decoder.layers.2.input_layernorm.weight" not in stage1
     assert "embedding.word_embeddings.weight" not in stage1 and "output_layer.weight" in stage1
+
+
+# Transformer Engine's spec: the norms are fused into the next linear layer; TE adds _extra_state entries.
+TE_KEYS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+           "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def _te_named(local: dict) -> dict:
+    """What a TE-spec GPTModel's state_dict() looks like, written out by hand (independent of convert)."""
+    out = {}
+    for k, v in local.items():
+        for old, new in TE_KEYS.items():
+            if k.startswith("decoder.layers.") and k.endswith(old):
+                k = k[: -len(old)] + new
+        out[k] = v
+        if k.endswith("linear_qkv.weight"):
+            out[k.replace("weight", "_extra_state")] = None  # TE's fp8 metadata, not a weight
+    return out
+
+
+class _TEModel:
+    """Stands in for a TE-spec model: load_into reads state_dict() and copies into its tensors."""
+
+    def __init__(self, template: dict):
+        self.tensors = {k: (torch.empty_like(v) if v is not None else None) for k, v in template.items()}
+
+    def state_dict(self):
+        return dict(self.tensors)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
+def test_te_names_round_trip_bit_identically(tp, pp):
+    from hybridflow.megatron.convert import canonical_names, load_into, local_state_dict, uses_te_names
+
+    cfg = _cfg()
+    hf = _hf_state(cfg)
+    merged = {}
+    for p in range(pp):
+        shards = []
+        for t in range(tp):
+            local = hf_to_megatron(hf, cfg, Shard(t, tp, p, pp))
+            te_model = _TEModel(_te_named(local))
+            assert uses_te_names(te_model.tensors)
+            load_into(te_model, local)  # local-spec names in, TE names in the model
+            for k, v in _te_named(local).items():
+                if v is not None:
+                    assert torch.equal(te_model.tensors[k], v), k
+            back = canonical_names(te_model.state_dict())
+            assert set(back) == set(local)  # _extra_state dropped, norms renamed back
+            shards.append(back)
+        full = {k: torch.cat([s[k] for s in shards], dim=tp_split_dim(k)) if tp_split_dim(k) is not None
+                else shards[0][k] for k in shards[0]}
+        merged.update(megatron_to_hf(full, cfg, Shard(0, tp, p, pp)))
+    assert set(merged) == set(hf)
+    for k in hf:
+        assert torch.equal(merged[k], hf[k]), k
+
+
+def test_te_norm_names_come_from_megatron_and_are_replicated():
+    from hybridflow.megatron.convert import _te_norm_renames
+
+    assert dict(_te_norm_renames()) == {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                                        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    assert tp_split_dim("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") is None
+    assert tp_split_dim("decoder.layers.3.mlp.linear_fc1.layer_norm_weight") is None
+    assert tp_split_dim("decoder.layers.3.mlp.linear_fc1.weight") == 0

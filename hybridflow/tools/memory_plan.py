@@ -1,0 +1,252 @@
+"""Per-GPU memory of each phase of a colocated PPO/GRPO step: training, transition, generation.
+
+    python -m hybridflow.tools.memory_plan --config configs/gsm8k_qwen2.5_7b_ppo.yaml --gpu-mem 80 [key=value ...]
+
+Computed from the experiment config and the model's HF config.json shapes; nothing is allocated. Exit
+status 0 when every phase fits in --gpu-mem GiB, 1 when one does not, 2 on a usage or config error.
+Assumptions (estimates meant to err on the high side, not exact accounting):
+- Bytes per element from actor.megatron.dtype, critic.megatron.dtype, rollout.dtype (16-bit 2, fp32 4).
+- Parameters (Qwen2/Llama): embeddings, q/k/v (with bias for qwen2 or attention_bias), o, gate/up/down,
+  two RMSNorms per layer, final norm, lm_head unless tie_word_embeddings. The critic has a value head
+  (hidden x 1) instead of lm_head; the reference is the actor's parameters only, same dtype and layout.
+- A role with TP t and PP p on n GPUs has d = n/(t*p). params P*bytes/(t*p); grads P*4/(t*p) (megatron
+  DDP reduces grads in fp32); optimizer fp32 main params + Adam m, v = 12 B/param for 16-bit dtypes (8 for
+  fp32, whose params are the main copy), /(t*p), and also /d with use_distributed_optimizer.
+- Training activations of one micro-batch (b = ppo_micro_batch_size rows of s = max_prompt_length +
+  max_response_length tokens), Korthikanti et al. 2022, 16-bit, no recompute: s*b*h*34/t bytes per layer
+  with sequence parallel, s*b*h*(10 + 24/t) without; the 5*a*s/h attention-score term is left out (flash
+  attention). 1F1B keeps min(p, micro-batches per step) in flight on the first stage, each holding
+  layers/p layers. Plus the logits, b*s*vocab/t*(bytes + 4*2): the model's output and two fp32
+  vocab-sized buffers (megatron/engine.py: the fp32 copy the cross entropy turns into its softmax in place
+  and keeps for backward, and its gradient or the entropy's temporaries), counted on every stage although
+  only the last holds them (conservative); the critic's value head is 1 wide. A forward-only
+  log-prob pass (log_prob_micro_batch_size rows) holds one layer plus the logits; a role's activation
+  peak is the larger of its training and forward-only passes.
+- Offload (megatron.param_offload / grad_offload / optimizer_offload): an offloaded item is on the GPU
+  only while its role computes; the reference follows actor.megatron.param_offload. The roles compute one
+  after another, so training = the resident items of all roles + the largest (offloaded items +
+  activations) of a single role.
+- vLLM takes gpu_memory_utilization x gpu_mem in generation (weights + KV cache + its own activations;
+  its start-up check wants that much free). With rollout.free_cache_engine it sleeps outside generation
+  (weights on host, KV cache freed), else it holds that budget in every phase. KV-cache budget = budget -
+  vLLM weights (P*bytes(rollout.dtype)/t_g); it must be > 0.
+- Transition (hybridflow/resharding/engine.py): vLLM weights awake, the actor params (loaded back even
+  when offloaded), the engine's gathered generation shard (P*bytes/t_g in the actor's dtype, own copy
+  included: DESIGN's peak M/(t_g*p_g)), the largest group assembled at a time (hybrid: a decoder layer,
+  the embeddings or lm_head, /t_g; gather_all: a whole pipeline stage unsharded), every other resident item.
+- A fixed 2 GiB per GPU for CUDA contexts and NCCL buffers. The reward model runs on host: not counted.
+  The critic on a separate pool (critic.placement = separate) gets its own table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+GiB = 2 ** 30
+CONTEXT_BYTES = 2 * GiB
+BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf(cls, c: dict) -> "Shape":
+        h, a = c["hidden_size"], c["num_attention_heads"]
+        return cls(h, c["intermediate_size"], c["num_hidden_layers"], a, c.get("num_key_value_heads", a),
+                   c.get("head_dim") or h // a, c["vocab_size"], bool(c.get("tie_word_embeddings", False)),
+                   c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False)))
+
+
+def layer_params(s: Shape) -> int:
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    attn = s.hidden * (q + 2 * kv) + (q + 2 * kv) * s.qkv_bias + q * s.hidden
+    return attn + 3 * s.hidden * s.intermediate + 2 * s.hidden  # + gate/up/down + two RMSNorms
+
+
+def count_params(s: Shape, value_head: bool = False) -> int:
+    """The causal LM's parameters, or the critic's (value head hidden x 1 in place of lm_head)."""
+    head = s.hidden if value_head else (0 if s.tied else s.vocab * s.hidden)
+    return s.vocab * s.hidden + s.layers * layer_params(s) + s.hidden + head
+
+
+@dataclass
+class Role:
+    name: str
+    items: dict  # item -> bytes per GPU
+    offloaded: set
+    activations: float
+    act_label: str
+    on_actor_gpus: bool = True
+    resident: dict = field(init=False)
+    loaded: dict = field(init=False)  # on the GPU only while this role computes
+
+    def __post_init__(self):
+        self.resident = {k: v for k, v in self.items.items() if k not in self.offloaded}
+        self.loaded = {k: v for k, v in self.items.items() if k in self.offloaded}
+
+
+def activation_bytes(s: Shape, b: int, seq: int, mg, out_width: int, backward: bool, in_flight: int = 1) -> float:
+    t, p = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
+    per_layer = seq * b * s.hidden * (34 / t if mg.sequence_parallel or t == 1 else 10 + 24 / t)
+    by = BYTES[mg.dtype]
+    logits = b * seq * (out_width / t if out_width > 1 else 1) * (by + 8)
+    return per_layer * (math.ceil(s.layers / p) * in_flight if backward else 1) + logits
+
+
+def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width: int, trainable=True) -> Role:
+    mg = cfg_role.megatron
+    tp = mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size
+    d, by = max(1, n // tp), BYTES[mg.dtype]
+    items = {"params": P * by / tp}
+    off = {"params"} if mg.param_offload else set()
+    if not trainable:  # the reference: forward-only log-probs
+        act = activation_bytes(shape, cfg_role.log_prob_micro_batch_size, seq, mg, out_width, False)
+        return Role(name, items, off, act, f"forward {cfg_role.log_prob_micro_batch_size} x {seq} tokens")
+    items["grads"] = P * 4 / tp
+    items["optimizer"] = P * (12 if by < 4 else 8) / tp / (d if mg.use_distributed_optimizer else 1)
+    off |= {k for k, flag in (("grads", mg.grad_offload), ("optimizer", mg.optimizer_offload)) if flag}
+    b, fb = cfg_role.ppo_micro_batch_size, cfg_role.log_prob_micro_batch_size
+    in_flight = min(mg.pipeline_model_parallel_size, max(1, cfg_role.ppo_mini_batch_size // d // b))
+    train = activation_bytes(shape, b, seq, mg, out_width, True, in_flight)
+    fwd = activation_bytes(shape, fb, seq, mg, out_width, False)
+    label = f"backward {b} x {seq} tokens" if train >= fwd else f"forward {fb} x {seq} tokens"
+    return Role(name, items, off, max(train, fwd), label)
+
+
+def plan(cfg, shape: Shape, gpu_mem_gib: float) -> dict:
+    """{phase: [(item, bytes)]} per GPU, plus 'params', 'kv_cache' (bytes) and 'critic_params'."""
+    P, n, seq = count_params(shape), cfg.resources.n_workers, cfg.data.max_prompt_length + cfg.data.max_response_length
+    roles = [make_role("actor", cfg.actor, P, shape, seq, n, shape.vocab)]
+    if cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss:
+        roles.append(make_role("ref", cfg.actor, P, shape, seq, n, shape.vocab, trainable=False))
+    P_c = count_params(shape, value_head=True) if cfg.use_critic else 0
+    if cfg.use_critic:
+        separate = cfg.critic.placement == "separate"
+        critic = make_role("critic", cfg.critic, P_c, shape, seq, cfg.resources.critic_n_workers if separate else n, 1)
+        critic.on_actor_gpus = not separate
+        roles.append(critic)
+    here = [r for r in roles if r.on_actor_gpus]
+    ro = cfg.rollout
+    budget, asleep = ro.gpu_memory_utilization * gpu_mem_gib * GiB, ro.free_cache_engine
+    vllm_weights = P * BYTES[ro.dtype] / ro.tensor_model_parallel_size
+    ctx = [("CUDA context + NCCL buffers (fixed)", CONTEXT_BYTES)]
+
+    def resident(skip=()):
+        return [(f"{r.name} {k}", v) for r in here for k, v in r.resident.items() if (r.name, k) not in skip]
+
+    busy = max(here, key=lambda r: sum(r.loaded.values()) + r.activations)
+    training = ctx + [("vLLM (asleep)" if asleep else "vLLM (awake: free_cache_engine false)", 0 if asleep else budget)]
+    training += resident() + [(f"{busy.name} {k} (loaded while it computes)", v) for k, v in busy.loaded.items()]
+    training.append((f"{busy.name} activations ({busy.act_label})", busy.activations))
+
+    actor = roles[0]
+    t_g, by_a = ro.tensor_model_parallel_size, BYTES[cfg.actor.megatron.dtype]
+    if ro.resharding == "hybrid":  # assembles one layer (or the embeddings / lm_head) of its t_g shard at a time
+        piece = ("largest piece assembled (hybrid)", max(layer_params(shape), shape.vocab * shape.hidden) * by_a / t_g)
+    else:  # gather_all holds a whole pipeline stage unsharded while converting it
+        piece = ("one stage gathered in full (gather_all)", P * by_a / cfg.actor.megatron.pipeline_model_parallel_size)
+    transition = ctx + [("vLLM weights (awake)" if asleep else "vLLM (awake, whole budget)", vllm_weights if asleep else budget),
+                        ("actor params (loaded for the sync)", actor.items["params"]),
+                        ("resharding: gathered generation shard", P * by_a / t_g),
+                        (f"resharding: {piece[0]}", piece[1])]
+    transition += resident(skip={("actor", "params")})
+
+    generation = ctx + [(f"vLLM ({ro.gpu_memory_utilization:g} x {gpu_mem_gib:g} GiB: weights + KV cache)", budget)] + resident()
+    out = {"training": training, "transition": transition, "generation": generation,
+           "params": P, "critic_params": P_c, "kv_cache": budget - vllm_weights, "vllm_weights": vllm_weights}
+    if cfg.use_critic and not critic.on_actor_gpus:  # its own GPUs: it trains there, nothing else does
+        out["critic GPUs (separate pool)"] = ctx + [(f"critic {k}", v) for k, v in critic.items.items()] + \
+            [(f"critic activations ({critic.act_label})", critic.activations)]
+    return out
+
+
+def phases(result: dict) -> dict:
+    return {k: v for k, v in result.items() if isinstance(v, list)}
+
+
+def peaks(result: dict) -> dict:
+    return {k: sum(b for _, b in rows) for k, rows in phases(result).items()}
+
+
+def find_shapes(model_path: str, explicit: str | None) -> str:
+    if explicit:
+        if not os.path.isfile(explicit):
+            raise FileNotFoundError(f"--model-config: no such file: {explicit}")
+        return explicit
+    name = os.path.basename(os.path.normpath(model_path)).lower() + ".json"
+    tried = [os.path.join(model_path, "config.json"), os.path.join("configs", "models", name),
+             os.path.join(REPO, "configs", "models", name)]
+    for path in tried:
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"no model shapes for model.path {model_path}: none of {', '.join(tried[:2])} "
+                            "exists (pass --model-config FILE, a HF config.json)")
+
+
+def render(result: dict, gpu_mem_gib: float) -> tuple[str, bool]:
+    lines = [f"total params: {result['params']:,}" +
+             (f" (critic {result['critic_params']:,})" if result["critic_params"] else "")]
+    for phase, rows in phases(result).items():
+        lines += ["", f"{phase}", f"  {'item':<62}{'GiB':>8}"]
+        lines += [f"  {item:<62}{b / GiB:8.2f}" for item, b in rows]
+        lines.append(f"  {'peak':<62}{sum(b for _, b in rows) / GiB:8.2f}")
+    kv = result["kv_cache"]
+    lines += ["", f"KV-cache budget in generation: {kv / GiB:.2f} GiB (vLLM budget - weights "
+                  f"{result['vllm_weights'] / GiB:.2f} GiB)"]
+    pk = peaks(result)
+    worst = max(pk, key=pk.get)
+    over = [f"{p} needs {b / GiB:.1f} GiB" for p, b in pk.items() if b > gpu_mem_gib * GiB]
+    if kv <= 0:
+        over.append("no room left for vLLM's KV cache (raise gpu_memory_utilization or rollout TP)")
+    fits = not over
+    detail = f"peak {pk[worst] / GiB:.1f} GiB in {worst}" if fits else "; ".join(over)
+    lines.append(f"fits on {gpu_mem_gib:g} GiB: {'yes' if fits else 'no'} ({detail})")
+    return "\n".join(lines), fits
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hybridflow.tools.memory_plan", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="experiment YAML")
+    ap.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU (default 80)")
+    ap.add_argument("--model-config", help="HF config.json with the model's shapes (default: see docstring)")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
+    args = ap.parse_args(argv)
+    from hybridflow.config import ConfigError, load_config
+    from hybridflow.config.schema import ExperimentConfig
+
+    try:
+        cfg = load_config(ExperimentConfig, [args.config], args.overrides)
+        shapes = find_shapes(cfg.model.path, args.model_config)
+    except (ConfigError, OSError) as e:
+        print(f"memory_plan: {e}", file=sys.stderr)
+        return 2
+    try:
+        with open(shapes) as f:
+            shape = Shape.from_hf(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError) as e:  # ValueError covers bad JSON
+        print(f"memory_plan: {shapes}: not a HF config.json ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    print(f"{args.config}: {cfg.model.path} (shapes from {shapes}), {cfg.resources.n_workers} GPUs, per GPU:")
+    text, fits = render(plan(cfg, shape, args.gpu_mem), args.gpu_mem)
+    print(text)
+    return 0 if fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

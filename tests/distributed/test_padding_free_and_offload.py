@@ -1,0 +1,150 @@
+"""The GPU path's memory and attention contracts, run on CPU with the same code.
+
+- Padding-free attention: the workers' forward passes no padding mask (causal only, as TE's flash/cuDNN
+  attention runs it); on batches with very uneven prompt and response lengths its log-probs, entropies and
+  values equal a forward with the full padding mask in the original left-padded layout.
+- Offload: parameters, gradients and optimizer state moved to host memory between uses (storage freed)
+  give bit-identical training to keeping them resident, in fp32 and bf16.
+- bf16: the same roles train in bf16 (megatron's fp32 main params) with finite, moving losses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.spawn import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+P, R = 12, 6
+PROMPT_PADS = [0, 11, 5, 9, 2, 7]  # left padding per row: prompts of 12, 1, 7, 3, 10 and 5 tokens
+RESPONSE_LENS = [6, 1, 4, 0, 3, 6]
+
+
+def uneven_batch():
+    from hybridflow.protocol import Batch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 40, (len(PROMPT_PADS), P + R), generator=g)
+    mask = torch.ones_like(ids)
+    for i, (pad, n) in enumerate(zip(PROMPT_PADS, RESPONSE_LENS)):
+        mask[i, :pad] = 0
+        mask[i, P + n:] = 0
+    ids = ids * mask  # pad id 0 everywhere a token is missing
+    rm = mask[:, P:]
+    return Batch.from_dict(tensors=dict(
+        input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), responses=ids[:, P:],
+        response_mask=rm, old_log_probs=-torch.rand(len(ids), R, generator=g) * rm,
+        advantages=torch.randn(len(ids), R, generator=g) * rm, values=torch.randn(len(ids), R, generator=g) * rm,
+        returns=torch.randn(len(ids), R, generator=g) * rm))
+
+
+def _masked_reference(role, batch):
+    """Log-probs, entropy and values with the padding mask, in the original (left-padded) layout."""
+    from hybridflow.megatron.engine import attention_mask_4d, token_log_probs, vocab_parallel_entropy
+
+    t = batch.tensors
+    with torch.no_grad(), role.resident():
+        out = role.module(input_ids=t["input_ids"], position_ids=t["position_ids"],
+                          attention_mask=attention_mask_4d(t["attention_mask"]))
+    valid = t["response_mask"].bool()
+    if role.value_head:
+        return {"values": torch.where(valid, out[..., 0][:, P - 1:P - 1 + R].float(), 0.0)}
+    lp = token_log_probs(out, torch.roll(t["input_ids"], -1, 1))[:, P - 1:P - 1 + R]
+    ent = vocab_parallel_entropy(out)[:, P - 1:P - 1 + R]
+    return {"log_probs": torch.where(valid, lp, 0.0), "entropy": torch.where(valid, ent, 0.0)}
+
+
+def _settings():
+    from types import SimpleNamespace
+
+    actor = SimpleNamespace(ppo_mini_batch_size=3, ppo_micro_batch_size=1, ppo_epochs=1, loss_agg_mode="token-mean",
+                            clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, use_kl_loss=False)
+    critic = SimpleNamespace(ppo_mini_batch_size=3, ppo_micro_batch_size=2, ppo_epochs=1, cliprange_value=0.5,
+                             loss_agg_mode="token-mean")
+    return actor, critic
+
+
+def _rank_fn(rank, world, hf_dir, critic_dir):
+    from hybridflow.megatron import parallel
+    from hybridflow.megatron.engine import MegatronRole, OffloadSettings, OptimSettings
+    from hybridflow.workers import role_ops
+    from hybridflow.workers.common import load_hf_folder
+
+    parallel.init_model_parallel(1, 1, seed=1)
+    cfg, state = load_hf_folder(hf_dir)
+    _, critic_state = load_hf_folder(critic_dir)
+    batch = uneven_batch()
+    actor_cfg, critic_cfg = _settings()
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).split(".")[1]
+        policy = MegatronRole(cfg, state, dtype=dtype)
+        value = MegatronRole(cfg, critic_state, value_head=True, dtype=dtype)
+        got = role_ops.log_probs(policy, batch, micro_batch_size=4, with_entropy=True)
+        got["values"] = role_ops.values(value, batch, micro_batch_size=4)
+        want = {**_masked_reference(policy, batch), **_masked_reference(value, batch)}
+        out[f"padding_{name}"] = {k: (got[k], want[k]) for k in want}
+
+        trained = {}
+        for offload in (False, True):
+            torch.manual_seed(0)
+            settings = OffloadSettings(params=offload, grads=offload, optimizer=offload)
+            actor = MegatronRole(cfg, state, dtype=dtype, optim=OptimSettings(lr=1e-3), offload=settings)
+            critic = MegatronRole(cfg, critic_state, value_head=True, dtype=dtype, optim=OptimSettings(lr=1e-3),
+                                  offload=settings)
+            metrics = []
+            for _ in range(2):
+                metrics.append(role_ops.update_policy(actor, batch, actor_cfg, dp_size=1))
+                metrics.append(role_ops.update_value(critic, batch, critic_cfg, dp_size=1))
+            idle = {"actor_host_bytes": actor.host_bytes(), "critic_host_bytes": critic.host_bytes(),
+                    "freed": all(p.untyped_storage().nbytes() == 0 for p in actor.module.parameters())}
+            trained[offload] = dict(idle, metrics=metrics, actor=actor.hf_state_dict(), critic=critic.hf_state_dict(),
+                                    log_probs=role_ops.log_probs(actor, batch, 6)["log_probs"])
+        out[f"offload_{name}"] = trained
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from hybridflow.data.tiny_model import build_tiny_qwen2
+    from hybridflow.data.tokenizer import build_char_tokenizer
+    from hybridflow.workers.common import load_hf_folder
+    from hybridflow.workers.export import save_hf_folder
+
+    root = tmp_path_factory.mktemp("padfree")
+    build_tiny_qwen2(root / "policy", build_char_tokenizer(root / "policy"), hidden_size=64, num_layers=2, seed=5)
+    cfg, state = load_hf_folder(str(root / "policy"))
+    state["score.weight"] = torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    save_hf_folder(str(root / "critic"), cfg, state)
+    return run_ranks(_rank_fn, 1, str(root / "policy"), str(root / "critic"))[0]
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 3e-2)])
+def test_causal_only_forward_equals_masked_forward(results, dtype, tol):
+    valid = uneven_batch().tensors["response_mask"].bool()
+    for key, (got, want) in results[f"padding_{dtype}"].items():
+        assert got.shape == want.shape == valid.shape, key
+        assert torch.equal(got[~valid], torch.zeros_like(got[~valid])), f"{key}: outputs past a response's end"
+        diff = (got.float() - want.float())[valid].abs().max().item()
+        scale = max(1.0, want.float()[valid].abs().max().item())  # bf16 keeps ~3 significant digits
+        assert diff < tol * scale, f"{key} ({dtype}) differs from the masked forward by {diff} (scale {scale})"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_offload_trains_bit_identically(results, dtype):
+    plain, offloaded = results[f"offload_{dtype}"][False], results[f"offload_{dtype}"][True]
+    assert plain["actor_host_bytes"] == plain["critic_host_bytes"] == 0
+    # Idle roles hold nothing on the device: params, grads and optimizer state all went to host.
+    assert offloaded["freed"] and offloaded["actor_host_bytes"] > 0 and offloaded["critic_host_bytes"] > 0
+    for role in ("actor", "critic"):
+        assert set(plain[role]) == set(offloaded[role])
+        for k, v in plain[role].items():
+            assert v.dtype == getattr(torch, dtype), k
+            assert torch.equal(v, offloaded[role][k]), f"{role} {k} differs after offloaded training"
+    assert torch.equal(plain["log_probs"], offloaded["log_probs"])
+    for m in plain["metrics"]:
+        assert all(torch.isfinite(torch.tensor(v)) for v in m.values()), m
+    losses = [m["actor/pg_loss"] for m in plain["metrics"] if "actor/pg_loss" in m]
+    assert losses[0] != losses[1], "the actor did not move"

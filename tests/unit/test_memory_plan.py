@@ -1,0 +1,172 @@
+"""The memory planner: parameter counts, per-item bytes checked by hand, offload phases, and the shipped configs."""
+
+import json
+import os
+
+import pytest
+
+from hybridflow.config import load_config
+from hybridflow.config.schema import ExperimentConfig
+from hybridflow.tools import memory_plan as mp
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GiB = 2 ** 30
+CTX = 2 * GiB
+
+# A tiny Llama (no qkv bias), small enough to count by hand.
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "tie_word_embeddings": False}
+# per layer: q 64*64 + k,v 2*(64*32) + o 64*64 = 12288; gate/up/down 3*64*128 = 24576; norms 2*64 = 128
+TINY_LAYER = 12288 + 24576 + 128  # 36992
+TINY_P = 100 * 64 + 2 * TINY_LAYER + 64 + 100 * 64  # embeddings + layers + final norm + lm_head = 86848
+TINY_CRITIC_P = 100 * 64 + 2 * TINY_LAYER + 64 + 64  # value head 64 x 1 instead of lm_head = 80512
+
+TINY_YAML = """
+data: {batch_size: 4, max_prompt_length: 6, max_response_length: 2}
+model: {path: /nonexistent/tiny}
+actor:
+  megatron: {use_distributed_optimizer: true}
+  ppo_mini_batch_size: 4
+  ppo_micro_batch_size: 2
+  log_prob_micro_batch_size: 2
+critic: {ppo_mini_batch_size: 4, ppo_micro_batch_size: 2, log_prob_micro_batch_size: 2}
+rollout: {gpu_memory_utilization: 0.5}
+algorithm: {adv_estimator: grpo, use_kl_in_reward: false}
+resources: {n_workers: 2, critic_n_workers: 2}
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    (tmp_path / "tiny.yaml").write_text(TINY_YAML)
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY))
+
+    def load(*overrides):
+        return load_config(ExperimentConfig, [str(tmp_path / "tiny.yaml")], list(overrides))
+    load.dir = tmp_path
+    return load
+
+
+def rows(result, phase):
+    return dict(result[phase])
+
+
+def shipped_shape(name):
+    with open(os.path.join(REPO, "configs", "models", name)) as f:
+        return mp.Shape.from_hf(json.load(f))
+
+
+def test_param_counts_of_the_shipped_qwen2_5_shapes():
+    assert mp.count_params(shipped_shape("qwen2.5-0.5b-instruct.json")) == 494_032_768  # tied embeddings
+    assert mp.count_params(shipped_shape("qwen2.5-7b-instruct.json")) == 7_615_616_512
+
+
+def test_tiny_model_counted_by_hand():
+    shape = mp.Shape.from_hf(TINY)
+    assert mp.layer_params(shape) == TINY_LAYER
+    assert mp.count_params(shape) == TINY_P
+    assert mp.count_params(shape, value_head=True) == TINY_CRITIC_P
+
+
+def test_every_item_of_a_tiny_config_by_hand(tiny):
+    r = mp.plan(tiny(), mp.Shape.from_hf(TINY), gpu_mem_gib=1)
+    params, grads = TINY_P * 2, TINY_P * 4  # bf16 params, fp32 grads, t = p = 1
+    optimizer = TINY_P * 12 / 2  # fp32 main + Adam m, v; distributed optimizer over d = 2
+    # s = 6 + 2 = 8 tokens, b = 2: 34 * s*b*h per layer x 2 layers, logits b*s*vocab*(2 + 4 + 4)
+    activations = 34 * 8 * 2 * 64 * 2 + 2 * 8 * 100 * 10
+    assert activations == 85_632
+    assert rows(r, "training") == {
+        "CUDA context + NCCL buffers (fixed)": CTX, "vLLM (asleep)": 0, "actor params": params,
+        "actor grads": grads, "actor optimizer": optimizer,
+        "actor activations (backward 2 x 8 tokens)": activations}
+    assert rows(r, "transition") == {
+        "CUDA context + NCCL buffers (fixed)": CTX, "vLLM weights (awake)": params,
+        "actor params (loaded for the sync)": params, "resharding: gathered generation shard": params,
+        "resharding: largest piece assembled (hybrid)": TINY_LAYER * 2,  # a layer outweighs the 100 x 64 embeddings
+        "actor grads": grads, "actor optimizer": optimizer}
+    assert rows(r, "generation") == {
+        "CUDA context + NCCL buffers (fixed)": CTX, "vLLM (0.5 x 1 GiB: weights + KV cache)": GiB / 2,
+        "actor params": params, "actor grads": grads, "actor optimizer": optimizer}
+    assert r["kv_cache"] == GiB / 2 - params
+    assert mp.peaks(r)["training"] == CTX + params + grads + optimizer + activations
+
+
+def test_reference_and_critic_items(tiny):
+    cfg = tiny("algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "critic.megatron.dtype=float32")
+    gen = rows(mp.plan(cfg, mp.Shape.from_hf(TINY), 1), "generation")
+    assert gen["ref params"] == TINY_P * 2  # actor dtype and layout, no grads or optimizer
+    assert "ref grads" not in gen
+    assert gen["critic params"] == TINY_CRITIC_P * 4
+    assert gen["critic grads"] == TINY_CRITIC_P * 4
+    assert gen["critic optimizer"] == TINY_CRITIC_P * 8  # fp32: Adam m, v only; no distributed optimizer
+
+
+def test_tensor_parallel_and_pipeline_split_the_state(tiny):
+    cfg = tiny("resources.n_workers=4", "actor.megatron.tensor_model_parallel_size=2",
+               "actor.megatron.pipeline_model_parallel_size=2", "rollout.tensor_model_parallel_size=2")
+    r = mp.plan(cfg, mp.Shape.from_hf(TINY), 1)
+    gen, tr = rows(r, "generation"), rows(r, "transition")
+    assert gen["actor params"] == TINY_P * 2 / 4
+    assert gen["actor optimizer"] == TINY_P * 12 / 4  # d = 4 / (2 * 2) = 1
+    assert tr["vLLM weights (awake)"] == tr["resharding: gathered generation shard"] == TINY_P * 2 / 2
+
+
+def test_offload_moves_items_out_of_generation(tiny):
+    flags = [f"actor.megatron.{k}_offload=true" for k in ("param", "grad", "optimizer")]
+    r = mp.plan(tiny(*flags, "actor.use_kl_loss=true"), mp.Shape.from_hf(TINY), 1)
+    assert set(rows(r, "generation")) == {"CUDA context + NCCL buffers (fixed)",
+                                         "vLLM (0.5 x 1 GiB: weights + KV cache)"}  # the ref follows param_offload
+    train = rows(r, "training")
+    assert train["actor grads (loaded while it computes)"] == TINY_P * 4
+    assert "ref params" not in train  # the actor computes here, the reference (offloaded) does not
+    transition = rows(r, "transition")
+    assert transition["actor params (loaded for the sync)"] == TINY_P * 2  # loaded back for the sync
+    assert "actor grads" not in transition
+    plain = mp.plan(tiny("actor.use_kl_loss=true"), mp.Shape.from_hf(TINY), 1)
+    assert mp.peaks(r)["generation"] < mp.peaks(plain)["generation"]
+
+
+def test_awake_vllm_counts_in_every_phase(tiny):
+    r = mp.plan(tiny("rollout.free_cache_engine=false"), mp.Shape.from_hf(TINY), 1)
+    assert rows(r, "training")["vLLM (awake: free_cache_engine false)"] == GiB / 2
+    assert rows(r, "transition")["vLLM (awake, whole budget)"] == GiB / 2
+
+
+def test_main_with_a_model_config_and_no_kv_room(tiny, capsys):
+    args = ["--config", str(tiny.dir / "tiny.yaml"), "--model-config", str(tiny.dir / "tiny.json")]
+    assert mp.main(args + ["--gpu-mem", "8"]) == 0
+    assert "fits on 8 GiB: yes (peak 6.0 GiB in generation)" in capsys.readouterr().out
+    # 1e-5 x 8 GiB is smaller than the vLLM weights: no KV cache, even though every phase fits
+    assert mp.main(args + ["--gpu-mem", "8", "rollout.gpu_memory_utilization=0.00001"]) == 1
+    assert "fits on 8 GiB: no (no room left for vLLM's KV cache" in capsys.readouterr().out
+
+
+def test_missing_shapes_name_the_file(tiny, capsys, monkeypatch):
+    monkeypatch.chdir(tiny.dir)
+    assert mp.main(["--config", "tiny.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "/nonexistent/tiny/config.json" in err and "configs/models/tiny.json" in err and "\n" not in err.strip()
+
+
+SHIPPED = ["gsm8k_qwen2.5_0.5b_ppo", "gsm8k_qwen2.5_0.5b_grpo", "gsm8k_qwen2.5_7b_ppo", "gsm8k_qwen2.5_7b_grpo"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_gpu_configs_fit_on_80_gib(name, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no models/ folder here: the shapes come from configs/models
+    assert mp.main(["--config", os.path.join(REPO, "configs", f"{name}.yaml"), "--gpu-mem", "80"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"\n{phase}\n" in out for phase in ("training", "transition", "generation"))
+    assert "fits on 80 GiB: yes" in out
+    with open(os.path.join(REPO, "configs", f"{name}.yaml")) as f:
+        peak = out.rsplit("(peak ", 1)[1].split(" GiB")[0]
+        assert f"peak {peak} GiB" in f.read()  # the file's comment states what the tool prints
+
+
+def test_7b_ppo_without_offload_on_tp1_does_not_fit(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    overrides = [f"{role}.megatron.{k}" for role in ("actor", "critic") for k in (
+        "tensor_model_parallel_size=1", "sequence_parallel=false", "param_offload=false", "grad_offload=false",
+        "optimizer_offload=false")]
+    assert mp.main(["--config", os.path.join(REPO, "configs", "gsm8k_qwen2.5_7b_ppo.yaml"), *overrides]) == 1
+    assert "fits on 80 GiB: no" in capsys.readouterr().out
