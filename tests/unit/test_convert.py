@@ -32,6 +32,12 @@ def _hf_state(cfg):
     return {k: v.clone() for k, v in Qwen2ForCausalLM(cfg).state_dict().items()}
 
 
+def _gather_tp(shards: list[dict]) -> dict:
+    """One stage's full tensors from its TP shards (what the export's TP gather produces)."""
+    return {k: torch.cat([s[k] for s in shards], dim=tp_split_dim(k)) if tp_split_dim(k) is not None
+            else shards[0][k] for k in shards[0]}
+
+
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_shard_then_gather_round_trips_bit_identically(tp, pp):
     cfg = _cfg()
@@ -39,9 +45,7 @@ def test_shard_then_gather_round_trips_bit_identically(tp, pp):
     merged = {}
     for p in range(pp):
         shards = [hf_to_megatron(hf, cfg, Shard(t, tp, p, pp)) for t in range(tp)]
-        full = {k: torch.cat([s[k] for s in shards], dim=tp_split_dim(k)) if tp_split_dim(k) is not None
-                else shards[0][k] for k in shards[0]}
-        merged.update(megatron_to_hf(full, cfg, Shard(0, tp, p, pp)))
+        merged.update(megatron_to_hf(_gather_tp(shards), cfg, Shard(0, tp, p, pp)))
     assert set(merged) == set(hf)
     for k in hf:
         assert torch.equal(merged[k], hf[k]), k
@@ -112,9 +116,7 @@ def test_te_names_round_trip_bit_identically(tp, pp):
             back = canonical_names(te_model.state_dict())
             assert set(back) == set(local)  # _extra_state dropped, norms renamed back
             shards.append(back)
-        full = {k: torch.cat([s[k] for s in shards], dim=tp_split_dim(k)) if tp_split_dim(k) is not None
-                else shards[0][k] for k in shards[0]}
-        merged.update(megatron_to_hf(full, cfg, Shard(0, tp, p, pp)))
+        merged.update(megatron_to_hf(_gather_tp(shards), cfg, Shard(0, tp, p, pp)))
     assert set(merged) == set(hf)
     for k in hf:
         assert torch.equal(merged[k], hf[k]), k
