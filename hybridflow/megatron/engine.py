@@ -40,16 +40,6 @@ class OffloadSettings:
     optimizer: bool = False
 
 
-def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[b, s] {0,1} padding mask -> megatron's [b, 1, s, s] bool mask (True = not attended), causal.
-
-    Only for comparisons in tests: the workers pass no mask (causal only, as TE's fused attention runs)."""
-    s = attention_mask.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
-    allowed = causal[None] & attention_mask.bool()[:, None, :]
-    return ~allowed[:, None]
-
-
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) where the vocab dim is split across the TP group (no grad)."""
     from megatron.core import parallel_state as ps

@@ -25,6 +25,7 @@ def micro_batches(batch: Batch, size: int, extra_keys=(), seq_multiple: int = 1)
     micro-batch uses are trimmed, and the length is padded to ``seq_multiple`` (sequence parallel splits
     it across TP ranks). ``labels`` are the next tokens; ``response_index`` [b, R] holds the positions
     whose outputs predict the response tokens and ``response_valid`` [b, R] where a response token exists.
+    Built on the host; the engine moves each micro-batch to the device right before its forward.
     """
     P, R = _lengths(batch)
     out = []

@@ -40,9 +40,16 @@ def uneven_batch():
         returns=torch.randn(len(ids), R, generator=g) * rm))
 
 
+def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[b, s] {0,1} padding mask -> megatron's [b, 1, s, s] bool mask (True = not attended), causal."""
+    s = attention_mask.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    return ~(causal[None] & attention_mask.bool()[:, None, :])[:, None]
+
+
 def _masked_reference(role, batch):
     """Log-probs, entropy and values with the padding mask, in the original (left-padded) layout."""
-    from hybridflow.megatron.engine import attention_mask_4d, token_log_probs, vocab_parallel_entropy
+    from hybridflow.megatron.engine import token_log_probs, vocab_parallel_entropy
 
     t = batch.tensors
     with torch.no_grad(), role.resident():
