@@ -1,4 +1,5 @@
-"""`hybridflow` console script: `hybridflow train --config ...` (PPO family) and `hybridflow sft ...`."""
+"""`hybridflow` console script: `hybridflow train --config ...` (PPO family), `hybridflow sft ...` and
+`hybridflow config show|dump`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ def main(argv=None) -> int:
         from hybridflow.trainer.sft import main as sft_main
 
         return sft_main(argv[1:])
+    if argv and argv[0] == "config":
+        from hybridflow.config.show import main as config_main
+
+        return config_main(argv[1:])
     if argv and argv[0] == "train":
         argv = argv[1:]
     from hybridflow.trainer.main import main as train_main

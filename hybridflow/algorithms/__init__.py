@@ -21,7 +21,7 @@ from .registry import (
 )
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .entropy import entropy_from_logits
-from .aggregation import aggregate_loss
+from .aggregation import GlobalBatch, aggregate_loss
 from .advantages import (
     compute_advantage,
     compute_gae_advantage_return,
@@ -58,6 +58,7 @@ __all__ = [
     "entropy_from_logits",
     # aggregation
     "aggregate_loss",
+    "GlobalBatch",
     # advantages
     "compute_advantage",
     "compute_gae_advantage_return",

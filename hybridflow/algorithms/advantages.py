@@ -175,10 +175,11 @@ def compute_reinforce_plus_plus_outcome_advantage(
     *,
     gamma: float = 1.0,
 ) -> Tuple[Tensor, Tensor]:
-    """REINFORCE++: discounted return-to-go, whitened over the batch.
+    """REINFORCE++: discounted return-to-go, whitened over the batch (verl 0.9.1).
 
-    The running return is zeroed after each mask-0 position (verl's "reset
-    after EOS"), so tokens before a gap do not see rewards after it.
+    Mask-0 positions inside a response (tool or user tokens between assistant turns) are skipped: the
+    running return passes through them unchanged, so a final reward reaches the tokens of earlier turns,
+    and their own return is 0.
 
     Returns:
         ``advantages`` [B, T] = masked_whiten(returns) * mask, ``returns`` [B, T].
@@ -187,9 +188,9 @@ def compute_reinforce_plus_plus_outcome_advantage(
     returns = torch.zeros_like(token_level_rewards)
     running_return = torch.zeros_like(token_level_rewards[:, 0])
     for t in reversed(range(token_level_rewards.shape[-1])):
-        running_return = token_level_rewards[:, t] + gamma * running_return
-        returns[:, t] = running_return
-        running_return = running_return * mask[:, t]
+        candidate = token_level_rewards[:, t] + gamma * running_return
+        returns[:, t] = candidate * mask[:, t]
+        running_return = candidate * mask[:, t] + running_return * (1 - mask[:, t])
     advantages = masked_whiten(returns, mask) * mask
     return advantages, returns
 

@@ -1,81 +1,99 @@
-"""Reduction of a per-token loss matrix to a scalar (``loss_agg_mode``).
+"""Reduction of a per-token loss matrix to a scalar (``loss_agg_mode``), as verl 0.9.1's ``agg_loss``.
 
-The mode decides how much weight each token / sequence gets in the gradient,
-so it must match verl's ``agg_loss`` exactly:
+A step's loss is normalized over its whole mini-batch: a micro-batch's loss is its share of the
+mini-batch's loss, divided by counts of the whole mini-batch (all micro-batches and data-parallel ranks;
+:class:`GlobalBatch`), so the gradient does not depend on how the mini-batch is split:
 
-* ``token-mean``: every valid token weighs the same (masked mean).
+* ``token-mean``: sum over valid tokens / valid tokens of the mini-batch.
 * ``token-sum``: plain sum over valid tokens.
-* ``seq-mean-token-sum``: sum within a sequence, mean over sequences.
-* ``seq-mean-token-mean``: mean within a sequence, mean over sequences.
-* ``seq-mean-token-sum-norm``: total sum divided by the padded length
-  (Dr. GRPO), a constant that does not depend on response lengths.
+* ``seq-mean-token-sum``: per-sequence sums, summed / sequences (with a valid token) of the mini-batch.
+* ``seq-mean-token-mean``: per-sequence means, summed / sequences of the mini-batch.
+* ``seq-mean-token-sum-norm`` (Dr. GRPO): ``seq-mean-token-sum`` divided by ``loss_scale_factor``
+  (default: the padded response length), a constant that does not depend on response lengths.
 
-Sequence-level means only count rows with at least one valid token, so an
-empty (fully padded) row does not dilute the mean, and an all-zero mask gives
-0 rather than NaN.
+Without a :class:`GlobalBatch` the micro-batch is the whole batch. Sequences without a valid token never
+count, and an all-zero mask gives 0 rather than NaN. verl also multiplies by the data-parallel size to undo
+the gradient averaging of its backends; here that belongs to the engine (workers/role_ops.py), which
+undoes megatron's averaging over micro-batches and data-parallel ranks, so these stay pure functions.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .masked import _as_mask, masked_mean, masked_sum
+from .masked import _as_mask, masked_sum
 from .registry import LOSS_AGG_MODES, register_loss_agg
 
 
-def _mean_over_valid_rows(seq_losses: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
-    """Mean of ``seq_losses`` [B] over rows where ``row_valid`` [B] is true; 0 if none."""
-    n = row_valid.sum()
+@dataclass(frozen=True)
+class GlobalBatch:
+    """Counts of the whole mini-batch a micro-batch's loss is normalized by (verl's global batch info)."""
+
+    num_tokens: float | None = None  # valid tokens
+    num_seqs: float | None = None  # sequences with at least one valid token
+    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm divisor; None: the padded length
+
+    @staticmethod
+    def of(mask: torch.Tensor, loss_scale_factor: float | None = None) -> "GlobalBatch":
+        """The counts of one (local) batch; sum them over ranks for the global ones."""
+        return GlobalBatch(float(mask.sum()), float((mask.sum(-1) > 0).sum()), loss_scale_factor)
+
+
+def _divide(total: torch.Tensor, count) -> torch.Tensor:
+    return total / torch.as_tensor(count, dtype=total.dtype, device=total.device).clamp(min=1)
+
+
+def _seq_mean(seq_losses: torch.Tensor, row_valid: torch.Tensor, batch: GlobalBatch | None) -> torch.Tensor:
     total = torch.where(row_valid, seq_losses, torch.zeros_like(seq_losses)).sum()
-    return total / n.clamp(min=1).to(seq_losses.dtype)
+    return _divide(total, row_valid.sum() if batch is None or batch.num_seqs is None else batch.num_seqs)
 
 
 @register_loss_agg("token-mean")
-def _token_mean(loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return masked_mean(loss_mat, mask)
+def _token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, batch: GlobalBatch | None) -> torch.Tensor:
+    m = _as_mask(mask, loss_mat)
+    return _divide(masked_sum(loss_mat, m), m.sum() if batch is None or batch.num_tokens is None else batch.num_tokens)
 
 
 @register_loss_agg("token-sum")
-def _token_sum(loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _token_sum(loss_mat: torch.Tensor, mask: torch.Tensor, batch: GlobalBatch | None) -> torch.Tensor:
     return masked_sum(loss_mat, mask)
 
 
 @register_loss_agg("seq-mean-token-sum")
-def _seq_mean_token_sum(loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _seq_mean_token_sum(loss_mat: torch.Tensor, mask: torch.Tensor, batch: GlobalBatch | None) -> torch.Tensor:
     m = _as_mask(mask, loss_mat)
-    seq_losses = masked_sum(loss_mat, m, dim=-1)
-    return _mean_over_valid_rows(seq_losses, m.sum(dim=-1) > 0)
+    return _seq_mean(masked_sum(loss_mat, m, dim=-1), m.sum(dim=-1) > 0, batch)
 
 
 @register_loss_agg("seq-mean-token-mean")
-def _seq_mean_token_mean(loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _seq_mean_token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, batch: GlobalBatch | None) -> torch.Tensor:
     m = _as_mask(mask, loss_mat)
     counts = m.sum(dim=-1)
-    # clamp only guards the empty rows, which _mean_over_valid_rows drops anyway
-    seq_losses = masked_sum(loss_mat, m, dim=-1) / counts.clamp(min=1)
-    return _mean_over_valid_rows(seq_losses, counts > 0)
+    # clamp only guards the empty rows, which _seq_mean drops anyway
+    return _seq_mean(masked_sum(loss_mat, m, dim=-1) / counts.clamp(min=1), counts > 0, batch)
 
 
 @register_loss_agg("seq-mean-token-sum-norm")
-def _seq_mean_token_sum_norm(loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    seq_losses = masked_sum(loss_mat, mask, dim=-1)
-    return seq_losses.sum() / mask.shape[-1]
+def _seq_mean_token_sum_norm(loss_mat: torch.Tensor, mask: torch.Tensor, batch: GlobalBatch | None) -> torch.Tensor:
+    factor = batch.loss_scale_factor if batch is not None and batch.loss_scale_factor is not None else mask.shape[-1]
+    return _seq_mean_token_sum(loss_mat, mask, batch) / factor
 
 
-def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """Aggregate a per-token loss to a 0-dim tensor.
+def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+                   batch: GlobalBatch | None = None) -> torch.Tensor:
+    """Aggregate a per-token loss to a 0-dim tensor of ``loss_mat``'s dtype.
 
     Args:
         loss_mat: [batch, response_len] per-token losses.
         mask: [batch, response_len] {0,1} (float or bool) valid-token mask.
         mode: one of :data:`LOSS_AGG_MODES` names (see module docstring).
-
-    Returns:
-        0-dim tensor.
+        batch: the whole mini-batch's counts when ``loss_mat`` is one micro-batch of it.
 
     Raises:
         UnknownNameError: on an unknown ``mode``.
     """
     if loss_mat.shape != mask.shape:
         raise ValueError(f"loss_mat shape {tuple(loss_mat.shape)} != mask shape {tuple(mask.shape)}")
-    return LOSS_AGG_MODES.get(mode)(loss_mat, mask)
+    return LOSS_AGG_MODES.get(mode)(loss_mat, mask, batch)

@@ -6,7 +6,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from .aggregation import aggregate_loss
+from .aggregation import GlobalBatch, aggregate_loss
 from .masked import masked_mean
 from .registry import POLICY_LOSSES, register_policy_loss
 
@@ -24,6 +24,7 @@ def compute_policy_loss_vanilla(
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
+    global_batch: GlobalBatch | None = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """PPO clipped surrogate with asymmetric clip and dual clip.
 
@@ -37,6 +38,7 @@ def compute_policy_loss_vanilla(
         clip_ratio_low, clip_ratio_high: ratio clipped to
             ``[1 - low, 1 + high]``.
         clip_ratio_c: dual-clip bound, must be > 1.
+        global_batch: the mini-batch's counts when this is one micro-batch of it.
 
     Returns:
         ``(loss, metrics)``: 0-dim loss; metrics ``pg_clipfrac``, ``ppo_kl``,
@@ -54,17 +56,17 @@ def compute_policy_loss_vanilla(
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
     clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
-    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).to(ratio.dtype), response_mask)
 
     pg_losses3 = -advantages * clip_ratio_c
     clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
     negative = advantages < 0
     pg_clipfrac_lower = masked_mean(
-        (torch.gt(clip_pg_losses1, pg_losses3) & negative).float(), response_mask
+        (torch.gt(clip_pg_losses1, pg_losses3) & negative).to(ratio.dtype), response_mask
     )
 
     pg_losses = torch.where(negative, clip_pg_losses2, clip_pg_losses1)
-    loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode)
+    loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_batch)
     metrics = {
         "pg_clipfrac": pg_clipfrac.detach(),
         "ppo_kl": ppo_kl.detach(),
@@ -84,6 +86,7 @@ def policy_loss(
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
+    global_batch: GlobalBatch | None = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """Run the policy loss registered as ``name`` (see the registered function).
 
@@ -100,4 +103,5 @@ def policy_loss(
         clip_ratio_low=clip_ratio_low,
         clip_ratio_high=clip_ratio_high,
         clip_ratio_c=clip_ratio_c,
+        global_batch=global_batch,
     )

@@ -6,7 +6,7 @@ from typing import Tuple
 
 import torch
 
-from .aggregation import aggregate_loss
+from .aggregation import GlobalBatch, aggregate_loss
 from .masked import masked_mean
 
 Tensor = torch.Tensor
@@ -20,6 +20,7 @@ def value_loss(
     *,
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
+    global_batch: GlobalBatch | None = None,
 ) -> Tuple[Tensor, Tensor]:
     """PPO value loss with the prediction clipped around the rollout values.
 
@@ -34,6 +35,7 @@ def value_loss(
         response_mask: [B, T].
         cliprange_value: clip half-width ``c``.
         loss_agg_mode: see :func:`aggregate_loss`.
+        global_batch: the mini-batch's counts when this is one micro-batch of it.
 
     Returns:
         ``(loss, clipfrac)``: 0-dim loss and the detached 0-dim fraction of
@@ -43,6 +45,6 @@ def value_loss(
     vf_losses1 = (vpreds - returns) ** 2
     vf_losses2 = (vpredclipped - returns) ** 2
     clipped_vf_losses = torch.maximum(vf_losses1, vf_losses2)
-    loss = 0.5 * aggregate_loss(clipped_vf_losses, response_mask, loss_agg_mode)
-    clipfrac = masked_mean(torch.gt(vf_losses2, vf_losses1).float(), response_mask)
+    loss = 0.5 * aggregate_loss(clipped_vf_losses, response_mask, loss_agg_mode, global_batch)
+    clipfrac = masked_mean(torch.gt(vf_losses2, vf_losses1).to(vf_losses1.dtype), response_mask)
     return loss, clipfrac.detach()

@@ -20,7 +20,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-__all__ = ["ConfigError", "load_config", "config_to_dict", "dump_yaml"]
+__all__ = ["ConfigError", "load_config", "config_to_dict", "dump_yaml", "flat_items"]
 
 Key = tuple[str, ...]
 
@@ -256,8 +256,11 @@ class _Builder:
 
 # ---------------------------------------------------------------- public API
 def load_config(schema_cls: type, paths: str | os.PathLike | Iterable[str | os.PathLike],
-                overrides: Iterable[str] = ()) -> Any:
-    """Build ``schema_cls`` from YAML ``paths`` (later wins) plus CLI ``overrides``."""
+                overrides: Iterable[str] = (), sources: dict[str, str] | None = None) -> Any:
+    """Build ``schema_cls`` from YAML ``paths`` (later wins) plus CLI ``overrides``.
+
+    ``sources``, when given, is filled with where each dotted key was set (a file, or ``override '...'``);
+    keys not in it keep the schema's default."""
     if not (dataclasses.is_dataclass(schema_cls) and isinstance(schema_cls, type)):
         raise TypeError(f"schema_cls must be a dataclass type, got {schema_cls!r}")
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
@@ -268,7 +271,18 @@ def load_config(schema_cls: type, paths: str | os.PathLike | Iterable[str | os.P
     overrides = [overrides] if isinstance(overrides, str) else overrides
     for arg in overrides:
         _apply_override(data, origin, arg)
-    return _Builder(origin).build(schema_cls, data, ())
+    cfg = _Builder(origin).build(schema_cls, data, ())
+    if sources is not None:
+        sources.update({_dotted(k): v for k, v in origin.items()})
+    return cfg
+
+
+def flat_items(data: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of nested dicts (e.g. ``config_to_dict(cfg)``), in order."""
+    out = []
+    for k, v in data.items():
+        out.extend(flat_items(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)])
+    return out
 
 
 def config_to_dict(cfg: Any) -> Any:

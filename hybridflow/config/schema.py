@@ -59,6 +59,7 @@ class Actor:
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (> 1)
     loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm divisor (None: the padded response length)
     use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style) instead of in the reward
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"  # k1/kl, abs, k2/mse, k3/low_var_kl, each with optional '+'
@@ -85,6 +86,7 @@ class Critic:
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm divisor (None: the padded response length)
     log_prob_micro_batch_size: int = 16
 
     def validate(self):

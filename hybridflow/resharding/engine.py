@@ -58,6 +58,12 @@ class Resharder:
         self.plan = HybridPlan(train, p_g=1, t_g=t_g)
         self.rank = dist.get_rank()
         self.me = self.plan.ranks[self.rank]
+        from megatron.core import parallel_state as ps
+
+        actual = (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+        if train.coords(self.rank) != actual:  # the plan's groups are only right if they are megatron's
+            raise RuntimeError(f"rank {self.rank}: the resharding plan places it at (tp, dp, pp) "
+                               f"{train.coords(self.rank)} but megatron's groups at {actual}")
         self.tie = bool(getattr(hf_config, "tie_word_embeddings", False))
         # Two group sets, created by all ranks in the same order (new_group is collective): the
         # micro-DP groups exchange TP-split tensors; inside them, "stage slices" (members at the same

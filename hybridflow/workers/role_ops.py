@@ -7,8 +7,10 @@ Every rank of the role calls them with its data-parallel shard; outputs exist on
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from hybridflow.algorithms import aggregate_loss, kl_penalty, policy_loss, value_loss
+from hybridflow import device
+from hybridflow.algorithms import GlobalBatch, aggregate_loss, kl_penalty, policy_loss, value_loss
 from hybridflow.megatron.engine import MegatronRole, token_log_probs, vocab_parallel_entropy
 from hybridflow.protocol import Batch
 from hybridflow.util import mean_by_key
@@ -94,12 +96,44 @@ def values(role: MegatronRole, batch: Batch, micro_batch_size: int):
     return _concat(outs, "values")
 
 
-def _train(role, batch, *, mini_batch_size, micro_batch_size, epochs, keys, loss_fn) -> dict:
+def global_batch(mask: torch.Tensor, loss_scale_factor: float | None = None) -> GlobalBatch:
+    """The mini-batch's valid tokens and sequences over every data-parallel rank (one all-reduce of two
+    numbers), which each micro-batch's loss is normalized by (verl 0.9.1's global batch info)."""
+    from megatron.core import parallel_state as ps
+
+    local = GlobalBatch.of(mask)
+    counts = torch.tensor([local.num_tokens, local.num_seqs], dtype=torch.float64)
+    if ps.get_data_parallel_world_size() > 1:
+        counts = device.to_device(counts)
+        dist.all_reduce(counts, group=ps.get_data_parallel_group())
+    tokens, seqs = counts.tolist()
+    return GlobalBatch(tokens, seqs, loss_scale_factor)
+
+
+def _train(role, batch, *, mini_batch_size, micro_batch_size, epochs, keys, loss_fn, loss_scale_factor) -> dict:
+    """Optimizer steps over mini-batches. ``loss_fn(mb, output, whole)`` returns a micro-batch's share of
+    the mini-batch loss (normalized by ``whole``, the mini-batch's global counts) and its metrics.
+
+    megatron's schedule divides every micro-batch loss by the number of micro-batches and its DDP averages
+    gradients over data-parallel ranks; both are undone here, so the gradient is exactly that of the
+    mini-batch loss however the mini-batch is split into micro-batches and ranks. Losses in the metrics
+    are scaled the same way: their mean over micro-batches and ranks is the mini-batch loss."""
+    from megatron.core import parallel_state as ps
+
     all_metrics = []
     for _ in range(epochs):
         for mini in batch.split(mini_batch_size):
             mbs = micro_batches(mini, micro_batch_size, extra_keys=keys, seq_multiple=_seq_multiple(role))
-            all_metrics.append(role.train_mini_batch(mbs, loss_fn))
+            whole = global_batch(mini.tensors["response_mask"], loss_scale_factor)
+            scale = len(mbs) * ps.get_data_parallel_world_size()
+
+            def scaled(mb, output, whole=whole, scale=scale):
+                loss, metrics = loss_fn(mb, output, whole)
+                # clone: megatron's schedule divides the returned loss in place
+                return loss * scale, {k: (v * scale).detach().clone() if k.endswith("loss") else v
+                                      for k, v in metrics.items()}
+
+            all_metrics.append(role.train_mini_batch(mbs, scaled))
     metrics = mean_by_key(all_metrics)
     metrics.pop("update_skipped", None)
     return metrics
@@ -110,22 +144,23 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int) -> 
     a = actor_cfg
     keys = ["old_log_probs", "advantages", "response_mask"] + (["ref_log_prob"] if a.use_kl_loss else [])
 
-    def loss_fn(mb, logits):
+    def loss_fn(mb, logits, whole):
         log_prob = response_part(token_log_probs(logits, mb["labels"]), mb)
         mask = mb["response_mask"]
         loss, m = policy_loss("vanilla", mb["old_log_probs"], log_prob, mb["advantages"], mask,
                               loss_agg_mode=a.loss_agg_mode, clip_ratio_low=a.clip_ratio_low,
-                              clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c)
-        # clone: megatron's schedule divides the returned loss in place by the micro-batch count
-        metrics = {"actor/pg_loss": loss.detach().clone(), **{f"actor/{k}": v for k, v in m.items()}}
+                              clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c, global_batch=whole)
+        metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
         if a.use_kl_loss:
-            kl = aggregate_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode)
+            kl = aggregate_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode,
+                                whole)
             loss = loss + a.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = kl.detach().clone()
+            metrics["actor/kl_loss"] = kl.detach()
         return loss, metrics
 
     metrics = _train(role, batch, mini_batch_size=a.ppo_mini_batch_size // dp_size,
-                     micro_batch_size=a.ppo_micro_batch_size, epochs=a.ppo_epochs, keys=keys, loss_fn=loss_fn)
+                     micro_batch_size=a.ppo_micro_batch_size, epochs=a.ppo_epochs, keys=keys, loss_fn=loss_fn,
+                     loss_scale_factor=a.loss_scale_factor)
     metrics["actor/grad_norm"] = metrics.pop("grad_norm")
     return metrics
 
@@ -134,14 +169,16 @@ def update_value(role: MegatronRole, batch: Batch, critic_cfg, dp_size: int) -> 
     """Clipped value loss over mini-batches of this DP shard."""
     c = critic_cfg
 
-    def loss_fn(mb, v):
+    def loss_fn(mb, v, whole):
         vpreds = response_part(v[..., 0].float(), mb)
         loss, clipfrac = value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
-                                    cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode)
-        return loss, {"critic/vf_loss": loss.detach().clone(), "critic/vf_clipfrac": clipfrac.detach()}
+                                    cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
+                                    global_batch=whole)
+        return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": clipfrac.detach()}
 
     metrics = _train(role, batch, mini_batch_size=c.ppo_mini_batch_size // dp_size,
                      micro_batch_size=c.ppo_micro_batch_size, epochs=c.ppo_epochs,
-                     keys=["values", "returns", "response_mask"], loss_fn=loss_fn)
+                     keys=["values", "returns", "response_mask"], loss_fn=loss_fn,
+                     loss_scale_factor=c.loss_scale_factor)
     metrics["critic/grad_norm"] = metrics.pop("grad_norm")
     return metrics

@@ -64,12 +64,10 @@ def _masked_reference(role, batch):
 
 
 def _settings():
-    from types import SimpleNamespace
+    from hybridflow.config.schema import Actor, Critic
 
-    actor = SimpleNamespace(ppo_mini_batch_size=3, ppo_micro_batch_size=1, ppo_epochs=1, loss_agg_mode="token-mean",
-                            clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, use_kl_loss=False)
-    critic = SimpleNamespace(ppo_mini_batch_size=3, ppo_micro_batch_size=2, ppo_epochs=1, cliprange_value=0.5,
-                             loss_agg_mode="token-mean")
+    actor = Actor(ppo_mini_batch_size=3, ppo_micro_batch_size=1)
+    critic = Critic(ppo_mini_batch_size=3, ppo_micro_batch_size=1)
     return actor, critic
 
 

@@ -55,16 +55,20 @@ def test_gae_bool_mask():
     torch.testing.assert_close(r1, r2)
 
 
-def test_reinforce_plus_plus_resets_running_return_at_mask_zero():
-    # gamma 0.5. t3: 0 (reset); t2: 2; t1 (m=0): 0 + 0.5*2 = 1, then reset;
-    # t0: 1 + 0.5*0 = 1  (does not see the reward after the gap)
-    rewards = t([[1.0, 0.0, 2.0, 0.0]])
-    mask = t([[1, 0, 1, 0]])
+def test_reinforce_plus_plus_return_runs_through_two_gaps():
+    # Multi-turn: turn 1 (t0, t1), tool tokens (t2), turn 2 (t3), user tokens (t4, t5), turn 3 (t6).
+    # gamma 0.5, walking back: t6: 1 -> running 1; t5, t4 (mask 0): return 0, running stays 1 (the 5.0
+    # on a gap token is not an action's reward); t3: 0 + 0.5*1 = 0.5; t2: 0, running 0.5;
+    # t1: 0.5 + 0.5*0.5 = 0.75; t0: 0 + 0.5*0.75 = 0.375 (the final reward reaches the first turn).
+    rewards = t([[0.0, 0.5, 0.0, 0.0, 5.0, 0.0, 1.0]])
+    mask = t([[1, 1, 0, 1, 0, 0, 1]])
     adv, ret = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=0.5)
-    torch.testing.assert_close(ret, t([[1.0, 1.0, 2.0, 0.0]]))
-    # masked returns {1, 2}: mean 1.5, unbiased var 0.5; then re-masked
-    s = math.sqrt(0.5 + 1e-8)
-    torch.testing.assert_close(adv, t([[-0.5 / s, 0.0, 0.5 / s, 0.0]]))
+    torch.testing.assert_close(ret, t([[0.375, 0.75, 0.0, 0.5, 0.0, 0.0, 1.0]]))
+    # whitened over the valid returns {0.375, 0.75, 0.5, 1}: mean 0.65625, squared deviations sum to
+    # 0.23046875, unbiased var 0.23046875 / 3; then masked
+    s = math.sqrt(0.23046875 / 3 + 1e-8)
+    expected = [[-0.28125 / s, 0.09375 / s, 0.0, -0.15625 / s, 0.0, 0.0, 0.34375 / s]]
+    torch.testing.assert_close(adv, t(expected))
 
 
 def test_reinforce_plus_plus_batch():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hybridflow.algorithms import UnknownNameError, aggregate_loss
+from hybridflow.algorithms import GlobalBatch, UnknownNameError, aggregate_loss
 
 LOSS = torch.tensor(
     [[1.0, 2.0, 3.0, 10.0], [4.0, 5.0, 6.0, 10.0], [7.0, 8.0, 9.0, 10.0]], dtype=torch.float64
@@ -16,7 +16,7 @@ EXPECTED = {
     "token-sum": 8.0,
     "seq-mean-token-sum": (4 + 4) / 2,  # empty row excluded
     "seq-mean-token-mean": (2 + 4) / 2,  # empty row excluded
-    "seq-mean-token-sum-norm": 8 / 4,  # divided by padded length
+    "seq-mean-token-sum-norm": (4 + 4) / 2 / 4,  # Dr. GRPO: the seq-mean of token sums / padded length
 }
 
 
@@ -57,3 +57,36 @@ def test_unknown_mode_lists_known_modes():
 def test_shape_mismatch():
     with pytest.raises(ValueError, match="shape"):
         aggregate_loss(LOSS, MASK[:, :2], "token-mean")
+
+
+@pytest.mark.parametrize("mode", sorted(EXPECTED))
+def test_micro_batches_sum_to_the_whole_batch(mode):
+    """verl 0.9.1's global normalization: each micro-batch divides by the whole mini-batch's counts, so
+    the micro-batch losses add up to the whole batch's loss however it is split."""
+    whole = GlobalBatch.of(MASK)
+    assert (whole.num_tokens, whole.num_seqs) == (3.0, 2.0)
+    for split in ([0, 1], [0], [1, 2]):  # row 0 alone / rows 0 and 1 / rows 1 and 2 with the empty one
+        rest = [i for i in range(3) if i not in split]
+        parts = [aggregate_loss(LOSS[rows], MASK[rows], mode, whole) for rows in (split, rest)]
+        assert (parts[0] + parts[1]).item() == pytest.approx(EXPECTED[mode])
+
+
+def test_global_counts_by_hand():
+    # rows 0 and 1 of a mini-batch of 10 valid tokens in 5 sequences: 8 / 10 and (4 + 4) / 5
+    batch = GlobalBatch(num_tokens=10, num_seqs=5)
+    assert aggregate_loss(LOSS, MASK, "token-mean", batch).item() == pytest.approx(0.8)
+    assert aggregate_loss(LOSS, MASK, "seq-mean-token-sum", batch).item() == pytest.approx(1.6)
+    assert aggregate_loss(LOSS, MASK, "seq-mean-token-mean", batch).item() == pytest.approx((2 + 4) / 5)
+    assert aggregate_loss(LOSS, MASK, "token-sum", batch).item() == pytest.approx(8.0)
+
+
+def test_loss_scale_factor_replaces_the_padded_length():
+    batch = GlobalBatch(num_seqs=2, loss_scale_factor=16)
+    assert aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm", batch).item() == pytest.approx(4 / 16)
+    assert aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm", GlobalBatch(num_seqs=4)).item() == pytest.approx(8 / 4 / 4)
+
+
+@pytest.mark.parametrize("mode", sorted(EXPECTED))
+def test_dtype_is_kept(mode):
+    assert aggregate_loss(LOSS, MASK, mode, GlobalBatch(3, 2, 7)).dtype == torch.float64
+    assert aggregate_loss(LOSS.float(), MASK, mode).dtype == torch.float32
