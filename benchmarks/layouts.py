@@ -52,7 +52,7 @@ def _rank(rank, world, hf_dir, tp, pp, steps):
     role = MegatronRole(cfg, state, optim=OptimSettings(lr=1e-5), sequence_parallel=tp > 1)
     batch = workload()
     shard = batch.chunk(dp)[dp_rank]
-    actor_cfg = Actor(optim=Optim(lr=1e-5), ppo_mini_batch_size=len(batch), ppo_micro_batch_size=4)
+    actor_cfg = Actor(optim=Optim(lr=1e-5), ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_gpu=4)
     times = []
     for _ in range(steps + 1):  # the first step warms up
         torch.distributed.barrier()

@@ -13,6 +13,13 @@ def _check_name(registry_name: str, name: str) -> None:
     getattr(registry, registry_name).get(name)
 
 
+def _check_sizes(section, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 @dataclass
 class Megatron:
     """A megatron-core role's layout, precision and memory phases (verl's actor.megatron.* names)."""
@@ -52,8 +59,9 @@ class Optim:
 class Actor:
     megatron: Megatron = field(default_factory=Megatron)
     optim: Optim = field(default_factory=Optim)
-    ppo_mini_batch_size: int = 16  # sequences per optimizer step, all data-parallel ranks together
-    ppo_micro_batch_size: int = 8  # sequences per forward/backward on each rank (gradient accumulation)
+    # Prompts per optimizer step, all data-parallel ranks together: x rollout.n sequences (verl's meaning).
+    ppo_mini_batch_size: int = 16
+    ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on each rank (gradient accumulation)
     ppo_epochs: int = 1  # passes over each rollout batch
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
@@ -63,12 +71,13 @@ class Actor:
     use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style) instead of in the reward
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"  # k1/kl, abs, k2/mse, k3/low_var_kl, each with optional '+'
-    log_prob_micro_batch_size: int = 16  # sequences per forward when computing log-probs
+    log_prob_micro_batch_size_per_gpu: int = 16  # sequences per forward on each rank when computing log-probs
+    # the reference model's log-prob forward (None: log_prob_micro_batch_size_per_gpu)
+    ref_log_prob_micro_batch_size_per_gpu: int | None = None
 
     def validate(self):
-        if self.ppo_mini_batch_size % self.ppo_micro_batch_size:
-            raise ValueError(f"ppo_micro_batch_size ({self.ppo_micro_batch_size}) must divide "
-                             f"ppo_mini_batch_size ({self.ppo_mini_batch_size})")
+        _check_sizes(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
+                     "log_prob_micro_batch_size_per_gpu", "ref_log_prob_micro_batch_size_per_gpu")
         if self.clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
         _check_name("LOSS_AGG_MODES", self.loss_agg_mode)
@@ -81,18 +90,17 @@ class Critic:
     placement: Literal["colocated", "separate"] = "colocated"  # share the actor's pool, or a pool of its own
     megatron: Megatron = field(default_factory=Megatron)
     optim: Optim = field(default_factory=lambda: Optim(lr=1e-4))
-    ppo_mini_batch_size: int = 16
-    ppo_micro_batch_size: int = 8
+    ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n sequences), as the actor's
+    ppo_micro_batch_size_per_gpu: int = 8
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None  # seq-mean-token-sum-norm divisor (None: the padded response length)
-    log_prob_micro_batch_size: int = 16
+    log_prob_micro_batch_size_per_gpu: int = 16
 
     def validate(self):
-        if self.ppo_mini_batch_size % self.ppo_micro_batch_size:
-            raise ValueError(f"ppo_micro_batch_size ({self.ppo_micro_batch_size}) must divide "
-                             f"ppo_mini_batch_size ({self.ppo_mini_batch_size})")
+        _check_sizes(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
+                     "log_prob_micro_batch_size_per_gpu")
         _check_name("LOSS_AGG_MODES", self.loss_agg_mode)
 
 
@@ -256,6 +264,7 @@ class Prepare:
 @dataclass
 class Trainer:
     total_steps: int = 100
+    total_epochs: int | None = None  # when set: passes over the training prompts, replacing total_steps
     val_every: int = 10  # validate every N steps (and at step 0 and the end)
     output_dir: str = "outputs/run"  # metrics.jsonl, curve PNG, final HF export
     seed: int = 1
@@ -284,25 +293,24 @@ class ExperimentConfig:
         return self.critic.enable if self.critic.enable is not None else self.algorithm.adv_estimator == "gae"
 
     def validate(self):
-        rollout_batch = self.data.batch_size * self.rollout.n
-        for name, mini in (("actor", self.actor.ppo_mini_batch_size), ("critic", self.critic.ppo_mini_batch_size)):
-            if rollout_batch % mini:
-                raise ValueError(f"{name}.ppo_mini_batch_size ({mini}) must divide data.batch_size x "
-                                 f"rollout.n ({rollout_batch})")
+        n, rollout_batch = self.rollout.n, self.data.batch_size * self.rollout.n
         critic_pool = ("resources.n_workers" if self.critic.placement == "colocated" else "resources.critic_n_workers")
         roles = [("actor", self.actor, "resources.n_workers")] + ([("critic", self.critic, critic_pool)] if self.use_critic else [])
         for name, role, pool_key in roles:
+            if self.data.batch_size % role.ppo_mini_batch_size:
+                raise ValueError(f"{name}.ppo_mini_batch_size ({role.ppo_mini_batch_size} prompts) must divide "
+                                 f"data.batch_size ({self.data.batch_size})")
             pool = getattr(self.resources, pool_key.split(".")[1])
             mp = role.megatron
             group = mp.tensor_model_parallel_size * mp.pipeline_model_parallel_size
             if pool % group:
                 raise ValueError(f"{pool_key} ({pool}) is not divisible by {name} tensor x pipeline "
                                  f"parallel size ({group})")
-            dp = pool // group
-            if rollout_batch % dp or role.ppo_mini_batch_size % dp:
-                raise ValueError(f"data.batch_size x rollout.n ({rollout_batch}) and {name}.ppo_mini_batch_size "
-                                 f"({role.ppo_mini_batch_size}) must divide across the {name}'s {dp} "
-                                 "data-parallel ranks")
+            dp, mini = pool // group, role.ppo_mini_batch_size * n
+            if mini % dp or (mini // dp) % role.ppo_micro_batch_size_per_gpu:
+                raise ValueError(f"{name}.ppo_mini_batch_size x rollout.n ({mini} sequences) must split into the "
+                                 f"{name}'s {dp} data-parallel ranks and then into micro-batches of "
+                                 f"{name}.ppo_micro_batch_size_per_gpu ({role.ppo_micro_batch_size_per_gpu})")
         t_g, t = self.rollout.tensor_model_parallel_size, self.actor.megatron.tensor_model_parallel_size
         if t % t_g:
             raise ValueError(f"rollout.tensor_model_parallel_size ({t_g}) must divide "

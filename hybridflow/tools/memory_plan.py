@@ -12,7 +12,7 @@ Assumptions (estimates meant to err on the high side, not exact accounting):
 - A role with TP t and PP p on n GPUs has d = n/(t*p). params P*bytes/(t*p); grads P*4/(t*p) (megatron
   DDP reduces grads in fp32); optimizer fp32 main params + Adam m, v = 12 B/param for 16-bit dtypes (8 for
   fp32, whose params are the main copy), /(t*p), and also /d with use_distributed_optimizer.
-- Training activations of one micro-batch (b = ppo_micro_batch_size rows of s = max_prompt_length +
+- Training activations of one micro-batch (b = ppo_micro_batch_size_per_gpu rows of s = max_prompt_length +
   max_response_length tokens), Korthikanti et al. 2022, 16-bit, no recompute: s*b*h*34/t bytes per layer
   with sequence parallel, s*b*h*(10 + 24/t) without; the 5*a*s/h attention-score term is left out (flash
   attention). 1F1B keeps min(p, micro-batches per step) in flight on the first stage, each holding
@@ -20,7 +20,7 @@ Assumptions (estimates meant to err on the high side, not exact accounting):
   vocab-sized buffers (megatron/engine.py: the fp32 copy the cross entropy turns into its softmax in place
   and keeps for backward, and its gradient or the entropy's temporaries), counted on every stage although
   only the last holds them (conservative); the critic's value head is 1 wide. A forward-only
-  log-prob pass (log_prob_micro_batch_size rows) holds one layer plus the logits; a role's activation
+  log-prob pass (log_prob_micro_batch_size_per_gpu rows) holds one layer plus the logits; a role's activation
   peak is the larger of its training and forward-only passes.
 - Offload (megatron.param_offload / grad_offload / optimizer_offload): an offloaded item is on the GPU
   only while its role computes; the reference follows actor.megatron.param_offload. The roles compute one
@@ -116,12 +116,12 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
     items = {"params": P * by / tp}
     off = {"params"} if mg.param_offload else set()
     if not trainable:  # the reference: forward-only log-probs
-        act = activation_bytes(shape, cfg_role.log_prob_micro_batch_size, seq, mg, out_width, False)
-        return Role(name, items, off, act, f"forward {cfg_role.log_prob_micro_batch_size} x {seq} tokens")
+        act = activation_bytes(shape, cfg_role.log_prob_micro_batch_size_per_gpu, seq, mg, out_width, False)
+        return Role(name, items, off, act, f"forward {cfg_role.log_prob_micro_batch_size_per_gpu} x {seq} tokens")
     items["grads"] = P * 4 / tp
     items["optimizer"] = P * (12 if by < 4 else 8) / tp / (d if mg.use_distributed_optimizer else 1)
     off |= {k for k, flag in (("grads", mg.grad_offload), ("optimizer", mg.optimizer_offload)) if flag}
-    b, fb = cfg_role.ppo_micro_batch_size, cfg_role.log_prob_micro_batch_size
+    b, fb = cfg_role.ppo_micro_batch_size_per_gpu, cfg_role.log_prob_micro_batch_size_per_gpu
     in_flight = min(mg.pipeline_model_parallel_size, max(1, cfg_role.ppo_mini_batch_size // d // b))
     train = activation_bytes(shape, b, seq, mg, out_width, True, in_flight)
     fwd = activation_bytes(shape, fb, seq, mg, out_width, False)

@@ -18,12 +18,19 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="hybridflow", description=__doc__.splitlines()[0])
     ap.add_argument("--config", action="append", required=True, help="YAML file(s); later ones override")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    ap.add_argument("--verl-overrides", nargs="+", default=[], metavar="VERL_KEY=VALUE",
+                    help="a verl command line's overrides (actor_rollout_ref.*, data.*, ...), applied last")
     return ap.parse_args(argv)
 
 
 def load(argv=None) -> ExperimentConfig:
+    from hybridflow.config.verl import check_agreement, translate
+
     args = parse_args(argv)
-    return load_config(ExperimentConfig, args.config, args.overrides)
+    from_verl, agree = translate(args.verl_overrides)
+    cfg = load_config(ExperimentConfig, args.config, [*args.overrides, *from_verl])
+    check_agreement(cfg, agree)
+    return cfg
 
 
 def check_files(cfg: ExperimentConfig) -> None:

@@ -171,6 +171,12 @@ class PPOTrainer:
             scores.append(score_responses(out, self.tokenizer, self.rule_scorer).tensors["scores"])
         return {"val/accuracy": torch.cat(scores).mean().item()}
 
+    @property
+    def total_steps(self) -> int:
+        """trainer.total_steps, or trainer.total_epochs passes over the training prompts (verl's way)."""
+        epochs = self.cfg.trainer.total_epochs
+        return self.cfg.trainer.total_steps if epochs is None else epochs * (len(self.train_data) // self.cfg.data.batch_size)
+
     def _dp_size(self) -> int:
         return self.actor_rollout.dispatch_infos("rollout")[0]["dp_size"]
 
@@ -179,10 +185,10 @@ class PPOTrainer:
         data = self.train_data.iterate(self.cfg.data.batch_size, shuffle=self.cfg.data.shuffle, seed=cfg.seed)
         line = self.log.log(0, self.validate())
         tqdm.write(line)
-        for step in tqdm(range(1, cfg.total_steps + 1), desc="ppo", dynamic_ncols=True):
+        for step in tqdm(range(1, self.total_steps + 1), desc="ppo", dynamic_ncols=True):
             with self.timer("step"):
                 metrics, n_tokens = self.step(next(data), step)
-            if step % cfg.val_every == 0 or step == cfg.total_steps:
+            if step % cfg.val_every == 0 or step == self.total_steps:
                 with self.timer("val"):
                     metrics.update(self.validate())
             metrics.update(self.timer.pop())

@@ -130,17 +130,19 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        out = role_ops.log_probs(self.actor, batch, self.cfg.actor.log_prob_micro_batch_size, with_entropy=True)
+        out = role_ops.log_probs(self.actor, batch, self.cfg.actor.log_prob_micro_batch_size_per_gpu, with_entropy=True)
         return role_ops.last_stage_batch(old_log_probs=out["log_probs"], entropy=out["entropy"])
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        out = role_ops.log_probs(self.ref, batch, self.cfg.actor.log_prob_micro_batch_size)
+        a = self.cfg.actor
+        out = role_ops.log_probs(self.ref, batch, a.ref_log_prob_micro_batch_size_per_gpu or a.log_prob_micro_batch_size_per_gpu)
         return role_ops.last_stage_batch(ref_log_prob=out["log_probs"])
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def update_actor(self, batch: Batch) -> dict:
-        metrics = role_ops.update_policy(self.actor, batch, self.cfg.actor, parallel.dispatch_info()["dp_size"])
+        metrics = role_ops.update_policy(self.actor, batch, self.cfg.actor, parallel.dispatch_info()["dp_size"],
+                                         self.cfg.rollout.n)
         return {**metrics, **device.memory_stats("memory/update_actor")}
 
     @register(Dispatch.ONE_TO_ALL)

@@ -27,9 +27,10 @@ class CriticWorker(Worker):
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def compute_values(self, batch: Batch) -> Batch:
         return role_ops.last_stage_batch(
-            values=role_ops.values(self.critic, batch, self.cfg.critic.log_prob_micro_batch_size))
+            values=role_ops.values(self.critic, batch, self.cfg.critic.log_prob_micro_batch_size_per_gpu))
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def update_critic(self, batch: Batch) -> dict:
-        metrics = role_ops.update_value(self.critic, batch, self.cfg.critic, parallel.dispatch_info()["dp_size"])
+        metrics = role_ops.update_value(self.critic, batch, self.cfg.critic, parallel.dispatch_info()["dp_size"],
+                                        self.cfg.rollout.n)
         return {**metrics, **device.memory_stats("memory/update_critic")}

@@ -139,8 +139,9 @@ def _train(role, batch, *, mini_batch_size, micro_batch_size, epochs, keys, loss
     return metrics
 
 
-def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int) -> dict:
-    """PPO clipped policy loss (+ optional KL-to-reference loss) over mini-batches of this DP shard."""
+def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rollout_n: int = 1) -> dict:
+    """PPO clipped policy loss (+ optional KL-to-reference loss) over mini-batches of this DP shard; a
+    mini-batch is ``ppo_mini_batch_size`` prompts with their ``rollout_n`` responses each (verl's meaning)."""
     a = actor_cfg
     keys = ["old_log_probs", "advantages", "response_mask"] + (["ref_log_prob"] if a.use_kl_loss else [])
 
@@ -158,15 +159,15 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int) -> 
             metrics["actor/kl_loss"] = kl.detach()
         return loss, metrics
 
-    metrics = _train(role, batch, mini_batch_size=a.ppo_mini_batch_size // dp_size,
-                     micro_batch_size=a.ppo_micro_batch_size, epochs=a.ppo_epochs, keys=keys, loss_fn=loss_fn,
+    metrics = _train(role, batch, mini_batch_size=a.ppo_mini_batch_size * rollout_n // dp_size,
+                     micro_batch_size=a.ppo_micro_batch_size_per_gpu, epochs=a.ppo_epochs, keys=keys, loss_fn=loss_fn,
                      loss_scale_factor=a.loss_scale_factor)
     metrics["actor/grad_norm"] = metrics.pop("grad_norm")
     return metrics
 
 
-def update_value(role: MegatronRole, batch: Batch, critic_cfg, dp_size: int) -> dict:
-    """Clipped value loss over mini-batches of this DP shard."""
+def update_value(role: MegatronRole, batch: Batch, critic_cfg, dp_size: int, rollout_n: int = 1) -> dict:
+    """Clipped value loss over mini-batches of this DP shard (``ppo_mini_batch_size`` prompts each)."""
     c = critic_cfg
 
     def loss_fn(mb, v, whole):
@@ -176,8 +177,8 @@ def update_value(role: MegatronRole, batch: Batch, critic_cfg, dp_size: int) -> 
                                     global_batch=whole)
         return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": clipfrac.detach()}
 
-    metrics = _train(role, batch, mini_batch_size=c.ppo_mini_batch_size // dp_size,
-                     micro_batch_size=c.ppo_micro_batch_size, epochs=c.ppo_epochs,
+    metrics = _train(role, batch, mini_batch_size=c.ppo_mini_batch_size * rollout_n // dp_size,
+                     micro_batch_size=c.ppo_micro_batch_size_per_gpu, epochs=c.ppo_epochs,
                      keys=["values", "returns", "response_mask"], loss_fn=loss_fn,
                      loss_scale_factor=c.loss_scale_factor)
     metrics["critic/grad_norm"] = metrics.pop("grad_norm")

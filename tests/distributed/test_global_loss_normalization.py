@@ -55,7 +55,7 @@ def _rank_fn(rank, world, hf_dir, micro):
         old = role_ops.log_probs(role, shard, ROWS)["log_probs"]
         lagged = old - 0.3 * shard.tensors["advantages"].sign()  # ratios on both sides of the clip range
         batch = Batch(tensors={**shard.tensors, "old_log_probs": lagged})
-        actor = Actor(ppo_mini_batch_size=ROWS, ppo_micro_batch_size=micro, loss_agg_mode=mode, use_kl_loss=True,
+        actor = Actor(ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=micro, loss_agg_mode=mode, use_kl_loss=True,
                       kl_loss_coef=0.1)
         metrics = role_ops.update_policy(role, batch, actor, dp)
         grads = {n: p.main_grad.detach().clone() for n, p in role.module.named_parameters()}

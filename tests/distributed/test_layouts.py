@@ -46,8 +46,8 @@ def rollout_batch():
 def _settings():
     from hybridflow.config.schema import Actor, Critic, Optim
 
-    actor = Actor(optim=Optim(lr=1e-3), ppo_mini_batch_size=B, ppo_micro_batch_size=2, clip_ratio_low=0.2)
-    critic = Critic(optim=Optim(lr=1e-3), ppo_mini_batch_size=B, ppo_micro_batch_size=2)
+    actor = Actor(optim=Optim(lr=1e-3), ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=2, clip_ratio_low=0.2)
+    critic = Critic(optim=Optim(lr=1e-3), ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=2)
     return actor, critic
 
 

@@ -66,8 +66,8 @@ def _masked_reference(role, batch):
 def _settings():
     from hybridflow.config.schema import Actor, Critic
 
-    actor = Actor(ppo_mini_batch_size=3, ppo_micro_batch_size=1)
-    critic = Critic(ppo_mini_batch_size=3, ppo_micro_batch_size=1)
+    actor = Actor(ppo_mini_batch_size=3, ppo_micro_batch_size_per_gpu=1)
+    critic = Critic(ppo_mini_batch_size=3, ppo_micro_batch_size_per_gpu=1)
     return actor, critic
 
 

@@ -9,8 +9,8 @@ from hybridflow.config.schema import ExperimentConfig
 from hybridflow.rewards import register_scorer
 
 SMALL = ["prepare.sft_steps=150", "prepare.num_layers=2", "prepare.n_val=32", "data.batch_size=16",
-         "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=8", "critic.ppo_mini_batch_size=16",
-         "critic.ppo_micro_batch_size=8", "actor.optim.lr=1e-3", "ray.num_cpus=2"]
+         "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=8", "critic.ppo_mini_batch_size=16",
+         "critic.ppo_micro_batch_size_per_gpu=8", "actor.optim.lr=1e-3", "ray.num_cpus=2"]
 
 
 @register_scorer("test_digit_overlap")

@@ -12,7 +12,8 @@ from tests.integration.conftest import make_cfg, run_steps
 pytestmark = pytest.mark.integration
 
 ALGOS = {"ppo": [], "grpo": ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
-                             "actor.use_kl_loss=true", "rollout.n=2", "data.batch_size=8"]}
+                             "actor.use_kl_loss=true", "rollout.n=2", "data.batch_size=8",
+                             "actor.ppo_mini_batch_size=8"]}
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,10 @@ def test_overrides_are_typed():
 @pytest.mark.parametrize("override, message", [
     ("actor.optim.lrr=1e-4", "unknown key 'actor.optim.lrr' in override 'actor.optim.lrr=1e-4'; did you mean 'actor.optim.lr'?"),
     ("data.batch_size=abc", "key 'data.batch_size' expects int, got str 'abc'"),
-    ("actor.ppo_micro_batch_size=48", "actor: ppo_micro_batch_size (48) must divide ppo_mini_batch_size (64)"),
-    ("data.batch_size=48", "actor.ppo_mini_batch_size (64) must divide data.batch_size x rollout.n (48)"),
+    ("actor.ppo_micro_batch_size_per_gpu=48", "actor.ppo_mini_batch_size x rollout.n (64 sequences) must split into "
+     "the actor's 1 data-parallel ranks and then into micro-batches of actor.ppo_micro_batch_size_per_gpu (48)"),
+    ("data.batch_size=48", "actor.ppo_mini_batch_size (64 prompts) must divide data.batch_size (48)"),
+    ("actor.ppo_micro_batch_size_per_gpu=0", "actor: ppo_micro_batch_size_per_gpu must be >= 1, got 0"),
     ("critic.placement=elsewhere", "key 'critic.placement' expects one of ['colocated', 'separate']"),
     ("algorithm.adv_estimator=gaee", "algorithm: unknown advantage estimator 'gaee'; known:"),
     ("actor.loss_agg_mode=mean", "actor: unknown loss aggregation mode 'mean'; known:"),
