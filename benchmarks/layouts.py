@@ -42,7 +42,7 @@ def _rank(rank, world, hf_dir, tp, pp, steps):
 
     from hybridflow.config.schema import Actor, Optim
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.engine import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
 
@@ -69,8 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/layouts.json")
     ap.add_argument("--steps", type=int, default=5)
     a = ap.parse_args(argv)
-    from hybridflow.data.tiny_model import build_tiny_qwen2
-    from hybridflow.data.tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         build_tiny_qwen2(tmp, build_char_tokenizer(tmp), hidden_size=128, num_layers=4, seed=0)

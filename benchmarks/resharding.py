@@ -39,9 +39,9 @@ def _rank(rank, world, hf_dir, p, t, t_g, repeats):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.engine import MegatronRole
-    from hybridflow.resharding.engine import Resharder
-    from hybridflow.resharding.plan import Layout
+    from hybridflow.megatron.role import MegatronRole
+    from hybridflow.resharding.plan import HybridPlan, Layout
+    from hybridflow.resharding.transition import Resharder
     from hybridflow.workers.common import load_hf_folder
 
     parallel.init_model_parallel(t, p, seed=1)
@@ -51,7 +51,7 @@ def _rank(rank, world, hf_dir, p, t, t_g, repeats):
     layout = Layout(p, t, ps.get_data_parallel_world_size())
     out = {}
     for scheme in ("gather_all", "hybrid"):
-        resharder = Resharder(role.model, cfg, layout, t_g, scheme)
+        resharder = Resharder(role.model, cfg, HybridPlan(layout, 1, t_g), scheme)
         runs = []
         for _ in range(repeats + 1):  # first run warms up
             dist.barrier()

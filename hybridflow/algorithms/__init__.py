@@ -10,14 +10,12 @@ from .registry import (
     KL_CONTROLLERS,
     KL_PENALTIES,
     LOSS_AGG_MODES,
-    POLICY_LOSSES,
     Registry,
     UnknownNameError,
     register_advantage,
     register_kl_controller,
     register_kl_penalty,
     register_loss_agg,
-    register_policy_loss,
 )
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .entropy import entropy_from_logits
@@ -31,7 +29,7 @@ from .advantages import (
     compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage,
 )
-from .policy_loss import compute_policy_loss_vanilla, policy_loss
+from .policy_loss import compute_policy_loss_vanilla
 from .value_loss import value_loss
 from .kl import kl_abs, kl_k1, kl_k2, kl_k3, kl_penalty
 from .kl_controller import AdaptiveKLController, FixedKLController, make_kl_controller
@@ -41,12 +39,10 @@ __all__ = [
     "Registry",
     "UnknownNameError",
     "ADVANTAGE_ESTIMATORS",
-    "POLICY_LOSSES",
     "KL_PENALTIES",
     "LOSS_AGG_MODES",
     "KL_CONTROLLERS",
     "register_advantage",
-    "register_policy_loss",
     "register_kl_penalty",
     "register_loss_agg",
     "register_kl_controller",
@@ -68,7 +64,6 @@ __all__ = [
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_remax_outcome_advantage",
     # losses
-    "policy_loss",
     "compute_policy_loss_vanilla",
     "value_loss",
     # kl

@@ -1,4 +1,4 @@
-"""Policy-gradient losses, registered by name (``vanilla`` = PPO clip)."""
+"""The PPO clipped policy loss (verl's ``vanilla``), with asymmetric and dual clipping."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ import torch
 
 from .aggregation import GlobalBatch, aggregate_loss
 from .masked import masked_mean
-from .registry import POLICY_LOSSES, register_policy_loss
 
 Tensor = torch.Tensor
 
 
-@register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(
     old_log_prob: Tensor,
     log_prob: Tensor,
@@ -73,35 +71,3 @@ def compute_policy_loss_vanilla(
         "pg_clipfrac_lower": pg_clipfrac_lower.detach(),
     }
     return loss, metrics
-
-
-def policy_loss(
-    name: str,
-    old_log_prob: Tensor,
-    log_prob: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    loss_agg_mode: str = "token-mean",
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    global_batch: GlobalBatch | None = None,
-) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """Run the policy loss registered as ``name`` (see the registered function).
-
-    Shapes: all tensors [B, T]; returns a 0-dim loss and a metrics dict of
-    0-dim tensors.
-    """
-    fn = POLICY_LOSSES.get(name)
-    return fn(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        loss_agg_mode=loss_agg_mode,
-        clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high,
-        clip_ratio_c=clip_ratio_c,
-        global_batch=global_batch,
-    )

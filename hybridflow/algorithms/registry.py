@@ -1,7 +1,7 @@
 """Name -> function registries for the algorithm building blocks.
 
 Trainer configs refer to estimators and losses by string (``"gae"``,
-``"vanilla"``, ...).  Each kind of building block has one :class:`Registry`;
+``"token-mean"``, ...).  Each kind of building block has one :class:`Registry`;
 modules register their functions with a decorator at import time, and the
 dispatchers (``compute_advantage``, ``policy_loss``, ...) look names up here so
 a typo in a config fails loudly with the list of valid choices.
@@ -89,13 +89,11 @@ class Registry:
 
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
-POLICY_LOSSES = Registry("policy loss")
 KL_PENALTIES = Registry("kl penalty kind")
 LOSS_AGG_MODES = Registry("loss aggregation mode")
 KL_CONTROLLERS = Registry("kl controller")
 
 register_advantage = ADVANTAGE_ESTIMATORS.register
-register_policy_loss = POLICY_LOSSES.register
 register_kl_penalty = KL_PENALTIES.register
 register_loss_agg = LOSS_AGG_MODES.register
 register_kl_controller = KL_CONTROLLERS.register

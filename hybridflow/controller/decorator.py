@@ -21,10 +21,8 @@ REGISTER_ATTR = "__hybridflow_register__"
 
 class Dispatch(Enum):
     ONE_TO_ALL = "one_to_all"  # same args everywhere -> list of per-rank results
-    ALL_TO_ALL = "all_to_all"  # args are per-rank lists -> list of results
     RANK_ZERO = "rank_zero"  # rank 0 only -> its result
     DP_COMPUTE = "dp_compute"  # Batch args split evenly -> concat results
-    DP_COMPUTE_PADDED = "dp_compute_padded"  # as above, pads then unpads
     DP_COMPUTE_PROTO_3D = "dp_compute_proto_3d"  # split by dp_rank, collect flagged
 
 
@@ -81,17 +79,6 @@ def _rank_zero(wg, method, args, kwargs) -> Plan:
     return Plan([Call(0, args, kwargs)])
 
 
-def _all_to_all(wg, method, args, kwargs) -> Plan:
-    n = wg.world_size
-    for i, a in enumerate([*args, *kwargs.values()]):
-        if not isinstance(a, (list, tuple)) or len(a) != n:
-            got = f"len {len(a)}" if isinstance(a, (list, tuple)) else type(a).__name__
-            raise ValueError(f"{method}: ALL_TO_ALL needs every argument to be a list of "
-                             f"world_size={n} items; argument {i} is {got}")
-    return Plan([Call(r, tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()})
-                 for r in range(n)])
-
-
 def _split_batches(method, args, kwargs, n, mode) -> tuple[list[tuple], list[dict]]:
     """Chunk every Batch argument into n parts; other arguments are broadcast."""
     def parts(a, where):
@@ -100,7 +87,7 @@ def _split_batches(method, args, kwargs, n, mode) -> tuple[list[tuple], list[dic
         if len(a) % n:
             raise ValueError(f"{method}: {mode} cannot split Batch argument {where} of size "
                              f"{len(a)} into {n} equal chunks ({len(a)} % {n} = {len(a) % n}); "
-                             f"use a batch size divisible by {n} or Dispatch.DP_COMPUTE_PADDED")
+                             f"pad it first (Batch.pad_to_divisor)")
         return a.chunk(n)
 
     a_parts = [parts(a, i) for i, a in enumerate(args)]
@@ -113,23 +100,6 @@ def _dp_compute(wg, method, args, kwargs) -> Plan:
     n = wg.world_size
     a, k = _split_batches(method, args, kwargs, n, "DP_COMPUTE")
     return Plan([Call(r, a[r], k[r]) for r in range(n)])
-
-
-def _dp_compute_padded(wg, method, args, kwargs) -> Plan:
-    n, pads = wg.world_size, set()
-
-    def pad(x):
-        if isinstance(x, Batch):
-            x, p = x.pad_to_divisor(n)
-            pads.add(p)
-        return x
-
-    args, kwargs = tuple(pad(x) for x in args), {k: pad(v) for k, v in kwargs.items()}
-    if len(pads) > 1:
-        raise ValueError(f"{method}: DP_COMPUTE_PADDED got Batch arguments needing "
-                         f"different pads {sorted(pads)}; give them equal lengths")
-    a, k = _split_batches(method, args, kwargs, n, "DP_COMPUTE_PADDED")
-    return Plan([Call(r, a[r], k[r]) for r in range(n)], {"pad": pads.pop() if pads else 0})
 
 
 def _dp_compute_3d(wg, method, args, kwargs) -> Plan:
@@ -166,11 +136,6 @@ def _concat_all(plan: Plan, outputs: list) -> Any:
     return _concat(outputs)
 
 
-def _concat_unpad(plan: Plan, outputs: list) -> Any:
-    out = _concat(outputs)
-    return out.unpad(plan.ctx["pad"]) if isinstance(out, Batch) else out
-
-
 def _concat_collectors(plan: Plan, outputs: list) -> Any:
     by_rank = {c.rank: o for c, o in zip(plan.calls, outputs)}
     return _concat([by_rank[r] for r in plan.ctx["collect_ranks"]])
@@ -181,9 +146,7 @@ CollectFn = Callable[[Plan, list], Any]
 
 DISPATCH_TABLE: dict[Dispatch, tuple[DispatchFn, CollectFn]] = {
     Dispatch.ONE_TO_ALL: (_one_to_all, _as_list),
-    Dispatch.ALL_TO_ALL: (_all_to_all, _as_list),
     Dispatch.RANK_ZERO: (_rank_zero, _first),
     Dispatch.DP_COMPUTE: (_dp_compute, _concat_all),
-    Dispatch.DP_COMPUTE_PADDED: (_dp_compute_padded, _concat_unpad),
     Dispatch.DP_COMPUTE_PROTO_3D: (_dp_compute_3d, _concat_collectors),
 }

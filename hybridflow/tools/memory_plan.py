@@ -17,7 +17,7 @@ Assumptions (estimates meant to err on the high side, not exact accounting):
   with sequence parallel, s*b*h*(10 + 24/t) without; the 5*a*s/h attention-score term is left out (flash
   attention). 1F1B keeps min(p, micro-batches per step) in flight on the first stage, each holding
   layers/p layers. Plus the logits, b*s*vocab/t*(bytes + 4*2): the model's output and two fp32
-  vocab-sized buffers (megatron/engine.py: the fp32 copy the cross entropy turns into its softmax in place
+  vocab-sized buffers (megatron/role.py: the fp32 copy the cross entropy turns into its softmax in place
   and keeps for backward, and its gradient or the entropy's temporaries), counted on every stage although
   only the last holds them (conservative); the critic's value head is 1 wide. A forward-only
   log-prob pass (log_prob_micro_batch_size_per_gpu rows) holds one layer plus the logits; a role's activation
@@ -30,7 +30,7 @@ Assumptions (estimates meant to err on the high side, not exact accounting):
   its start-up check wants that much free). With rollout.free_cache_engine it sleeps outside generation
   (weights on host, KV cache freed), else it holds that budget in every phase. KV-cache budget = budget -
   vLLM weights (P*bytes(rollout.dtype)/t_g); it must be > 0.
-- Transition (hybridflow/resharding/engine.py): vLLM weights awake, the actor params (loaded back even
+- Transition (hybridflow/resharding/transition.py): vLLM weights awake, the actor params (loaded back even
   when offloaded), the engine's gathered generation shard (P*bytes/t_g in the actor's dtype, own copy
   included: DESIGN's peak M/(t_g*p_g)), the largest group assembled at a time (hybrid: a decoder layer,
   the embeddings or lm_head, /t_g; gather_all: a whole pipeline stage unsharded), every other resident item.

@@ -14,7 +14,7 @@ from hybridflow.controller import RayWorkerGroup, ResourcePool
 from hybridflow.data.dataset import PromptDataset
 from hybridflow.protocol import Batch
 from hybridflow.rewards import get_scorer, on_last_token
-from hybridflow.trainer.advantage import (add_advantages, apply_kl_in_reward, as_group_ids, rollout_metrics,
+from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, as_group_ids, rollout_metrics,
                                           score_responses)
 from hybridflow.trainer.metrics import MetricsLog, Timer
 from hybridflow.util import mean_by_key

@@ -15,8 +15,8 @@ def prepare_quickstart(cfg) -> None:
         write_arithmetic_parquet(data_dir, max_operand=p.max_operand, n_val=p.n_val, seed=cfg.trainer.seed)
     base = Path(p.base_model_dir)
     if not (base / "model.safetensors").exists():
-        from hybridflow.data.tiny_model import build_tiny_qwen2
-        from hybridflow.data.tokenizer import build_char_tokenizer
+        from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+        from hybridflow.models.char_tokenizer import build_char_tokenizer
 
         tokenizer = build_char_tokenizer(base)
         build_tiny_qwen2(base, tokenizer, hidden_size=p.hidden_size, num_layers=p.num_layers,
@@ -26,5 +26,10 @@ def prepare_quickstart(cfg) -> None:
     if not (Path(cfg.model.path) / "model.safetensors").exists():
         from hybridflow.trainer.sft import warm_start
 
-        warm_start(str(base), cfg.model.path, str(data_dir / "train.parquet"), steps=p.sft_steps, lr=p.sft_lr,
-                   batch_size=p.sft_batch_size, seed=cfg.trainer.seed)
+        from hybridflow.rewards import get_scorer
+
+        result = warm_start(str(base), cfg.model.path, str(data_dir / "train.parquet"), steps=p.sft_steps,
+                            lr=p.sft_lr, batch_size=p.sft_batch_size, seed=cfg.trainer.seed,
+                            target_accuracy=p.sft_target_accuracy, scorer=get_scorer(cfg.reward.name),
+                            eval_every=p.sft_eval_every, max_new_tokens=cfg.data.max_response_length)
+        print(f"warm start: {result['steps']} steps, held-out greedy accuracy {result['dev_accuracy']}", flush=True)

@@ -25,9 +25,36 @@ def _sft_batch(tokenizer, pairs: list[tuple[str, str]]):
     return ids, mask, labels
 
 
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, pairs: list[tuple[str, str]], scorer, max_new_tokens: int) -> float:
+    """Mean score of greedy answers to ``pairs`` (the evaluation PPO's validation uses: greedy decoding,
+    special tokens dropped, the task's rule scorer)."""
+    model.eval()
+    prompts = [tokenizer(p).input_ids for p, _ in pairs]
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    model.train()
+    return sum(scorer(t, a) for t, (_, a) in zip(texts, pairs)) / len(pairs)
+
+
 def warm_start(model_dir: str, out_dir: str, train_file: str, *, steps: int, lr: float, batch_size: int,
-               seed: int, prompt_key: str = "prompt", answer_key: str = "answer", log_every: int = 100) -> None:
-    """Fine-tune the HF model in ``model_dir`` on (prompt -> answer) for ``steps`` steps; save to ``out_dir``."""
+               seed: int, prompt_key: str = "prompt", answer_key: str = "answer", log_every: int = 100,
+               target_accuracy: float | None = None, scorer=None, dev_size: int = 256, eval_every: int = 20,
+               max_new_tokens: int = 8) -> dict:
+    """Fine-tune the HF model in ``model_dir`` on (prompt -> answer) for at most ``steps`` steps; save to
+    ``out_dir``; returns {"steps", "dev_accuracy"}.
+
+    With ``target_accuracy``, ``dev_size`` training rows are held out and training stops as soon as the
+    greedy accuracy on them reaches the target (checked every ``eval_every`` steps), so the warm start
+    lands at the same skill on any machine (CPU kernels differ, and a fixed step count overshoots on some)
+    and leaves RL room to show its gain."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -39,9 +66,14 @@ def warm_start(model_dir: str, out_dir: str, train_file: str, *, steps: int, lr:
     table = pq.read_table(train_file, columns=[prompt_key, answer_key])
     pairs = list(zip(table[prompt_key].to_pylist(), table[answer_key].to_pylist()))
     rng = random.Random(seed)
+    dev = []
+    if target_accuracy is not None:
+        rng.shuffle(pairs)
+        dev, pairs = pairs[:dev_size], pairs[dev_size:]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     bar = tqdm(range(1, steps + 1), desc="sft warm start", dynamic_ncols=True)
+    accuracy, done = None, steps
     for step in bar:
         ids, mask, labels = _sft_batch(tokenizer, rng.sample(pairs, batch_size))
         loss = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
@@ -51,7 +83,15 @@ def warm_start(model_dir: str, out_dir: str, train_file: str, *, steps: int, lr:
         opt.step()
         if step % log_every == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
+        if dev and step % eval_every == 0:
+            accuracy = greedy_accuracy(model, tokenizer, dev, scorer, max_new_tokens)
+            bar.set_postfix(loss=f"{loss.item():.3f}", dev_acc=f"{accuracy:.3f}")
+            if accuracy >= target_accuracy:
+                done = step
+                break
+    bar.close()
     save_hf_folder(out_dir, model.config, {k: v.detach() for k, v in model.state_dict().items()}, tokenizer)
+    return {"steps": done, "dev_accuracy": accuracy}
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,7 @@ import torch
 from hybridflow import device
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.megatron import parallel
-from hybridflow.megatron.engine import MegatronRole
+from hybridflow.megatron.role import MegatronRole
 from hybridflow.protocol import Batch
 from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
 from hybridflow.workers import role_ops
@@ -59,14 +59,13 @@ class ActorRolloutRefWorker(Worker):
         del state
         from transformers import AutoTokenizer
 
-        from hybridflow.resharding.engine import Resharder
+        from hybridflow.resharding.transition import Resharder
         from hybridflow.resharding.plan import HybridPlan, Layout
 
         shard = self.actor.shard
         train = Layout(shard.pp_size, shard.tp_size, parallel.dispatch_info()["dp_size"])
         self.rollout_layout = HybridPlan(train, p_g=1, t_g=cfg.rollout.tensor_model_parallel_size)
-        self.resharder = Resharder(self.actor.module, hf_config, train, cfg.rollout.tensor_model_parallel_size,
-                                   cfg.rollout.resharding)
+        self.resharder = Resharder(self.actor.module, hf_config, self.rollout_layout, cfg.rollout.resharding)
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         r = cfg.rollout
@@ -91,7 +90,7 @@ class ActorRolloutRefWorker(Worker):
     def sync_weights(self) -> dict:
         """Push the actor's current weights into this rank's vLLM engine through the configured
         transition (streamed, one layer at a time for ``hybrid``); returns its accounting as metrics."""
-        from hybridflow.resharding.engine import TransitionStats
+        from hybridflow.resharding.transition import TransitionStats
         from hybridflow.resharding.vllm_layout import to_checkpoint_names
 
         stats = TransitionStats(self.resharder.scheme)

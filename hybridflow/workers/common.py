@@ -21,7 +21,7 @@ def load_hf_folder(path: str) -> tuple:
 
 def optim_settings(optim, megatron_cfg):
     """The engine's optimizer settings from a role's ``optim`` and ``megatron`` config sections."""
-    from hybridflow.megatron.engine import OptimSettings
+    from hybridflow.megatron.role import OptimSettings
 
     return OptimSettings(lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
                          clip_grad=optim.clip_grad, use_distributed_optimizer=megatron_cfg.use_distributed_optimizer)
@@ -29,7 +29,7 @@ def optim_settings(optim, megatron_cfg):
 
 def offload_settings(megatron_cfg, params_only: bool = False):
     """The engine's offload settings from a role's ``megatron`` config section."""
-    from hybridflow.megatron.engine import OffloadSettings
+    from hybridflow.megatron.role import OffloadSettings
 
     m = megatron_cfg
     if params_only:

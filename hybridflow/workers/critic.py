@@ -5,7 +5,7 @@ from __future__ import annotations
 from hybridflow import device
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.megatron import parallel
-from hybridflow.megatron.engine import MegatronRole
+from hybridflow.megatron.role import MegatronRole
 from hybridflow.protocol import Batch
 from hybridflow.workers import role_ops
 from hybridflow.workers.common import init_megatron_worker, offload_settings, optim_settings

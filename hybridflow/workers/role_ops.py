@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from hybridflow import device
-from hybridflow.algorithms import GlobalBatch, aggregate_loss, kl_penalty, policy_loss, value_loss
-from hybridflow.megatron.engine import MegatronRole, token_log_probs, vocab_parallel_entropy
+from hybridflow.algorithms import GlobalBatch, aggregate_loss, compute_policy_loss_vanilla, kl_penalty, value_loss
+from hybridflow.megatron.role import MegatronRole, token_log_probs, vocab_parallel_entropy
 from hybridflow.protocol import Batch
 from hybridflow.util import mean_by_key
 
@@ -148,9 +148,10 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
     def loss_fn(mb, logits, whole):
         log_prob = response_part(token_log_probs(logits, mb["labels"]), mb)
         mask = mb["response_mask"]
-        loss, m = policy_loss("vanilla", mb["old_log_probs"], log_prob, mb["advantages"], mask,
-                              loss_agg_mode=a.loss_agg_mode, clip_ratio_low=a.clip_ratio_low,
-                              clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c, global_batch=whole)
+        loss, m = compute_policy_loss_vanilla(
+            mb["old_log_probs"], log_prob, mb["advantages"], mask, loss_agg_mode=a.loss_agg_mode,
+            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+            global_batch=whole)
         metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
         if a.use_kl_loss:
             kl = aggregate_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode,

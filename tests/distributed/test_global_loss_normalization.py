@@ -39,7 +39,7 @@ def _rank_fn(rank, world, hf_dir, micro):
 
     from hybridflow.config.schema import Actor
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.engine import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, OptimSettings
     from hybridflow.protocol import Batch
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
@@ -66,8 +66,8 @@ def _rank_fn(rank, world, hf_dir, micro):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from hybridflow.data.tiny_model import build_tiny_qwen2
-    from hybridflow.data.tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
 
     root = tmp_path_factory.mktemp("globalnorm")
     build_tiny_qwen2(root, build_char_tokenizer(root), hidden_size=64, num_layers=2, seed=11)

@@ -55,7 +55,7 @@ def _rank_fn(rank, world, hf_dir, tp, pp):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import convert, parallel
-    from hybridflow.megatron.engine import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
     from hybridflow.workers.export import save_hf_folder
@@ -108,8 +108,8 @@ def _run(hf_dir, t, p, d):
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from hybridflow.data.tiny_model import build_tiny_qwen2
-    from hybridflow.data.tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.workers.common import load_hf_folder
     from hybridflow.workers.export import save_hf_folder
 

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.distributed
 
 
 def _tiny_hf(tmp):
-    from hybridflow.data.tiny_model import build_tiny_qwen2
-    from hybridflow.data.tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
 
     build_tiny_qwen2(tmp, build_char_tokenizer(tmp), hidden_size=64, num_layers=2, seed=3)
     return str(tmp)
@@ -32,7 +32,7 @@ def _fixed_batch():
 
 def _rank_fn(rank, world, hf_dir):
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.engine import MegatronRole, OptimSettings, token_log_probs
+    from hybridflow.megatron.role import MegatronRole, OptimSettings, token_log_probs
     from hybridflow.workers.common import load_hf_folder
 
     parallel.init_model_parallel(1, 1, seed=1)

@@ -49,7 +49,7 @@ def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def _masked_reference(role, batch):
     """Log-probs, entropy and values with the padding mask, in the original (left-padded) layout."""
-    from hybridflow.megatron.engine import token_log_probs, vocab_parallel_entropy
+    from hybridflow.megatron.role import token_log_probs, vocab_parallel_entropy
 
     t = batch.tensors
     with torch.no_grad(), role.resident():
@@ -73,7 +73,7 @@ def _settings():
 
 def _rank_fn(rank, world, hf_dir, critic_dir):
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.engine import MegatronRole, OffloadSettings, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, OffloadSettings, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
 
@@ -113,8 +113,8 @@ def _rank_fn(rank, world, hf_dir, critic_dir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from hybridflow.data.tiny_model import build_tiny_qwen2
-    from hybridflow.data.tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.workers.common import load_hf_folder
     from hybridflow.workers.export import save_hf_folder
 

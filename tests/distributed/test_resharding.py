@@ -17,8 +17,8 @@ CASES = [((1, 2, 1), 1), ((1, 2, 2), 1), ((1, 4, 1), 2), ((2, 2, 1), 1), ((2, 2,
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from hybridflow.data.tiny_model import build_tiny_qwen2
-    from hybridflow.data.tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
 
     root = tmp_path_factory.mktemp("reshard")
     build_tiny_qwen2(root, build_char_tokenizer(root), hidden_size=128, num_layers=2, num_kv_heads=4,
@@ -46,9 +46,9 @@ def _rank_fn(rank, world, hf_dir, p, t, t_g):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.engine import MegatronRole
-    from hybridflow.resharding.engine import Resharder
-    from hybridflow.resharding.plan import Layout
+    from hybridflow.megatron.role import MegatronRole
+    from hybridflow.resharding.transition import Resharder
+    from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.workers.common import load_hf_folder
 
     parallel.init_model_parallel(t, p, seed=1)
@@ -57,9 +57,9 @@ def _rank_fn(rank, world, hf_dir, p, t, t_g):
     layout = Layout(p, t, ps.get_data_parallel_world_size())
     out = {"rank": rank}
     for scheme in ("hybrid", "gather_all"):
-        shard, stats = Resharder(role.model, cfg, layout, t_g, scheme).to_generation()
+        shard, stats = Resharder(role.model, cfg, HybridPlan(layout, 1, t_g), scheme).to_generation()
         out[scheme] = (shard, stats)
-    out["hybrid_te"] = Resharder(_TENamed(role.model), cfg, layout, t_g, "hybrid").to_generation()
+    out["hybrid_te"] = Resharder(_TENamed(role.model), cfg, HybridPlan(layout, 1, t_g), "hybrid").to_generation()
     local = {k: v.clone() for k, v in role.model.state_dict().items() if not k.endswith("_extra_state")}
     out["local"] = local
     return out

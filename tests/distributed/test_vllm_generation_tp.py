@@ -16,8 +16,8 @@ def _rank_fn(rank, world, hf_dir, p, t):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.engine import MegatronRole
-    from hybridflow.resharding.engine import Resharder, TransitionStats
+    from hybridflow.megatron.role import MegatronRole
+    from hybridflow.resharding.transition import Resharder, TransitionStats
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.resharding.vllm_layout import to_checkpoint_names
     from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
@@ -38,7 +38,7 @@ def _rank_fn(rank, world, hf_dir, p, t):
     plan = HybridPlan(train, 1, 2)
     me = plan.ranks[rank]
     rollout = VLLMRollout(hf_dir, max_model_len=32, tensor_parallel_size=2, seed=0, generation_groups=plan.replicas)
-    resharder = Resharder(role.module, cfg, train, 2, "hybrid")
+    resharder = Resharder(role.module, cfg, plan, "hybrid")
     stats = TransitionStats("hybrid")
     rollout.update_weights(to_checkpoint_names(resharder.stream(stats), cfg, k=me.gen_tp_rank, t_g=2))
     out = rollout.generate(PROMPTS, SamplingSettings(temperature=0, max_new_tokens=6))
@@ -52,8 +52,8 @@ def _rank_fn(rank, world, hf_dir, p, t):
 def test_strided_generation_tp_matches_hf(tmp_path, p, t):
     from transformers import AutoModelForCausalLM
 
-    from hybridflow.data.tiny_model import build_tiny_qwen2
-    from hybridflow.data.tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer(tmp_path)
     build_tiny_qwen2(tmp_path, tok, hidden_size=128, num_layers=2, num_kv_heads=4, vocab_multiple=128, seed=3)

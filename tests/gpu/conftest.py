@@ -88,8 +88,8 @@ def gpu_assets(tmp_path_factory) -> GpuAssets:
 
     from hybridflow.config import ConfigError
     from hybridflow.data.arithmetic import write_arithmetic_parquet
-    from hybridflow.data.tiny_model import build_tiny_qwen2
-    from hybridflow.data.tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.versions import check_stack
 
     try:  # a wrong vLLM / TE / transformers fails here in one line, not deep inside a worker

@@ -53,17 +53,9 @@ class DPWorker(Worker):
     def double(self, batch: Batch) -> Batch:
         return self._double(batch)
 
-    @register(Dispatch.DP_COMPUTE_PADDED)
-    def double_padded(self, batch: Batch) -> Batch:
-        return self._double(batch)
-
     @register(Dispatch.RANK_ZERO)
     def whoami(self):
         return self.rank
-
-    @register(Dispatch.ALL_TO_ALL)
-    def add_rank(self, a):
-        return a + self.rank
 
     @register(Dispatch.ONE_TO_ALL, blocking=False)
     def slow(self, seconds: float):
@@ -162,17 +154,8 @@ def test_dp_compute_divisibility_error(dp_group):
         dp_group.double(_batch(5))
 
 
-def test_dp_compute_padded_unpads(dp_group):
-    out = dp_group.double_padded(_batch(5))
-    assert torch.equal(out["x"], torch.arange(5, dtype=torch.float32) * 2)
-    assert out["rank"].tolist() == [0, 0, 0, 1, 1]
-
-
-def test_rank_zero_all_to_all_and_non_blocking(dp_group):
+def test_rank_zero_and_non_blocking(dp_group):
     assert dp_group.whoami() == 0
-    assert dp_group.add_rank([10, 20]) == [10, 21]
-    with pytest.raises(ValueError, match="ALL_TO_ALL"):
-        dp_group.add_rank([1, 2, 3])
     fut = dp_group.slow(0.2)
     assert isinstance(fut, DispatchFuture)
     assert fut.get(timeout=30) == [0, 1] and fut.done()

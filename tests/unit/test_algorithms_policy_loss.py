@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hybridflow.algorithms import UnknownNameError, compute_policy_loss_vanilla, policy_loss
+from hybridflow.algorithms import compute_policy_loss_vanilla
 
 # Per token (old_log_prob = 0, so log_prob = log ratio); clip low 0.2, high 0.28, c 3:
 #  1: A=+1, r=1.5  -> l1=-1.5,  l2=-1.28 -> -1.28   (clipped)
@@ -30,7 +30,7 @@ def inputs(mask_dtype=torch.float64):
 
 def test_vanilla_loss_and_metrics():
     old, log_prob, adv, mask = inputs()
-    loss, metrics = policy_loss("vanilla", old, log_prob, adv, mask, **KW)
+    loss, metrics = compute_policy_loss_vanilla(old, log_prob, adv, mask, **KW)
     assert loss.item() == pytest.approx(sum(TOKEN_LOSSES) / 6)
     assert float(metrics["pg_clipfrac"]) == pytest.approx(2 / 6)  # tokens 1, 3
     assert float(metrics["pg_clipfrac_lower"]) == pytest.approx(2 / 6)  # tokens 4, 5
@@ -52,7 +52,7 @@ def test_vanilla_gradient_only_through_unclipped_tokens():
 
 def test_vanilla_seq_mode_and_bool_mask():
     old, log_prob, adv, mask = inputs(torch.bool)
-    loss, _ = policy_loss("vanilla", old, log_prob, adv, mask, loss_agg_mode="seq-mean-token-sum", **KW)
+    loss, _ = compute_policy_loss_vanilla(old, log_prob, adv, mask, loss_agg_mode="seq-mean-token-sum", **KW)
     row0 = sum(TOKEN_LOSSES[:4])
     row1 = sum(TOKEN_LOSSES[4:])
     assert loss.item() == pytest.approx((row0 + row1) / 2)
@@ -62,7 +62,7 @@ def test_symmetric_default_clip():
     old = torch.zeros(1, 2)
     log_prob = torch.log(torch.tensor([[1.5, 1.1]]))
     adv = torch.ones(1, 2)
-    loss, metrics = policy_loss("vanilla", old, log_prob, adv, torch.ones(1, 2))
+    loss, metrics = compute_policy_loss_vanilla(old, log_prob, adv, torch.ones(1, 2))
     assert loss.item() == pytest.approx((-1.2 - 1.1) / 2, abs=1e-6)
     assert float(metrics["pg_clipfrac"]) == pytest.approx(0.5)
     assert float(metrics["pg_clipfrac_lower"]) == 0.0
@@ -72,10 +72,4 @@ def test_symmetric_default_clip():
 def test_dual_clip_constant_must_exceed_one(c):
     old, log_prob, adv, mask = inputs()
     with pytest.raises(AssertionError, match="clip_ratio_c"):
-        policy_loss("vanilla", old, log_prob, adv, mask, clip_ratio_c=c)
-
-
-def test_unknown_policy_loss_name():
-    old, log_prob, adv, mask = inputs()
-    with pytest.raises(UnknownNameError, match="vanilla"):
-        policy_loss("gspo-typo", old, log_prob, adv, mask)
+        compute_policy_loss_vanilla(old, log_prob, adv, mask, clip_ratio_c=c)

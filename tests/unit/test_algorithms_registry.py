@@ -7,7 +7,6 @@ from hybridflow.algorithms import (
     ADVANTAGE_ESTIMATORS,
     KL_PENALTIES,
     LOSS_AGG_MODES,
-    POLICY_LOSSES,
     Registry,
     UnknownNameError,
     compute_advantage,
@@ -19,7 +18,6 @@ def test_registered_names():
     assert ADVANTAGE_ESTIMATORS.names() == sorted(
         ["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"]
     )
-    assert "vanilla" in POLICY_LOSSES
     assert set(KL_PENALTIES.names()) == {"k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"}
     assert set(LOSS_AGG_MODES.names()) == {
         "token-mean",

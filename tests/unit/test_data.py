@@ -4,7 +4,7 @@ import torch
 
 from hybridflow.data.arithmetic import make_split_pairs, write_arithmetic_parquet
 from hybridflow.data.dataset import PromptDataset
-from hybridflow.data.tokenizer import build_char_tokenizer
+from hybridflow.models.char_tokenizer import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")

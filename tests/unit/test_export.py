@@ -11,8 +11,8 @@ import torch
 def test_streamed_shards_load_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from hybridflow.data.tiny_model import build_tiny_qwen2
-    from hybridflow.data.tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.workers.common import load_hf_folder
     from hybridflow.workers.export import save_hf_folder
 
@@ -40,8 +40,8 @@ def test_streamed_shards_load_in_transformers(tmp_path):
 
 
 def test_failed_export_keeps_the_previous_folder(tmp_path):
-    from hybridflow.data.tiny_model import build_tiny_qwen2
-    from hybridflow.data.tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.workers.common import load_hf_folder
     from hybridflow.workers.export import save_hf_folder
 

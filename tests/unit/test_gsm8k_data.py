@@ -11,7 +11,7 @@ import pytest
 
 from hybridflow.data.dataset import PromptDataset
 from hybridflow.data.gsm8k import INSTRUCTION, main, preprocess_gsm8k, read_rows
-from hybridflow.data.tokenizer import build_char_tokenizer
+from hybridflow.models.char_tokenizer import build_char_tokenizer
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "gsm8k" / "train.jsonl"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"

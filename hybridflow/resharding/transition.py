@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hybridflow.megatron import convert
 from hybridflow.resharding import vllm_layout
-from hybridflow.resharding.plan import HybridPlan, Layout
+from hybridflow.resharding.plan import HybridPlan
 
 
 @dataclass
@@ -50,12 +50,12 @@ def _local_shard(module) -> dict:
 class Resharder:
     """Per rank; build it on every rank of the actor's world together (it creates process groups)."""
 
-    def __init__(self, module, hf_config, train: Layout, t_g: int, scheme: str = "hybrid"):
+    def __init__(self, module, hf_config, plan: HybridPlan, scheme: str = "hybrid"):
         if scheme not in ("hybrid", "gather_all"):
             raise ValueError(f"rollout.resharding must be 'hybrid' or 'gather_all', got {scheme!r}")
-        vllm_layout.check_supported(hf_config, t_g)
-        self.module, self.cfg, self.scheme = module, hf_config, scheme
-        self.plan = HybridPlan(train, p_g=1, t_g=t_g)
+        vllm_layout.check_supported(hf_config, plan.t_g)
+        self.module, self.cfg, self.scheme, self.plan = module, hf_config, scheme, plan
+        train = plan.train
         self.rank = dist.get_rank()
         self.me = self.plan.ranks[self.rank]
         from megatron.core import parallel_state as ps
