@@ -169,8 +169,7 @@ class Data:
     shuffle: bool = True
 
     def validate(self):
-        if self.batch_size < 1 or self.max_prompt_length < 1 or self.max_response_length < 1:
-            raise ValueError("batch_size, max_prompt_length and max_response_length must be >= 1")
+        _check_sizes(self, "batch_size", "val_batch_size", "max_prompt_length", "max_response_length")
 
 
 @dataclass
@@ -230,6 +229,11 @@ class Resources:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
 
+    def validate(self):
+        _check_sizes(self, "n_workers", "critic_n_workers")
+        if self.cpus_per_worker < 0 or self.gpus_per_worker < 0:
+            raise ValueError("cpus_per_worker and gpus_per_worker must be >= 0")
+
 
 @dataclass
 class RayCfg:
@@ -274,6 +278,11 @@ class Trainer:
     seed: int = 1
     experiment_name: str = "ppo"
     save_hf_at_end: bool = True
+
+    def validate(self):
+        _check_sizes(self, "total_steps", "total_epochs", "val_every")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
 
 
 @dataclass

@@ -24,6 +24,10 @@ class PromptDataset:
         columns: dict[str, list] = {}
         for f in files:
             table = self._read(f, prompt_key, answer_key)
+            for key in (prompt_key, answer_key):
+                nulls = table[key].is_null().to_pylist()
+                if any(nulls):
+                    raise ValueError(f"{f} row {nulls.index(True)}: {key!r} is empty (null)")
             for row, ids in enumerate(tokenizer(table[prompt_key].to_pylist()).input_ids):
                 if len(ids) > max_prompt_length:
                     raise ValueError(f"{f} row {row}: prompt has {len(ids)} tokens, more than "
@@ -38,7 +42,16 @@ class PromptDataset:
     def _read(path: str, prompt_key: str, answer_key: str):
         if not Path(path).exists():
             raise FileNotFoundError(f"data file not found: {path}")
-        table = pq.read_table(path)
+        if not Path(path).is_file():  # pyarrow would read a folder as a dataset of every file in it
+            raise ValueError(f"{path} is not a file (a parquet file is expected)")
+        import pyarrow
+
+        try:
+            table = pq.read_table(path)
+        except (pyarrow.ArrowInvalid, OSError) as e:
+            raise ValueError(f"{path} is not a readable parquet file ({' '.join(str(e).split())[:120]})") from None
+        if table.num_rows == 0:
+            raise ValueError(f"{path} has no rows")
         for key in (prompt_key, answer_key):
             if key not in table.column_names:
                 raise ValueError(f"{path}: column {key!r} missing (columns: {table.column_names})")
@@ -62,6 +75,8 @@ class PromptDataset:
 
     def iterate(self, batch_size: int, *, shuffle: bool, seed: int, drop_last: bool = True) -> Iterator[Batch]:
         """Endless batches over epochs, reshuffled each epoch with a seeded generator."""
+        if drop_last and len(self) < batch_size:  # no full batch would ever come: fail instead of looping
+            raise ValueError(f"{len(self)} prompts cannot fill one batch of {batch_size}")
         rng = np.random.default_rng(seed)
         while True:
             order = rng.permutation(len(self)) if shuffle else np.arange(len(self))

@@ -34,18 +34,76 @@ def load(argv=None) -> ExperimentConfig:
 
 
 def check_files(cfg: ExperimentConfig) -> None:
-    """Input files must exist before workers start (quickstart files are built by prepare)."""
-    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+    """Everything a run reads or writes, checked before Ray or any worker starts: one-line errors that
+    name the key, file or row (quickstart files are built by prepare first)."""
+    d = cfg.data
+    if not d.train_files:
+        raise ConfigError("data.train_files: at least one parquet file is required")
+    for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         for f in files:
             if not os.path.exists(f):
                 raise ConfigError(f"{key}: file not found: {f}")
-    if not os.path.isdir(cfg.model.path):
-        raise ConfigError(f"model.path: not a model folder: {cfg.model.path}")
+    tokenizer = check_model_folder(cfg)
     if cfg.reward_model.enable and not os.path.isdir(cfg.reward_model.path):
         raise ConfigError(f"reward_model.path: not a model folder: {cfg.reward_model.path}")
-    if not cfg.data.train_files:
-        raise ConfigError("data.train_files: at least one parquet file is required")
+    check_output_dir(cfg.trainer.output_dir)
+    from hybridflow.data.dataset import PromptDataset
+
+    for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        if not files:
+            continue
+        try:
+            data = PromptDataset(files, tokenizer, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                                 max_prompt_length=d.max_prompt_length)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{key}: {e}") from None
+        if key == "data.train_files" and len(data) < d.batch_size:
+            raise ConfigError(f"data.train_files: {len(data)} prompts cannot fill one batch of "
+                              f"data.batch_size={d.batch_size}")
     check_layouts(cfg)
+
+
+def check_model_folder(cfg: ExperimentConfig):
+    """model.path holds a readable config, safetensors weights and a tokenizer, and the model's context
+    fits the longest prompt plus response; returns the tokenizer."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = cfg.model.path
+    if not os.path.isdir(path):
+        raise ConfigError(f"model.path: not a model folder: {path}")
+    try:
+        model = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: cannot read {path}/config.json ({str(e).splitlines()[0][:120]})") from None
+    if not list(Path(path).glob("*.safetensors")):
+        raise ConfigError(f"model.path: no *.safetensors weights in {path}")
+    # Without its files AutoTokenizer quietly builds an empty tokenizer from config.json alone.
+    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ConfigError(f"model.path: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json) in {path}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"model.path: no usable tokenizer in {path} ({str(e).splitlines()[0][:120]})") from None
+    if len(tokenizer) < 2 or tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
+        raise ConfigError(f"model.path: the tokenizer in {path} is empty or lacks pad/eos tokens (tokenizer files missing?)")
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if longest > model.max_position_embeddings:
+        raise ConfigError(f"data.max_prompt_length + data.max_response_length ({longest}) exceeds the model's "
+                          f"max_position_embeddings ({model.max_position_embeddings}) in {path}")
+    return tokenizer
+
+
+def check_output_dir(path: str) -> None:
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ConfigError(f"trainer.output_dir: cannot write to {path} ({e.strerror or e})") from None
 
 
 def check_layouts(cfg: ExperimentConfig) -> None:
