@@ -300,8 +300,17 @@ def config_to_dict(cfg: Any) -> Any:
 
 
 def dump_yaml(cfg: Any, path: str | os.PathLike) -> None:
+    """Write the config as YAML atomically (a temp file renamed over ``path``)."""
+    import tempfile
+
     path = os.fspath(path)
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False, default_flow_style=False)
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".config.", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False, default_flow_style=False)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -10,6 +10,7 @@ KV cache freed) so that training gets the memory back; sleep mode does not exist
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
 
@@ -71,6 +72,32 @@ def _cpu_shm_names(prefix: str | None):
         yield
     finally:
         cc._CPUSHMDistributed.make_group_name = original
+
+
+class _ReportOnce(logging.Filter):
+    """vLLM's layerwise reload warns "RotaryEmbedding: Failed to load weights" at every sync: the rotary
+    cos/sin cache counts as loadable but is computed, never in a checkpoint, and vLLM puts it back as it
+    was (reload/layerwise.py), which is right. Let it through once per process, not every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.endswith("Failed to load weights") or not message.startswith("RotaryEmbedding"):
+            return True
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        record.msg, record.args = f"{message} (its cos/sin cache is computed, not loaded; reported once)", ()
+        return True
+
+
+def _report_reload_warnings_once() -> None:
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _ReportOnce) for f in layerwise.filters):
+        layerwise.addFilter(_ReportOnce())
 
 
 @contextlib.contextmanager
@@ -162,6 +189,7 @@ class VLLMRollout:
             torch.set_num_threads(threads)
             torch.set_rng_state(rng)
         self.sleep()  # until the first sync: the dummy weights and the KV cache take nothing from training
+        _report_reload_warnings_once()
 
     def close(self) -> None:
         """Destroy vLLM's process groups: its CPU TP communicator keeps named /dev/shm segments that

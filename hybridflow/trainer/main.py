@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from hybridflow.config import ConfigError, load_config
+from hybridflow.config import ConfigError, dump_yaml, load_config
 from hybridflow.config.schema import ExperimentConfig
 
 
@@ -142,6 +142,7 @@ def run(cfg: ExperimentConfig) -> list[dict]:
 
         prepare_quickstart(cfg)
     check_files(cfg)
+    dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.yaml"))  # the resolved config of this run
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     with start_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, temp_dir=cfg.ray.temp_dir):
         workers = build_worker_groups(cfg)

@@ -9,8 +9,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 CONSOLE_KEYS = [  # (metric, short label, format)
-    ("reward/score_mean", "reward", ".3f"), ("val/accuracy", "val_acc", ".3f"), ("actor/ppo_kl", "kl", ".4f"),
-    ("actor/ref_kl", "ref_kl", ".4f"), ("actor/pg_clipfrac", "clip", ".3f"),
+    # The KL to the reference (in the reward, or as a loss term); ppo_kl is 0 for an on-policy update.
+    ("reward/score_mean", "reward", ".3f"), ("val/accuracy", "val_acc", ".3f"), ("actor/ref_kl", "ref_kl", ".4f"),
+    ("actor/kl_loss", "kl_loss", ".4f"), ("actor/pg_clipfrac", "clip", ".3f"),
     ("response/length_mean", "len", ".2f"), ("perf/tokens_per_s", "tok/s", ".0f"), ("time/step_s", "s/step", ".2f"),
 ]
 

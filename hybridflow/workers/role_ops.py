@@ -134,9 +134,7 @@ def _train(role, batch, *, mini_batch_size, micro_batch_size, epochs, keys, loss
                                       for k, v in metrics.items()}
 
             all_metrics.append(role.train_mini_batch(mbs, scaled))
-    metrics = mean_by_key(all_metrics)
-    metrics.pop("update_skipped", None)
-    return metrics
+    return mean_by_key(all_metrics)  # update_skipped: the fraction of steps megatron's loss scaler skipped
 
 
 def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rollout_n: int = 1) -> dict:
@@ -164,6 +162,7 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
                      micro_batch_size=a.ppo_micro_batch_size_per_gpu, epochs=a.ppo_epochs, keys=keys, loss_fn=loss_fn,
                      loss_scale_factor=a.loss_scale_factor)
     metrics["actor/grad_norm"] = metrics.pop("grad_norm")
+    metrics["actor/update_skipped"] = metrics.pop("update_skipped")
     return metrics
 
 
@@ -183,4 +182,5 @@ def update_value(role: MegatronRole, batch: Batch, critic_cfg, dp_size: int, rol
                      keys=["values", "returns", "response_mask"], loss_fn=loss_fn,
                      loss_scale_factor=c.loss_scale_factor)
     metrics["critic/grad_norm"] = metrics.pop("grad_norm")
+    metrics["critic/update_skipped"] = metrics.pop("update_skipped")
     return metrics
