@@ -36,10 +36,6 @@ class Offloader:
         self._held: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
 
     @property
-    def offloaded(self) -> bool:
-        return bool(self._held)
-
-    @property
     def host_bytes(self) -> int:
         return sum(host.numel() for _, host in self._held)
 

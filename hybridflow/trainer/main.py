@@ -43,7 +43,7 @@ def check_files(cfg: ExperimentConfig) -> None:
         for f in files:
             if not os.path.exists(f):
                 raise ConfigError(f"{key}: file not found: {f}")
-    tokenizer = check_model_folder(cfg)
+    model, tokenizer = check_model_folder(cfg)
     if cfg.reward_model.enable and not os.path.isdir(cfg.reward_model.path):
         raise ConfigError(f"reward_model.path: not a model folder: {cfg.reward_model.path}")
     check_output_dir(cfg.trainer.output_dir)
@@ -60,12 +60,12 @@ def check_files(cfg: ExperimentConfig) -> None:
         if key == "data.train_files" and len(data) < d.batch_size:
             raise ConfigError(f"data.train_files: {len(data)} prompts cannot fill one batch of "
                               f"data.batch_size={d.batch_size}")
-    check_layouts(cfg)
+    check_layouts(cfg, model)
 
 
 def check_model_folder(cfg: ExperimentConfig):
     """model.path holds a readable config, safetensors weights and a tokenizer, and the model's context
-    fits the longest prompt plus response; returns the tokenizer."""
+    fits the longest prompt plus response; returns (HF config, tokenizer)."""
     from pathlib import Path
 
     from transformers import AutoConfig, AutoTokenizer
@@ -92,7 +92,7 @@ def check_model_folder(cfg: ExperimentConfig):
     if longest > model.max_position_embeddings:
         raise ConfigError(f"data.max_prompt_length + data.max_response_length ({longest}) exceeds the model's "
                           f"max_position_embeddings ({model.max_position_embeddings}) in {path}")
-    return tokenizer
+    return model, tokenizer
 
 
 def check_output_dir(path: str) -> None:
@@ -106,11 +106,8 @@ def check_output_dir(path: str) -> None:
         raise ConfigError(f"trainer.output_dir: cannot write to {path} ({e.strerror or e})") from None
 
 
-def check_layouts(cfg: ExperimentConfig) -> None:
-    """Each role's TP must divide the model's heads, KV groups and vocab; its PP the layers."""
-    from transformers import AutoConfig
-
-    model = AutoConfig.from_pretrained(cfg.model.path)
+def check_layouts(cfg: ExperimentConfig, model) -> None:
+    """Each role's TP must divide the model's (HF config's) heads, KV groups and vocab; its PP the layers."""
     sizes = {"num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_key_value_heads,
              "vocab_size": model.vocab_size}
     for role in ("actor", "critic"):
