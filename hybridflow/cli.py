@@ -1,5 +1,5 @@
 """`hybridflow` console script: `hybridflow train --config ...` (PPO family), `hybridflow sft ...` and
-`hybridflow config show|dump`."""
+`hybridflow config show|dump` and `hybridflow export --checkpoint DIR --out HF_DIR`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ def main(argv=None) -> int:
         from hybridflow.trainer.sft import main as sft_main
 
         return sft_main(argv[1:])
+    if argv and argv[0] == "export":
+        from hybridflow.tools.export import main as export_main
+
+        return export_main(argv[1:])
     if argv and argv[0] == "config":
         from hybridflow.config.show import main as config_main
 

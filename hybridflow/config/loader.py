@@ -257,16 +257,20 @@ class _Builder:
 # ---------------------------------------------------------------- public API
 def load_config(schema_cls: type, paths: str | os.PathLike | Iterable[str | os.PathLike],
                 overrides: Iterable[str] = (), sources: dict[str, str] | None = None) -> Any:
-    """Build ``schema_cls`` from YAML ``paths`` (later wins) plus CLI ``overrides``.
+    """Build ``schema_cls`` from YAML ``paths`` (or dicts of the same shape; later wins) plus CLI ``overrides``.
 
     ``sources``, when given, is filled with where each dotted key was set (a file, or ``override '...'``);
     keys not in it keep the schema's default."""
     if not (dataclasses.is_dataclass(schema_cls) and isinstance(schema_cls, type)):
         raise TypeError(f"schema_cls must be a dataclass type, got {schema_cls!r}")
-    paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+    paths = [paths] if isinstance(paths, (str, os.PathLike, dict)) else paths
     data, origin = {}, {}  # merged config; key path -> file/override that set it
     for path in paths:
-        _merge(data, _read_file(os.fspath(path), [], origin))
+        if isinstance(path, dict):  # a mapping given in Python (same shape as a YAML file)
+            _merge(data, copy.deepcopy(path))
+            _record(origin, path, (), "a Python dict")
+        else:
+            _merge(data, _read_file(os.fspath(path), [], origin))
     # A lone string would otherwise iterate by character.
     overrides = [overrides] if isinstance(overrides, str) else overrides
     for arg in overrides:

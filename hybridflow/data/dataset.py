@@ -73,8 +73,10 @@ class PromptDataset:
             tensors={"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
             non_tensors={k: v[list(rows)] for k, v in self.columns.items()})
 
-    def iterate(self, batch_size: int, *, shuffle: bool, seed: int, drop_last: bool = True) -> Iterator[Batch]:
-        """Endless batches over epochs, reshuffled each epoch with a seeded generator."""
+    def iterate(self, batch_size: int, *, shuffle: bool, seed: int, drop_last: bool = True,
+                skip: int = 0) -> Iterator[Batch]:
+        """Endless batches over epochs, reshuffled each epoch with a seeded generator; ``skip``: the number
+        of batches already consumed (a resumed run continues where its checkpoint left off)."""
         if drop_last and len(self) < batch_size:  # no full batch would ever come: fail instead of looping
             raise ValueError(f"{len(self)} prompts cannot fill one batch of {batch_size}")
         rng = np.random.default_rng(seed)
@@ -82,4 +84,7 @@ class PromptDataset:
             order = rng.permutation(len(self)) if shuffle else np.arange(len(self))
             stop = len(order) - (len(order) % batch_size if drop_last else 0)
             for start in range(0, stop, batch_size):
+                if skip:
+                    skip -= 1
+                    continue
                 yield self.batch(order[start:start + batch_size].tolist())

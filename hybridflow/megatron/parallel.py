@@ -8,7 +8,7 @@ from hybridflow.megatron import cpu_compat
 from hybridflow.megatron.convert import Shard
 
 
-def init_model_parallel(tp: int, pp: int, seed: int) -> None:
+def init_model_parallel(tp: int, pp: int, seed: int, timeout_s: float = 600) -> None:
     """Create TP/PP/DP groups over the already-initialized default group (gloo on CPU, nccl on GPU).
 
     The world must divide by tp*pp; the data-parallel size is what remains.
@@ -26,7 +26,8 @@ def init_model_parallel(tp: int, pp: int, seed: int) -> None:
             raise ValueError("this process already has megatron groups of a different layout")
     else:
         with cpu_compat.megatron_cpu_scope():
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                         distributed_timeout_minutes=max(1, round(timeout_s / 60)))
     cpu_compat.model_parallel_seed(seed)
 
 

@@ -7,6 +7,7 @@ so the same code runs at any TP/PP/DP layout; losses and outputs appear on the l
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator
@@ -70,7 +71,7 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class MegatronRole:
     """A GPT policy or value model sharded over this process's megatron groups, on this worker's device."""
 
-    def __init__(self, hf_config, hf_state_dict: dict, *, value_head: bool = False,
+    def __init__(self, hf_config, hf_state_dict: dict | None, *, value_head: bool = False,
                  optim: OptimSettings | None = None, dtype: torch.dtype = torch.float32,
                  sequence_parallel: bool = False, offload: OffloadSettings = OffloadSettings()):
         from megatron.core import parallel_state as ps
@@ -84,7 +85,8 @@ class MegatronRole:
             params_dtype=dtype)
         model = build_gpt(hf_config, self.tf_config, value_head=value_head, device=self.device,
                           pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
-        convert.load_into(model, convert.hf_to_megatron(hf_state_dict, hf_config, self.shard, value_head=value_head))
+        if hf_state_dict is not None:  # None: weights come from a checkpoint (megatron.checkpoint.load_role)
+            convert.load_into(model, convert.hf_to_megatron(hf_state_dict, hf_config, self.shard, value_head=value_head))
         self.optimizer = None
         if optim is None:
             model.requires_grad_(False)
@@ -192,11 +194,29 @@ class MegatronRole:
             self.optimizer.zero_grad()
             outputs = self._run_schedule(micro_batches, loss_fn, forward_only=False)
             with cpu_compat.megatron_cpu_scope():
-                ok, grad_norm, _ = self.optimizer.step()
+                ok, grad_norm = self._optimizer_step()
         metrics = mean_by_key(outputs)
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["grad_norm"] = grad_norm
         metrics["update_skipped"] = float(not ok)
         return metrics
+
+    def _optimizer_step(self) -> tuple[bool, float]:
+        """megatron-core's ``optimizer.step()`` (prepare, global grad norm, clip, update: the same calls in
+        the same order), except that a non-finite grad norm skips the update: megatron skips only on an
+        fp16 loss-scaler overflow and would write NaN into bf16/fp32 weights. The norm is reduced over
+        the model-parallel (and distributed-optimizer) ranks, so every rank decides alike."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        opt = self.optimizer
+        if opt.prepare_grads():  # fp16 overflow: megatron's scaler has already lowered the scale
+            return False, float("nan")
+        grad_norm = float(opt.get_grad_norm())
+        if not math.isfinite(grad_norm):
+            return False, grad_norm
+        if opt.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(opt.get_parameters(), max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        return bool(opt.step_with_ready_grads()), grad_norm
 
     # --- export -----------------------------------------------------------------------------------
 

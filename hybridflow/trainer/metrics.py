@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,19 +35,29 @@ class Timer:
 
 
 class MetricsLog:
-    def __init__(self, out_dir: str):
+    """Every step's metrics in memory and, when ``write``, in ``<out_dir>/metrics.jsonl`` (a resumed run
+    keeps the rows up to its checkpoint's step and drops those an interrupted run wrote after it)."""
+
+    def __init__(self, out_dir: str, *, resume_step: int | None = None, write: bool = True):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / "metrics.jsonl"
-        self.path.write_text("")
+        self.path = self.dir / "metrics.jsonl" if write else None
         self.rows: list[dict] = []
+        if resume_step is not None and (self.dir / "metrics.jsonl").is_file():
+            lines = (self.dir / "metrics.jsonl").read_text().splitlines()
+            self.rows = [row for row in map(json.loads, filter(None, lines)) if row["step"] <= resume_step]
+        if self.path is not None:
+            tmp = self.path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+            os.replace(tmp, self.path)
 
-    def log(self, step: int, metrics: dict) -> str:
+    def log(self, step: int, metrics: dict) -> dict:
         row = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
         self.rows.append(row)
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        return self.console_line(row)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
 
     @staticmethod
     def console_line(row: dict) -> str:

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from tqdm import tqdm
-
 from hybridflow.algorithms import make_kl_controller
 from hybridflow.controller import RayWorkerGroup, ResourcePool
 from hybridflow.data.dataset import PromptDataset
@@ -16,7 +13,7 @@ from hybridflow.protocol import Batch
 from hybridflow.rewards import get_scorer, on_last_token
 from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, as_group_ids, rollout_metrics,
                                           score_responses)
-from hybridflow.trainer.metrics import MetricsLog, Timer
+from hybridflow.trainer.metrics import Timer
 from hybridflow.util import mean_by_key
 
 
@@ -91,14 +88,12 @@ class PPOTrainer:
         self.train_scorer = training_scorer(cfg)
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
-        self.timer = Timer()
-        self.log = MetricsLog(cfg.trainer.output_dir)
         self.actor_rollout.sync_weights()  # vLLM starts with dummy weights: deliver the actor's
 
     # The paper's few-line PPO: generate, score, prepare experience, update critic and actor, and push
     # the new actor weights into the rollout engine.
-    def step(self, prompts: Batch, step: int) -> tuple[dict, int]:
-        cfg, t, algo = self.cfg, self.timer, self.cfg.algorithm
+    def step(self, prompts: Batch, step: int, t: Timer) -> tuple[dict, int]:
+        cfg, algo = self.cfg, self.cfg.algorithm
         prompts.non_tensors["uid"] = as_group_ids(len(prompts), 1, step)
         with t("gen"):
             batch = self.actor_rollout.generate(prompts.repeat(cfg.rollout.n, interleave=True))
@@ -157,44 +152,42 @@ class PPOTrainer:
         base = self.reward(greedy).tensors["token_level_scores"].sum(-1)
         return Batch.from_dict(tensors={"reward_baselines": base.repeat_interleave(self.cfg.rollout.n)})
 
-    def validate(self) -> dict:
-        """Greedy accuracy on the held-out prompts (the same evaluation at every step)."""
+    def validate(self, n_samples: int = 0) -> tuple[dict, list[dict]]:
+        """Greedy accuracy on the held-out prompts (the same evaluation at every step), and the first
+        ``n_samples`` (prompt, response, score) examples."""
         if self.val_data is None:
-            return {}
-        scores = []
+            return {}, []
+        scores, samples = [], []
         for start in range(0, len(self.val_data), self.cfg.data.val_batch_size):
             rows = list(range(start, min(start + self.cfg.data.val_batch_size, len(self.val_data))))
             prompts = self.val_data.batch(rows)
             prompts, pad = prompts.pad_to_divisor(self._dp_size())
             prompts.meta["temperature"] = 0.0
-            out = self.actor_rollout.generate(prompts).unpad(pad)
-            scores.append(score_responses(out, self.tokenizer, self.rule_scorer).tensors["scores"])
-        return {"val/accuracy": torch.cat(scores).mean().item()}
+            out = score_responses(self.actor_rollout.generate(prompts).unpad(pad), self.tokenizer, self.rule_scorer)
+            scores.append(out.tensors["scores"])
+            for i in range(min(n_samples - len(samples), len(out))):
+                prompt = out.tensors["prompts"][i][out.tensors["attention_mask"][i, :out.tensors["prompts"].shape[1]].bool()]
+                samples.append({"prompt": self.tokenizer.decode(prompt.tolist(), skip_special_tokens=True),
+                                "response": str(out.non_tensors["response_text"][i]),
+                                "score": float(out.tensors["scores"][i])})
+        return {"val/accuracy": torch.cat(scores).mean().item()}, samples
 
-    @property
-    def total_steps(self) -> int:
-        """trainer.total_steps, or trainer.total_epochs passes over the training prompts (verl's way)."""
-        epochs = self.cfg.trainer.total_epochs
-        return self.cfg.trainer.total_steps if epochs is None else epochs * (len(self.train_data) // self.cfg.data.batch_size)
+    # --- checkpoints: the workers write their roles, the driver its own state -------------------------
+
+    def save_checkpoint(self, path: str) -> dict:
+        """Write the trained roles into ``path``; returns the driver's state to keep beside them."""
+        self.actor_rollout.save_checkpoint(path)
+        if self.critic is not None:
+            self.critic.save_checkpoint(path)
+        return {"kl_coef": self.kl_ctrl.value}
+
+    def load_checkpoint(self, path: str, state: dict, restore_rng: bool) -> None:
+        """Load the roles and driver state saved by ``save_checkpoint``, then push the loaded actor into vLLM."""
+        self.actor_rollout.load_checkpoint(path, restore_rng)
+        if self.critic is not None:
+            self.critic.load_checkpoint(path, restore_rng)
+        self.kl_ctrl.value = state["kl_coef"]
+        self.actor_rollout.sync_weights()
 
     def _dp_size(self) -> int:
         return self.actor_rollout.dispatch_infos("rollout")[0]["dp_size"]
-
-    def fit(self) -> list[dict]:
-        cfg = self.cfg.trainer
-        data = self.train_data.iterate(self.cfg.data.batch_size, shuffle=self.cfg.data.shuffle, seed=cfg.seed)
-        line = self.log.log(0, self.validate())
-        tqdm.write(line)
-        for step in tqdm(range(1, self.total_steps + 1), desc="ppo", dynamic_ncols=True):
-            with self.timer("step"):
-                metrics, n_tokens = self.step(next(data), step)
-            if step % cfg.val_every == 0 or step == self.total_steps:
-                with self.timer("val"):
-                    metrics.update(self.validate())
-            metrics.update(self.timer.pop())
-            metrics["perf/tokens_per_s"] = n_tokens / metrics["time/step_s"]
-            tqdm.write(self.log.log(step, metrics))
-        self.log.plot()
-        if cfg.save_hf_at_end:
-            self.actor_rollout.save_hf(str(Path(cfg.output_dir) / "actor_hf"))
-        return self.log.rows

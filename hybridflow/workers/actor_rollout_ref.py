@@ -19,7 +19,8 @@ from hybridflow.megatron.role import MegatronRole
 from hybridflow.protocol import Batch
 from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
 from hybridflow.workers import role_ops
-from hybridflow.workers.common import init_megatron_worker, offload_settings, optim_settings
+from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoint, offload_settings, optim_settings,
+                                       save_role_checkpoint)
 
 
 def responses_to_batch(prompts: Batch, responses: list[list[int]], max_len: int, pad_id: int,
@@ -49,7 +50,8 @@ class ActorRolloutRefWorker(Worker):
         super().__init__()
         self.cfg = cfg
         mp = cfg.actor.megatron
-        hf_config, state = init_megatron_worker(self, mp, cfg.trainer.seed, cfg.model.path)
+        hf_config, state = init_megatron_worker(self, mp, cfg.trainer.seed, cfg.model.path,
+                                                 cfg.trainer.dist_timeout_s)
         dtype = device.torch_dtype(mp.dtype)
         self.actor = MegatronRole(hf_config, state, optim=optim_settings(cfg.actor.optim, mp), dtype=dtype,
                                   sequence_parallel=mp.sequence_parallel, offload=offload_settings(mp))
@@ -148,6 +150,19 @@ class ActorRolloutRefWorker(Worker):
     def close(self) -> None:
         """Release the rollout engine's shared resources before the process is killed."""
         self.rollout.close()
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """The actor (weights, optimizer) and this rank's random streams, vLLM's sampling included. The
+        reference is not saved: it is the frozen starting model, rebuilt from ``model.path``."""
+        save_role_checkpoint(self, self.actor, "actor", path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str, restore_rng: bool) -> None:
+        """Load the actor; vLLM gets the loaded weights at the driver's next ``sync_weights``."""
+        load_role_checkpoint(self, self.actor, "actor", path, restore_rng)
 
     # --- export -----------------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ from hybridflow.megatron import parallel
 from hybridflow.megatron.role import MegatronRole
 from hybridflow.protocol import Batch
 from hybridflow.workers import role_ops
-from hybridflow.workers.common import init_megatron_worker, offload_settings, optim_settings
+from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoint, offload_settings, optim_settings,
+                                       save_role_checkpoint)
 
 
 class CriticWorker(Worker):
@@ -16,7 +17,8 @@ class CriticWorker(Worker):
         super().__init__()
         self.cfg = cfg
         mp = cfg.critic.megatron
-        hf_config, state = init_megatron_worker(self, mp, cfg.trainer.seed, cfg.model.path)
+        hf_config, state = init_megatron_worker(self, mp, cfg.trainer.seed, cfg.model.path,
+                                                 cfg.trainer.dist_timeout_s)
         self.critic = MegatronRole(hf_config, state, value_head=True, optim=optim_settings(cfg.critic.optim, mp),
                                    dtype=device.torch_dtype(mp.dtype), sequence_parallel=mp.sequence_parallel,
                                    offload=offload_settings(mp))
@@ -34,3 +36,11 @@ class CriticWorker(Worker):
         metrics = role_ops.update_value(self.critic, batch, self.cfg.critic, parallel.dispatch_info()["dp_size"],
                                         self.cfg.rollout.n)
         return {**metrics, **device.memory_stats("memory/update_critic")}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        save_role_checkpoint(self, self.critic, "critic", path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str, restore_rng: bool) -> None:
+        load_role_checkpoint(self, self.critic, "critic", path, restore_rng)

@@ -42,6 +42,7 @@ def run_steps(cfg, n_steps: int, check=None) -> list[dict]:
     """n PPO-family steps through the real worker groups; ``check(trainer, step, metrics)`` after each."""
     from transformers import AutoTokenizer
 
+    from hybridflow.trainer.metrics import Timer
     from hybridflow.trainer.ppo import PPOTrainer, build_worker_groups
 
     workers = build_worker_groups(cfg)
@@ -50,7 +51,7 @@ def run_steps(cfg, n_steps: int, check=None) -> list[dict]:
         data = trainer.train_data.iterate(cfg.data.batch_size, shuffle=True, seed=0)
         history = []
         for step in range(1, n_steps + 1):
-            metrics, _ = trainer.step(next(data), step)
+            metrics, _ = trainer.step(next(data), step, Timer())
             history.append(metrics)
             if check is not None:
                 check(trainer, step, metrics)

@@ -7,6 +7,7 @@ dp group 2 x 0.25, 3D group 4 x 0.25, colocated pool 2 x 0.5 = 2 CPUs.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 
@@ -166,7 +167,8 @@ def test_worker_exception_names_rank_and_method(dp_group):
     with pytest.raises(WorkerGroupError) as ei:
         dp_group.fail_on(1)
     msg = str(ei.value)
-    assert "DPWorker.fail_on failed on rank 1 of 2" in msg
+    assert re.search(r"\(DPWorker.fail_on\), rank 1 of 2 on node [\d.]+: failed: ValueError: boom from rank 1", msg), msg
+    assert ei.value.summary == msg.splitlines()[0]
     assert "boom from rank 1" in msg and ", in fail_on" in msg  # remote traceback kept
     assert "\x1b[" not in msg
     assert ei.value.rank == 1 and ei.value.method == "fail_on"

@@ -34,6 +34,13 @@ def _write(path, **columns):
     return str(path)
 
 
+def _old_run(tmp_path):
+    """An output_dir in which a run already wrote metrics."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "metrics.jsonl").write_text('{"step": 0}\n')
+    return []
+
+
 def _copy_model(good, tmp_path, drop=(), corrupt=None):
     dst = tmp_path / "model"
     shutil.copytree(good / "model", dst)
@@ -120,6 +127,20 @@ CASES = {
                                   "actor.megatron.pipeline_model_parallel_size (2) does not divide the model's 1 layers"),
     "verl key unsupported": (lambda g, t: ["--verl-overrides", "actor_rollout_ref.actor.strategy=fsdp"],
                              "verl keys not supported by hybridflow: actor_rollout_ref.actor.strategy"),
+    # resources (checked against the machine before Ray starts)
+    "more CPUs than the cluster": (lambda g, t: ["resources.cpus_per_worker=4"],
+                                   "resources: the worker pools need 4 CPUs (n_workers x cpus_per_worker), the embedded Ray cluster has 2"),
+    "more GPUs than the machine": (lambda g, t: ["resources.gpus_per_worker=1"], "need 1 GPUs (n_workers x gpus_per_worker), this machine has 0"),
+    "joined cluster with num_cpus": (lambda g, t: ["ray.address=auto"], "ray: num_cpus and temp_dir size an embedded cluster"),
+    # runs, checkpoints and trackers
+    "output_dir holds a run, resume disabled": (lambda g, t: [*_old_run(t), "trainer.resume=disable"],
+                                                "already holds a run; continue it with trainer.resume=auto"),
+    "output_dir holds a run without checkpoint": (lambda g, t: _old_run(t), "holds a run with no complete checkpoint to resume"),
+    "resume from a non-checkpoint": (lambda g, t: [f"trainer.resume={g}/data"], "data is not a complete checkpoint (no trainer_state.json"),
+    "unknown logger": (lambda g, t: ["trainer.logger=[console,mlflow]"], "trainer: logger: unknown ['mlflow']"),
+    "unknown nonfinite policy": (lambda g, t: ["trainer.on_nonfinite=ignore"], "key 'trainer.on_nonfinite' expects one of"),
+    "prepare with a mistyped model.path": (lambda g, t: ["prepare.enable=true", f"model.path={t}/elsewhere/sft_mdoel"],
+                                           "prepare.enable builds the warm start only next to prepare.base_model_dir"),
     "mini batch vs data batch": (lambda g, t: ["actor.ppo_mini_batch_size=48"], "actor.ppo_mini_batch_size (48 prompts) must divide data.batch_size (64)"),
 }
 
@@ -132,9 +153,10 @@ def test_bad_input_is_one_line_before_anything_starts(case, good, tmp_path, caps
 
 
 def test_the_good_input_passes_the_checks(good, tmp_path):
-    from hybridflow.trainer.main import check_files, load
+    from hybridflow.trainer.main import load
+    from hybridflow.trainer.preflight import check_run
 
-    check_files(load(["--config", QUICKSTART, "prepare.enable=false", f"model.path={good}/model",
+    check_run(load(["--config", QUICKSTART, "prepare.enable=false", f"model.path={good}/model",
                       f"data.train_files=[{good}/data/train.parquet]", f"data.val_files=[{good}/data/val.parquet]",
                       f"trainer.output_dir={tmp_path}/out"]))
     assert os.path.isdir(tmp_path / "out")

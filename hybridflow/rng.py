@@ -1,0 +1,52 @@
+"""Every random stream of a process (python, numpy, torch CPU and devices, megatron-core's model-parallel
+tracker), captured and restored together so a resumed run draws exactly what the uninterrupted run drew.
+
+vLLM's unseeded sampling draws from torch's default generator of its device in this same process (the
+engine runs in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so restoring torch's states restores its
+sampling stream too (v1 sampler ``random_sample``: ``q.exponential_()`` without a generator).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+
+def capture() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    tracker = _megatron_tracker()
+    if tracker is not None:
+        state["megatron"] = tracker.get_states()
+    return state
+
+
+def restore(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    tracker = _megatron_tracker()
+    if tracker is not None and "megatron" in state:
+        tracker.set_states(state["megatron"])
+
+
+def _megatron_tracker():
+    try:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    except ImportError:
+        return None
+    return get_cuda_rng_tracker() if ps.model_parallel_is_initialized() else None
+
+
+def save(path: str) -> None:
+    torch.save(capture(), path)
+
+
+def load(path: str) -> None:
+    restore(torch.load(path, weights_only=False))

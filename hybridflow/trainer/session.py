@@ -1,0 +1,266 @@
+"""A training run as a Python object: ``Trainer(config)`` checks everything, then ``fit()`` — or ``step()``
+and ``validate()`` from a script or notebook — with checkpoints, resume, preemption, trackers and clean
+shutdown. The CLI (``hybridflow train``) is a thin wrapper over it.
+
+    from hybridflow import Trainer
+    with Trainer("configs/quickstart_cpu.yaml", ["trainer.total_steps=20"]) as trainer:
+        metrics = trainer.step()
+        trainer.fit()
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+from tqdm import tqdm
+
+from hybridflow.config import ConfigError, config_to_dict, dump_yaml, load_config
+from hybridflow.config.schema import ExperimentConfig
+from hybridflow.trainer import checkpoint, preflight
+from hybridflow.trainer.metrics import Timer
+from hybridflow.trainer.signals import Preempted, StopRequests
+
+log = logging.getLogger(__name__)
+# Update metrics whose non-finite value means the step's update was skipped (trainer.on_nonfinite).
+NONFINITE_KEYS = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (a worker died, a non-finite loss); the message names what and where, and the
+    last good checkpoint."""
+
+
+def load(config, overrides=()) -> ExperimentConfig:
+    """An ExperimentConfig from a YAML path, a list of paths, a dict, or a config (copied) — plus overrides."""
+    if isinstance(config, ExperimentConfig):
+        config = config_to_dict(config)
+    return load_config(ExperimentConfig, config, list(overrides))
+
+
+class Trainer:
+    def __init__(self, config, overrides=(), *, checked: preflight.Checked | None = None):
+        """``config``: YAML path(s), a dict of the same shape, or an ExperimentConfig. Everything is checked
+        here, before any process starts (``ConfigError``); Ray and the workers start on first use.
+        ``checked``: the result of ``preflight.check_run`` when the caller has just run it."""
+        self.cfg = cfg = config if isinstance(config, ExperimentConfig) and not overrides else load(config, overrides)
+        if checked is None:
+            if cfg.prepare.enable:
+                preflight.check_prepare_target(cfg)
+                from hybridflow.trainer.prepare import prepare_quickstart
+
+                prepare_quickstart(cfg)
+            checked = preflight.check_run(cfg)
+        self.model_config, self.tokenizer, self.resume_from = checked.model, checked.tokenizer, checked.resume_from
+        epochs = cfg.trainer.total_epochs  # verl's way: passes over the training prompts
+        self.total_steps = cfg.trainer.total_steps if epochs is None else epochs * (checked.n_train // cfg.data.batch_size)
+        self.step_count = checkpoint.read_state(self.resume_from)["step"] if self.resume_from else 0
+        self.stops = StopRequests()
+        self.last_checkpoint: Path | None = self.resume_from
+        self.timer = Timer()
+        self._ray = self._workers = self.ppo = self.tracker = self._data = None
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> Trainer:
+        """Start Ray and the worker groups, load the checkpoint to resume from; idempotent."""
+        if self.ppo is not None:
+            return self
+        from hybridflow.controller import start_ray
+        from hybridflow.trainer.ppo import PPOTrainer, build_worker_groups
+        from hybridflow.trainer.tracking import Tracker
+
+        cfg = self.cfg
+        self.stops.install()
+        dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.yaml"))  # the resolved config of this run
+        self._ray = _connect_ray(cfg)
+        self.stops.install()  # ray.init replaced our SIGTERM handler
+        try:
+            self._workers = build_worker_groups(cfg)
+            self.ppo = PPOTrainer(cfg, self.tokenizer, self._workers)
+            state = self._resume() if self.resume_from is not None else None
+            self.tracker = Tracker(cfg.trainer, config_to_dict(cfg), resume_step=state and state["step"])
+            self._data = self.ppo.train_data.iterate(cfg.data.batch_size, shuffle=cfg.data.shuffle,
+                                                     seed=cfg.trainer.seed, skip=self.step_count)
+            if state is None and cfg.trainer.val_before_train:
+                self.tracker.log(0, self.validate())
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Stop the workers and the Ray cluster this trainer started; nothing it started keeps running."""
+        if self.tracker is not None:
+            self.tracker.close()
+        if self._workers is not None:
+            self._workers.shutdown()
+        if self._ray is not None:
+            self._ray.shutdown()
+        self._ray = self._workers = self.ppo = self.tracker = None
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- training ----------------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self.step_count >= self.total_steps
+
+    def step(self) -> dict:
+        """One PPO-family step (generate, score, experience, updates, weight sync), its validation when due
+        and its checkpoint when due; returns the step's metrics."""
+        self.start()
+        if self.done:
+            raise RuntimeError(f"training is complete: step {self.step_count} of {self.total_steps}")
+        cfg, k = self.cfg.trainer, self.step_count + 1
+        with self._failures_named():
+            with self.timer("step"):
+                metrics, n_tokens = self.ppo.step(next(self._data), k, self.timer)
+            skipped = self._check_finite(metrics, k)
+            self.step_count = k
+            if k % cfg.val_every == 0 or k == self.total_steps:
+                with self.timer("val"):
+                    metrics.update(self.validate())
+            metrics.update(self.timer.pop())
+            metrics["perf/tokens_per_s"] = n_tokens / metrics["time/step_s"]
+            metrics["train/nonfinite_skipped"] = float(skipped)
+            self.tracker.log(k, metrics)
+            if (cfg.save_every > 0 and k % cfg.save_every == 0) or k == self.total_steps:
+                self.save_checkpoint()
+        return metrics
+
+    def fit(self) -> list[dict]:
+        """Train to the last step (continuing a resumed run), export the actor when configured; returns
+        every step's metrics row. SIGTERM/SIGUSR1 end it at a step boundary with a checkpoint
+        (``Preempted``)."""
+        self.start()
+        bar = tqdm(total=self.total_steps, initial=self.step_count, desc="ppo", dynamic_ncols=True)
+        try:
+            while not self.done:
+                if self.stops.requested:
+                    raise Preempted(self.stops.signum, self.step_count, self._checkpoint_now())
+                self.step()
+                bar.update()
+        finally:
+            bar.close()
+        if self.cfg.trainer.save_hf_at_end:
+            self.export(str(Path(self.cfg.trainer.output_dir) / "actor_hf"))
+        return list(self.tracker.rows)
+
+    def validate(self) -> dict:
+        """Greedy accuracy on the validation prompts (logging ``trainer.val_samples`` examples)."""
+        self.start()
+        metrics, samples = self.ppo.validate(self.cfg.trainer.val_samples)
+        self.tracker.log_samples(self.step_count, samples)
+        return metrics
+
+    # --- checkpoints and export --------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the current step into ``<output_dir>/checkpoints/step_<k>`` (atomically)."""
+        self.start()
+        t = self.cfg.trainer
+        driver_state = {"layout": _layout(self.cfg)}
+
+        def write_parts(tmp: Path) -> None:
+            driver_state.update(self.ppo.save_checkpoint(str(tmp)))
+            dump_yaml(self.cfg, tmp / "config.yaml")
+            self.model_config.save_pretrained(str(tmp / "hf"))  # what the export needs besides weights
+            self.tokenizer.save_pretrained(str(tmp / "hf"))
+
+        with self.timer("save"), self._failures_named():
+            path = checkpoint.save(t.output_dir, self.step_count, write_parts, driver_state, t.max_checkpoints)
+        self.last_checkpoint = path
+        return path
+
+    def export(self, out_dir: str) -> None:
+        """The current actor as a HF folder (config, tokenizer, sharded safetensors), streamed from rank 0."""
+        self.start()
+        with self._failures_named():
+            self.ppo.actor_rollout.save_hf(out_dir)
+
+    def _checkpoint_now(self) -> Path | None:
+        """The checkpoint of the current step, written unless it exists already (none before step 1)."""
+        if self.step_count == 0:
+            return self.last_checkpoint
+        if self.last_checkpoint is not None and self.last_checkpoint.name == f"step_{self.step_count}":
+            return self.last_checkpoint
+        return self.save_checkpoint()
+
+    def _resume(self) -> dict:
+        state = checkpoint.read_state(self.resume_from)
+        same_layout = state.get("layout") == _layout(self.cfg)
+        with self._failures_named():
+            self.ppo.load_checkpoint(str(self.resume_from), state, restore_rng=same_layout)
+        log.warning("resumed from %s (step %d%s)", self.resume_from, self.step_count,
+                    "" if same_layout else ", another layout: random streams start afresh")
+        return state
+
+    # --- failures ----------------------------------------------------------------------------------
+
+    def _check_finite(self, metrics: dict, step: int) -> bool:
+        """trainer.on_nonfinite: stop the run naming the step, or count the skipped update. The workers
+        never apply an update whose grad norm is not finite, so the weights stay the last good ones."""
+        bad = [k for k in NONFINITE_KEYS if k in metrics and not math.isfinite(metrics[k])]
+        if not bad:
+            return False
+        if self.cfg.trainer.on_nonfinite == "stop":
+            raise RunFailed(f"step {step}: non-finite {', '.join(bad)}; stopping (trainer.on_nonfinite=stop); "
+                            f"last good checkpoint: {self.last_checkpoint or 'none'}")
+        log.warning("step %d: non-finite %s; update skipped (trainer.on_nonfinite=skip)", step, ", ".join(bad))
+        return True
+
+    def _failures_named(self):
+        return _NameFailures(self)
+
+
+class _NameFailures:
+    """A worker group failure becomes a ``RunFailed`` naming the role, rank, node and last checkpoint."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, _tb):
+        from hybridflow.controller.worker_group import WorkerGroupError
+
+        if isinstance(error, WorkerGroupError):
+            raise RunFailed(f"{error.summary}; last good checkpoint: {self.trainer.last_checkpoint or 'none'}") from error
+        return False
+
+
+def _layout(cfg: ExperimentConfig) -> dict:
+    """What decides which rank draws which random numbers: equal layouts restore per-rank random streams."""
+    roles = {name: [getattr(cfg, name).megatron.tensor_model_parallel_size,
+                    getattr(cfg, name).megatron.pipeline_model_parallel_size] for name in ("actor", "critic")}
+    return {**roles, "n_workers": cfg.resources.n_workers, "critic_n_workers": cfg.resources.critic_n_workers,
+            "rollout_tp": cfg.rollout.tensor_model_parallel_size}
+
+
+def _connect_ray(cfg: ExperimentConfig):
+    """An embedded cluster (already checked against the machine), or the joined one — checked here for
+    the resources the pools need before any placement group waits for them."""
+    import ray
+
+    from hybridflow.controller import start_ray
+
+    if ray.is_initialized():  # a notebook or test that started Ray itself keeps it
+        return None
+    handle = start_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, temp_dir=cfg.ray.temp_dir)
+    if cfg.ray.address is not None:
+        have, need = ray.cluster_resources(), preflight.required_resources(cfg)
+        for kind, n in need.items():
+            if n > have.get(kind, 0):
+                handle.shutdown()
+                raise ConfigError(f"resources: the worker pools need {n:g} {kind}s, the Ray cluster at "
+                                  f"{cfg.ray.address} has {have.get(kind, 0):g}")
+    return handle

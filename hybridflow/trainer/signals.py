@@ -1,0 +1,48 @@
+"""Preemption: SIGTERM or SIGUSR1 (Slurm's preemption and ``--signal`` time limit warnings) ask the run to
+stop at the end of the current step, checkpoint, and exit with ``EXIT_PREEMPTED``; a second signal stops
+at once. SIGINT (Ctrl-C) stops at once (exit 130), without a checkpoint."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+# sysexits' EX_TEMPFAIL ("try again later"): the Slurm launcher requeues the job on this status.
+EXIT_PREEMPTED = 75
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(Exception):
+    def __init__(self, signum: int, step: int, checkpoint):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint {checkpoint}; "
+                         f"rerun the same command to resume (trainer.resume=auto)")
+
+
+class StopRequests:
+    """The first SIGTERM/SIGUSR1 is recorded for the training loop to act on at a step boundary."""
+
+    def __init__(self):
+        self.signum: int | None = None
+
+    def install(self) -> None:
+        """(Re)install the handlers: ``ray.init`` replaces the SIGTERM handler with its own (sys.exit)."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only; an embedding program handles them
+        for sig in SIGNALS:
+            signal.signal(sig, self._handle)
+        signal.signal(signal.SIGINT, _interrupt)
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signum is not None:
+            raise SystemExit(128 + signum)  # asked twice: do not wait for the step to end
+        self.signum = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+
+def _interrupt(signum, _frame):
+    # Background jobs of a non-interactive shell start with SIGINT ignored: installed explicitly.
+    raise SystemExit(128 + signum)
