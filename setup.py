@@ -50,7 +50,8 @@ setup(
         "gpu": GPU,  # GPU rollouts + TE + flash-attn
         "vllm": GPU,  # older name of the gpu extra
         "cpu": _requires("cpu"),  # CPU rollouts
-        "test": ["pytest", "pytest-timeout"],
+        "tracking": ["tensorboard", "wandb"],  # trainer.logger: tensorboard, wandb
+        "test": ["pytest", "pytest-timeout", "tensorboard", "wandb"],
     },
     entry_points={"console_scripts": [
         "hybridflow=hybridflow.cli:main",

@@ -8,9 +8,12 @@ by PID that they are gone after `ray.shutdown()`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import psutil
@@ -27,11 +30,12 @@ class RayHandle:
     """What `start_ray` set up; `shutdown()` (or `with`) undoes it."""
 
     def __init__(self, address: str, temp_dir: str | None, procs: list[psutil.Process],
-                 owns_temp_dir: bool):
+                 owns_temp_dir: bool, reaper: subprocess.Popen | None = None):
         self.address = address
         self.temp_dir = temp_dir
         self._procs = procs  # psutil objects detect PID reuse via create time
         self._owns_temp_dir = owns_temp_dir
+        self._reaper = reaper
         self._closed = False
 
     @property
@@ -54,6 +58,9 @@ class RayHandle:
         if self._closed:
             return []
         self._closed = True
+        if self._reaper is not None:  # this shutdown does its work
+            self._reaper.kill()
+            self._reaper.wait()
         # Worker processes are spawned by the raylet after start-up, so take
         # the process tree now, while the parents are still alive.
         tree = {p.pid: p for p in self._procs}
@@ -129,11 +136,23 @@ def start_ray(address: str | None = None, num_cpus: int | None = None,
     try:
         ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                        log_to_driver=True, _temp_dir=temp_dir, **init_kwargs)
-    except BaseException:
+    except BaseException:  # e.g. SIGTERM while starting (Ray's handler exits): stop what had started
+        if ray.is_initialized():
+            ray.shutdown()
+        started = [p for p in me.children(recursive=True) if p.pid not in before]
+        for p in started:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(started, timeout=5)
         if owns:
             shutil.rmtree(temp_dir, ignore_errors=True)
         raise
     procs = [p for p in me.children(recursive=True) if p.pid not in before]
+    # Outside our process group and session: a terminal's Ctrl-C or a kill of the driver's group leaves
+    # the watcher to do its one job.
+    reaper = subprocess.Popen([sys.executable, "-m", "hybridflow.controller.reaper", str(me.pid),
+                               temp_dir if owns else "-", *map(str, (p.pid for p in procs))],
+                              start_new_session=True, stdin=subprocess.DEVNULL)
     log.info("embedded Ray at %s (temp_dir %s, pids %s)", ctx.address_info["address"],
              temp_dir, [p.pid for p in procs])
-    return RayHandle(ctx.address_info["address"], temp_dir, procs, owns)
+    return RayHandle(ctx.address_info["address"], temp_dir, procs, owns, reaper)

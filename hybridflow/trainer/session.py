@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 from pathlib import Path
 
 from tqdm import tqdm
@@ -75,11 +76,17 @@ class Trainer:
         cfg = self.cfg
         self.stops.install()
         dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.yaml"))  # the resolved config of this run
-        self._ray = _connect_ray(cfg)
+        try:
+            self._ray = _connect_ray(cfg)
+        except SystemExit as e:  # SIGTERM while Ray starts: Ray's own handler exits (start_ray cleaned up)
+            if e.code == signal.SIGTERM:
+                raise Preempted(signal.SIGTERM, self.step_count, self.last_checkpoint) from None
+            raise
         self.stops.install()  # ray.init replaced our SIGTERM handler
         try:
-            self._workers = build_worker_groups(cfg)
-            self.ppo = PPOTrainer(cfg, self.tokenizer, self._workers)
+            with self._failures_named():  # a worker that dies while starting is named too
+                self._workers = build_worker_groups(cfg)
+                self.ppo = PPOTrainer(cfg, self.tokenizer, self._workers)
             state = self._resume() if self.resume_from is not None else None
             self.tracker = Tracker(cfg.trainer, config_to_dict(cfg), resume_step=state and state["step"])
             self._data = self.ppo.train_data.iterate(cfg.data.batch_size, shuffle=cfg.data.shuffle,
@@ -123,7 +130,7 @@ class Trainer:
         with self._failures_named():
             with self.timer("step"):
                 metrics, n_tokens = self.ppo.step(next(self._data), k, self.timer)
-            skipped = self._check_finite(metrics, k)
+            skipped = check_finite(metrics, k, self.cfg.trainer.on_nonfinite, self.last_checkpoint)
             self.step_count = k
             if k % cfg.val_every == 0 or k == self.total_steps:
                 with self.timer("val"):
@@ -205,20 +212,22 @@ class Trainer:
 
     # --- failures ----------------------------------------------------------------------------------
 
-    def _check_finite(self, metrics: dict, step: int) -> bool:
-        """trainer.on_nonfinite: stop the run naming the step, or count the skipped update. The workers
-        never apply an update whose grad norm is not finite, so the weights stay the last good ones."""
-        bad = [k for k in NONFINITE_KEYS if k in metrics and not math.isfinite(metrics[k])]
-        if not bad:
-            return False
-        if self.cfg.trainer.on_nonfinite == "stop":
-            raise RunFailed(f"step {step}: non-finite {', '.join(bad)}; stopping (trainer.on_nonfinite=stop); "
-                            f"last good checkpoint: {self.last_checkpoint or 'none'}")
-        log.warning("step %d: non-finite %s; update skipped (trainer.on_nonfinite=skip)", step, ", ".join(bad))
-        return True
-
     def _failures_named(self):
         return _NameFailures(self)
+
+
+def check_finite(metrics: dict, step: int, policy: str, last_checkpoint: Path | None) -> bool:
+    """``trainer.on_nonfinite``: "stop" ends the run naming the step (``RunFailed``); "skip" returns True
+    (the update was skipped). The workers never apply an update whose grad norm is not finite, so the
+    weights stay the last good ones either way."""
+    bad = [k for k in NONFINITE_KEYS if k in metrics and not math.isfinite(metrics[k])]
+    if not bad:
+        return False
+    if policy == "stop":
+        raise RunFailed(f"step {step}: non-finite {', '.join(bad)}; stopping (trainer.on_nonfinite=stop); "
+                        f"last good checkpoint: {last_checkpoint or 'none'}")
+    log.warning("step %d: non-finite %s; update skipped (trainer.on_nonfinite=skip)", step, ", ".join(bad))
+    return True
 
 
 class _NameFailures:

@@ -160,3 +160,36 @@ def test_tensorboard_and_wandb_files(straight):
     for table in tables:
         data = json.loads(table.read_text())
         assert data["columns"] == ["prompt", "response", "score"] and len(data["data"]) == 4
+
+
+def test_sigterm_checkpoints_and_resumes_to_the_same_weights(straight, assets, tmp_path):
+    """SIGTERM mid-run: the step ends, a checkpoint is written, the exit status is EXIT_PREEMPTED with no
+    crash banner and nothing left running; rerunning the same command finishes with the weights of the
+    uninterrupted run."""
+    import signal
+
+    from hybridflow.trainer.signals import EXIT_PREEMPTED
+    from tests.integration.cli_run import launch, logged_steps, process_tree, wait_for, wait_gone
+
+    out = tmp_path / "run"
+    args = (*RUN, "reward.name=arithmetic")
+    proc = launch(assets, out, *args)
+    try:
+        wait_for(lambda: 1 in logged_steps(out), 240, "step 1", proc)
+        tree = process_tree(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert wait_gone(tree, timeout_s=10) == []
+    stopped = [line for line in err.splitlines() if line.startswith("preempted: stopped by SIGTERM after step ")]
+    assert stopped and "Traceback" not in err, err[-3000:]
+    step = int(stopped[0].split("after step ")[1].split(";")[0])
+    assert (out / "checkpoints" / f"step_{step}").is_dir() and step < N
+    again = launch(assets, out, *args)
+    _, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-3000:]
+    assert logged_steps(out) == list(range(N + 1))
+    assert_same_weights(straight["ppo"][0] / "actor_hf", out / "actor_hf")

@@ -1,0 +1,61 @@
+"""Stops an embedded Ray cluster whose driver died without shutting it down (SIGKILL, OOM killer).
+
+Ray's head processes share the driver's fate, but some of their children (the dashboard and runtime-env
+agents) outlive them, and the cluster's temp dir stays. ``start_ray`` starts this watcher in its own
+session: while the driver lives it keeps a fresh list of the cluster's process tree; once the driver is
+gone it stops every process on that list (by PID and start time, so a reused PID is never hit) and removes
+the temp dir. A clean ``RayHandle.shutdown`` stops the watcher first.
+
+    python -m hybridflow.controller.reaper DRIVER_PID TEMP_DIR|- RAY_PID...
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+
+import psutil
+
+
+def _tree(roots: list[psutil.Process]) -> dict[int, psutil.Process]:
+    found = {}
+    for p in roots:
+        try:
+            found[p.pid] = p
+            found.update({c.pid: c for c in p.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def watch(driver_pid: int, temp_dir: str | None, ray_pids: list[int], poll_s: float = 0.5) -> None:
+    driver = psutil.Process(driver_pid)
+    roots = [psutil.Process(pid) for pid in ray_pids if psutil.pid_exists(pid)]
+    known = _tree(roots)
+    while driver.is_running() and driver.status() != psutil.STATUS_ZOMBIE:
+        known.update(_tree(list(known.values())))
+        known = {pid: p for pid, p in known.items() if p.is_running()}
+        time.sleep(poll_s)
+    procs = list(known.values())
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=3)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    if temp_dir:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    pid, tmp, *pids = sys.argv[1:]
+    try:
+        watch(int(pid), None if tmp == "-" else tmp, [int(p) for p in pids])
+    except psutil.NoSuchProcess:  # the driver was gone before we started: nothing to watch
+        pass

@@ -1,0 +1,68 @@
+"""The training CLI as a user runs it, in its own process (signals, kills): launch, wait, inspect."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.integration.conftest import SMALL
+
+
+def launch(assets, out: Path, *overrides) -> subprocess.Popen:
+    args = [sys.executable, "-m", "hybridflow.trainer.main", "--config", "configs/quickstart_cpu.yaml",
+            "prepare.enable=false", f"model.path={assets}/sft", f"data.train_files=[{assets}/data/train.parquet]",
+            f"data.val_files=[{assets}/data/val.parquet]", f"trainer.output_dir={out}", *SMALL, *overrides]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, timeout_s: float, what: str, proc: subprocess.Popen | None = None, poll_s: float = 0.005):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run ended (status {proc.returncode}) before {what}:\n{proc.stderr.read()[-3000:]}")
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def logged_steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    me = psutil.Process(pid)
+    return [me, *me.children(recursive=True)]
+
+
+def alive(procs: list[psutil.Process]) -> list[str]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} {' '.join(p.cmdline())[:80]}")
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_gone(procs: list[psutil.Process], timeout_s: float = 30) -> list[str]:
+    """The processes still running after ``timeout_s`` (killed then, so no test leaves them behind)."""
+    deadline = time.monotonic() + timeout_s
+    while alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = alive(procs)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return left

@@ -1,0 +1,62 @@
+"""Failures end clearly: a killed worker ends the run within 60 s naming the worker and the last good
+checkpoint; a driver killed mid-checkpoint leaves the previous checkpoint as the one `resume: auto` picks;
+nothing started by the run keeps running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from hybridflow.trainer import checkpoint
+from tests.integration.cli_run import launch, logged_steps, process_tree, wait_for, wait_gone
+
+pytestmark = pytest.mark.integration
+
+
+def test_killed_worker_ends_the_run_naming_it(assets, tmp_path):
+    out = tmp_path / "run"
+    proc = launch(assets, out, "trainer.total_steps=50", "trainer.save_every=1", "trainer.val_every=100")
+    try:
+        wait_for(lambda: (out / "checkpoints" / "latest").exists(), 180, "the first checkpoint", proc)
+        tree = process_tree(proc.pid)
+        worker = next(p for p in tree if "ActorRolloutRefWorker" in " ".join(p.cmdline()))
+        worker.kill()
+        killed_at = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert took < 60
+    line = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert line, err[-3000:]
+    assert "worker group 'actor_rollout_ref'" in line[0] and "rank 0 of 1 on node" in line[0], line[0]
+    assert "its worker process died" in line[0] and f"last good checkpoint: {out}/checkpoints/step_" in line[0], line[0]
+    assert wait_gone(tree) == []
+
+
+def test_driver_killed_while_saving_keeps_the_previous_checkpoint(assets, tmp_path):
+    out = tmp_path / "run"
+    args = ("trainer.total_steps=4", "trainer.save_every=1", "trainer.val_every=100")
+    proc = launch(assets, out, *args)
+    try:
+        wait_for(lambda: (out / "checkpoints" / ".tmp_step_2").exists(), 240, "the second checkpoint to begin", proc)
+        tree = process_tree(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # Ray's processes share the driver's fate (they die with it); the test cleans up what does not.
+    assert wait_gone(tree) == []
+    assert checkpoint.latest(str(out)) == out / "checkpoints" / "step_1"
+    resumed = launch(assets, out, *args, "trainer.total_steps=2")
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    assert logged_steps(out) == [0, 1, 2], "resumed at step 1: the rows the killed run wrote after it are gone"
+    assert checkpoint.latest(str(out)) == out / "checkpoints" / "step_2"
+    assert not list((out / "checkpoints").glob(".tmp_*")), "the interrupted save is cleaned up"
