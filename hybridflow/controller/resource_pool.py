@@ -72,6 +72,14 @@ class ResourcePool:
         table = placement_group_table(self.placement_group)
         return [table["bundles_to_node_id"][i] for i in range(self.world_size)]
 
+    def rank_bundles(self) -> list[int]:
+        """The bundle of each rank: a node's bundles get consecutive ranks (nodes in order of their first
+        bundle), so megatron's consecutive TP groups and vLLM's generation groups stay inside a node
+        whatever order the placement listed the bundles in. Deterministic: colocated groups agree."""
+        nodes = self.bundle_node_ids()
+        first = {n: nodes.index(n) for n in nodes}
+        return sorted(range(self.world_size), key=lambda i: (first[nodes[i]], i))
+
     def reserve(self, share: float, who: str) -> None:
         if not 0 < share <= 1:
             raise ValueError(f"{who}: share must be in (0, 1], got {share}")

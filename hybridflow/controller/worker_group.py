@@ -93,7 +93,7 @@ class RayWorkerGroup:
         self._dispatch_infos: dict[str, list[dict]] = {}
         self._meshes: dict[str, str] = {}
         self._workers: list = []
-        self.node_ips: list[str] = []
+        self.node_names: list[str] = []
         self._reserved = 0.0
         self._bind_registered_methods()  # first: a name clash should cost no actors
         pool.reserve(share, f"worker group {self.name!r}")
@@ -107,10 +107,13 @@ class RayWorkerGroup:
     # ---------------------------------------------------------------- setup
     def _create_workers(self, args, kwargs, extra_env: dict) -> None:
         pool, pg = self.pool, self.pool.placement_group
-        node_ids = pool.bundle_node_ids()
-        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
-        self.node_ips = [ips.get(n, n) for n in node_ids]  # named in errors
-        master_addr, master_port = self._master_addr_port(pg, node_ids)
+        bundles = pool.rank_bundles()
+        node_ids = [pool.bundle_node_ids()[b] for b in bundles]  # per rank
+        # Node names (`ray start --node-name`; the node's IP by default) of each rank: named in errors and
+        # recorded by the trainer.
+        names = {n["NodeID"]: n.get("NodeName") or n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        self.node_names = [names.get(n, n) for n in node_ids]
+        master_addr, master_port = self._master_addr_port(pg, node_ids, bundles[0])
         # Fractional resources: Ray keeps 4 decimals; round down so a 1/3
         # share times 3 groups still fits in the bundle.
         frac = lambda x: math.floor(x * self.share * 1e4) / 1e4  # noqa: E731
@@ -130,13 +133,13 @@ class RayWorkerGroup:
                 num_cpus=frac(pool.cpus_per_bundle),
                 num_gpus=frac(pool.gpus_per_bundle),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=rank),
+                    placement_group=pg, placement_group_bundle_index=bundles[rank]),
                 runtime_env={"env_vars": env},
             ).remote(*args, **kwargs)
             self._workers.append(actor)
 
     @staticmethod
-    def _master_addr_port(pg, node_ids: list[str]) -> tuple[str, int]:
+    def _master_addr_port(pg, node_ids: list[str], rank0_bundle: int) -> tuple[str, int]:
         """Rank 0's address and a port free on its node."""
         ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
         rank0_ip = ips[node_ids[0]]
@@ -146,7 +149,7 @@ class RayWorkerGroup:
             return addr, Worker.find_free_port()
         probe = ray.remote(num_cpus=0)(Worker.find_free_port).options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=0))
+                placement_group=pg, placement_group_bundle_index=rank0_bundle))
         return addr, ray.get(probe.remote())
 
     def _bind_registered_methods(self) -> None:
@@ -222,7 +225,7 @@ class RayWorkerGroup:
                 for c in calls]
 
     def _error(self, method: str, rank: int, e: BaseException) -> WorkerGroupError:
-        where = f"rank {rank} of {self.world_size} on node {self.node_ips[rank]}"
+        where = f"rank {rank} of {self.world_size} on node {self.node_names[rank]}"
         if isinstance(e, ray.exceptions.RayActorError):  # the process is gone (killed, OOM, crashed)
             what = "its worker process died"
         else:

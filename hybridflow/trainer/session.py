@@ -69,7 +69,6 @@ class Trainer:
         """Start Ray and the worker groups, load the checkpoint to resume from; idempotent."""
         if self.ppo is not None:
             return self
-        from hybridflow.controller import start_ray
         from hybridflow.trainer.ppo import PPOTrainer, build_worker_groups
         from hybridflow.trainer.tracking import Tracker
 
@@ -87,6 +86,7 @@ class Trainer:
             with self._failures_named():  # a worker that dies while starting is named too
                 self._workers = build_worker_groups(cfg)
                 self.ppo = PPOTrainer(cfg, self.tokenizer, self._workers)
+            self._record_placement()
             state = self._resume() if self.resume_from is not None else None
             self.tracker = Tracker(cfg.trainer, config_to_dict(cfg), resume_step=state and state["step"])
             self._data = self.ppo.train_data.iterate(cfg.data.batch_size, shuffle=cfg.data.shuffle,
@@ -97,6 +97,18 @@ class Trainer:
             self.close()
             raise
         return self
+
+    def _record_placement(self) -> None:
+        """Which node each rank of each worker group runs on: <output_dir>/placement.json and one log line."""
+        import json
+
+        w = self._workers
+        placement = {g.name: g.node_names for g in (w.actor_rollout, w.critic, w.reward_model) if g is not None}
+        path = Path(self.cfg.trainer.output_dir) / "placement.json"
+        tmp = path.with_name(".placement.json.tmp")
+        tmp.write_text(json.dumps(placement, indent=1))
+        os.replace(tmp, path)
+        log.warning("placement (node of each rank): %s", placement)
 
     def close(self) -> None:
         """Stop the workers and the Ray cluster this trainer started; nothing it started keeps running."""
