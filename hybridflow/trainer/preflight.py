@@ -147,13 +147,14 @@ def resume_checkpoint(cfg: ExperimentConfig, model) -> Path | None:
     if t.resume == "disable":
         if ran_before or checkpoint.complete_checkpoints(t.output_dir):
             raise ConfigError(f"trainer.output_dir: {t.output_dir} already holds a run; continue it with "
-                              "trainer.resume=auto or choose another output_dir")
+                              "trainer.resume=auto, choose another output_dir, or delete its metrics.jsonl and "
+                              "checkpoints/ to start over there")
         return None
     if t.resume == "auto":
         path = checkpoint.latest(t.output_dir)
         if path is None and ran_before:
             raise ConfigError(f"trainer.output_dir: {t.output_dir} holds a run with no complete checkpoint to "
-                              "resume; choose another output_dir (or delete this one)")
+                              "resume; choose another output_dir, or delete its metrics.jsonl to start over there")
     else:
         path = Path(t.resume)
         if not checkpoint.is_complete(path):

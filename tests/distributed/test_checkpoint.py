@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridflow.spawn import run_ranks
-from tests.distributed.test_padding_free_and_offload import _settings, uneven_batch
+from tests.distributed.test_padding_free_and_offload import _settings, uneven_batch, write_policy_and_critic
 
 pytestmark = pytest.mark.distributed
 
@@ -52,17 +52,7 @@ def _rank_fn(rank, world, hf_dir, critic_dir, ckpt_dir, dtype_name, save):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from hybridflow.models.char_tokenizer import build_char_tokenizer
-    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
-    from hybridflow.workers.common import load_hf_folder
-    from hybridflow.workers.export import save_hf_folder
-
-    root = tmp_path_factory.mktemp("ckpt")
-    build_tiny_qwen2(root / "policy", build_char_tokenizer(root / "policy"), hidden_size=64, num_layers=2, seed=5)
-    cfg, state = load_hf_folder(str(root / "policy"))
-    state["score.weight"] = torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
-    save_hf_folder(str(root / "critic"), cfg, state)
-    return root
+    return write_policy_and_critic(tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -111,18 +111,23 @@ def _rank_fn(rank, world, hf_dir, critic_dir):
     return out
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+def write_policy_and_critic(root):
+    """A tiny policy in <root>/policy and a critic from it (with a random value head) in <root>/critic."""
     from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
     from hybridflow.workers.common import load_hf_folder
     from hybridflow.workers.export import save_hf_folder
 
-    root = tmp_path_factory.mktemp("padfree")
     build_tiny_qwen2(root / "policy", build_char_tokenizer(root / "policy"), hidden_size=64, num_layers=2, seed=5)
     cfg, state = load_hf_folder(str(root / "policy"))
     state["score.weight"] = torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     save_hf_folder(str(root / "critic"), cfg, state)
+    return root
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = write_policy_and_critic(tmp_path_factory.mktemp("padfree"))
     return run_ranks(_rank_fn, 1, str(root / "policy"), str(root / "critic"))[0]
 
 
