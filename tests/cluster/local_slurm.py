@@ -87,6 +87,7 @@ class LocalSlurm:
             if out.count("idle") == 2:
                 return self
             time.sleep(0.3)
+        self.stop()  # a harness that failed to start leaves no daemon behind
         raise RuntimeError(f"local Slurm did not come up: {out!r}\n{(self.dir / 'slurmctld.log').read_text()[-2000:]}")
 
     def stop(self) -> None:
