@@ -10,6 +10,7 @@ shutdown. The CLI (``hybridflow train``) is a thin wrapper over it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -57,7 +58,8 @@ class Trainer:
         self.model_config, self.tokenizer, self.resume_from = checked.model, checked.tokenizer, checked.resume_from
         epochs = cfg.trainer.total_epochs  # verl's way: passes over the training prompts
         self.total_steps = cfg.trainer.total_steps if epochs is None else epochs * (checked.n_train // cfg.data.batch_size)
-        self.step_count = checkpoint.read_state(self.resume_from)["step"] if self.resume_from else 0
+        self._resume_state = checkpoint.read_state(self.resume_from) if self.resume_from else None
+        self.step_count = self._resume_state["step"] if self._resume_state else 0
         self.stops = StopRequests()
         self.last_checkpoint: Path | None = self.resume_from
         self.timer = Timer()
@@ -214,7 +216,7 @@ class Trainer:
         return self.save_checkpoint()
 
     def _resume(self) -> dict:
-        state = checkpoint.read_state(self.resume_from)
+        state = self._resume_state
         same_layout = state.get("layout") == _layout(self.cfg)
         with self._failures_named():
             self.ppo.load_checkpoint(str(self.resume_from), state, restore_rng=same_layout)
@@ -224,8 +226,15 @@ class Trainer:
 
     # --- failures ----------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
     def _failures_named(self):
-        return _NameFailures(self)
+        """A worker group failure becomes a ``RunFailed`` naming the role, rank, node and last checkpoint."""
+        from hybridflow.controller.worker_group import WorkerGroupError
+
+        try:
+            yield
+        except WorkerGroupError as error:
+            raise RunFailed(f"{error.summary}; last good checkpoint: {self.last_checkpoint or 'none'}") from error
 
 
 def check_finite(metrics: dict, step: int, policy: str, last_checkpoint: Path | None) -> bool:
@@ -240,23 +249,6 @@ def check_finite(metrics: dict, step: int, policy: str, last_checkpoint: Path | 
                         f"last good checkpoint: {last_checkpoint or 'none'}")
     log.warning("step %d: non-finite %s; update skipped (trainer.on_nonfinite=skip)", step, ", ".join(bad))
     return True
-
-
-class _NameFailures:
-    """A worker group failure becomes a ``RunFailed`` naming the role, rank, node and last checkpoint."""
-
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, _tb):
-        from hybridflow.controller.worker_group import WorkerGroupError
-
-        if isinstance(error, WorkerGroupError):
-            raise RunFailed(f"{error.summary}; last good checkpoint: {self.trainer.last_checkpoint or 'none'}") from error
-        return False
 
 
 def _layout(cfg: ExperimentConfig) -> dict:
