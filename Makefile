@@ -1,5 +1,6 @@
 # make run  : install into .venv (if needed) and run the CPU quickstart (SFT warm start + PPO)
 # make test : install into .venv (if needed) and run the test suite (CPU tiers)
+# make bench : run every benchmark (benchmarks/README.md) and write benchmarks/results/ (<= 30 min)
 # make test-gpu : run the GPU tier (tests/gpu/run.sh) in the current environment, not .venv (1-8 GPUs)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +10,7 @@ TORCH  := torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: run test test-gpu install clean-outputs
+.PHONY: run test bench test-gpu install clean-outputs
 
 install: $(STAMP)
 
@@ -27,6 +28,13 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Side by side, one at a time (2 cores): TRL, the rollout engines, the controller's cost, start-up.
+bench: $(STAMP)
+	$(PY) benchmarks/e2e_vs_trl.py
+	$(PY) benchmarks/rollout.py
+	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/startup.py
 
 # No .venv dependency: GPU machines bring their own environment (see tests/gpu/run.sh for the install).
 test-gpu:

@@ -75,6 +75,10 @@ class Actor:
     log_prob_micro_batch_size_per_gpu: int = 16  # sequences per forward on each rank when computing log-probs
     # the reference model's log-prob forward (None: log_prob_micro_batch_size_per_gpu)
     ref_log_prob_micro_batch_size_per_gpu: int | None = None
+    # When the update is exactly on-policy (one epoch, the whole rollout in one mini-batch, no KL in the
+    # reward), the old log-probs equal the update's own: use those (detached) and skip the separate
+    # forward, as TRL does with num_iterations=1. verl 0.9.1 always recomputes them. False: recompute.
+    reuse_on_policy_log_prob: bool = True
 
     def validate(self):
         _check_sizes(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",

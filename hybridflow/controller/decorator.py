@@ -38,8 +38,8 @@ def register(dispatch_mode: Dispatch = Dispatch.ONE_TO_ALL, blocking: bool = Tru
 
     ``mesh`` names the layout DP_COMPUTE_PROTO_3D splits over: the worker's ``dispatch_info(mesh)``
     (e.g. the training mesh for updates, the generation mesh for rollouts, which may group ranks
-    differently). The function itself is returned unchanged (only an attribute is added), so
-    calling it inside the worker costs nothing extra.
+    differently). The function itself is returned unchanged (only an attribute is added); ``Worker``
+    subclasses time it (``Worker.compute_seconds``).
     """
     if not isinstance(dispatch_mode, Dispatch):
         raise TypeError(f"dispatch_mode must be a Dispatch, got {dispatch_mode!r}")

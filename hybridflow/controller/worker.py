@@ -7,15 +7,45 @@ code also runs under torchrun-style launchers without Ray.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+import time
 from datetime import timedelta
 
 
+def _timed(fn):
+    """``fn`` adding its wall seconds to the worker's per-method compute time (``Worker.compute_seconds``)."""
+    @functools.wraps(fn)  # keeps the @register spec
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            spent = self.__dict__.setdefault("_compute_s", {})
+            spent[fn.__name__] = spent.get(fn.__name__, 0.0) + time.perf_counter() - start
+    return timed
+
+
 class Worker:
+    def __init_subclass__(cls, **kwargs):
+        # Every @register-ed method is timed inside the worker, so the controller's cost (dispatch,
+        # serialization, Ray, waiting) is the rest of a step: benchmarks/overhead.py.
+        super().__init_subclass__(**kwargs)
+        from hybridflow.controller.decorator import get_register_spec
+
+        for name, fn in list(vars(cls).items()):
+            if callable(fn) and get_register_spec(fn) is not None and not hasattr(fn, "__wrapped__"):
+                setattr(cls, name, _timed(fn))
+
+    def compute_seconds(self) -> dict[str, float]:
+        """Seconds each registered method has run in this worker since the last call; resets them."""
+        spent, self._compute_s = self.__dict__.get("_compute_s", {}), {}
+        return spent
+
     def __init__(self, *args, **kwargs):
         # Ray leaves torch at one thread per core; on shared nodes that
-        # oversubscribes, so follow OMP_NUM_THREADS (the group sets it to 1).
+        # oversubscribes, so follow OMP_NUM_THREADS (the group sets it to the bundle's CPUs).
         import torch
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))

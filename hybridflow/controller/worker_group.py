@@ -119,13 +119,16 @@ class RayWorkerGroup:
         frac = lambda x: math.floor(x * self.share * 1e4) / 1e4  # noqa: E731
         remote_cls = ray.remote(self.worker_cls)
         local = local_ranks(node_ids)
+        # torch threads: the bundle's whole CPUs (at least one). Groups sharing a bundle take turns (the
+        # driver runs one stage at a time), so each may use all of it.
+        threads = max(1, int(pool.cpus_per_bundle))
         for rank, node in enumerate(node_ids):
             env = {
                 "RANK": str(rank), "WORLD_SIZE": str(pool.world_size),
                 "LOCAL_RANK": str(local[rank]),
                 "LOCAL_WORLD_SIZE": str(node_ids.count(node)),
                 "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
-                "OMP_NUM_THREADS": "1",
+                "OMP_NUM_THREADS": str(threads),
                 **{k: str(v) for k, v in extra_env.items()},
             }
             actor = remote_cls.options(

@@ -244,7 +244,8 @@ class VLLMRollout:
         params = SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
             top_k=-1 if greedy else sampling.top_k, max_tokens=sampling.max_new_tokens,
-            seed=sampling.seed, skip_special_tokens=False)
+            seed=sampling.seed, skip_special_tokens=False,
+            detokenize=False)  # the caller scores decoded ids itself; vLLM's per-token detokenizing is waste
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
                                  use_tqdm=False)
         return [[list(c.token_ids) for c in o.outputs] for o in outs]

@@ -45,8 +45,9 @@ def rollout_metrics(batch: Batch) -> dict:
         "reward/score_mean": t["scores"].mean().item(),
         **({"reward/rule_score_mean": t["rule_scores"].mean().item()} if "rule_scores" in t else {}),
         "response/length_mean": mask.sum(-1).mean().item(),
-        "actor/entropy": masked_mean(t["entropy"], mask).item() if "entropy" in t else float("nan"),
     }
+    if "entropy" in t:  # else the update reports it (reuse_on_policy_log_prob)
+        out["actor/entropy"] = masked_mean(t["entropy"], mask).item()
     if "values" in t:
         out["critic/values_mean"] = masked_mean(t["values"], mask).item()
     if "advantages" in t:

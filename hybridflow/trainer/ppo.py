@@ -102,8 +102,9 @@ class PPOTrainer:
             batch = self.reward(batch)
             if algo.adv_estimator == "remax":
                 batch = batch.union(self.greedy_baseline(prompts))
-        with t("old_log_prob"):
-            batch = batch.union(self.actor_rollout.compute_log_prob(batch))
+        if not self.update_is_on_policy:
+            with t("old_log_prob"):
+                batch = batch.union(self.actor_rollout.compute_log_prob(batch))
         if self.needs_ref:
             with t("ref"):
                 batch = batch.union(self.actor_rollout.compute_ref_log_prob(batch))
@@ -127,6 +128,13 @@ class PPOTrainer:
             metrics.update(self.actor_rollout.sync_weights()[0])
         metrics.update(rollout_metrics(batch))
         return metrics, int(batch.tensors["attention_mask"].sum())
+
+    @property
+    def update_is_on_policy(self) -> bool:
+        """The actor's one update sees exactly the rollout's weights: its own log-probs are the old ones."""
+        a, cfg = self.cfg.actor, self.cfg
+        return (a.reuse_on_policy_log_prob and a.ppo_epochs == 1 and a.ppo_mini_batch_size >= cfg.data.batch_size
+                and not cfg.algorithm.use_kl_in_reward)
 
     @property
     def needs_ref(self) -> bool:

@@ -20,6 +20,7 @@ def prepare_quickstart(cfg) -> None:
 
         tokenizer = build_char_tokenizer(base)
         build_tiny_qwen2(base, tokenizer, hidden_size=p.hidden_size, num_layers=p.num_layers,
+                         intermediate_size=3 * p.hidden_size,  # the quickstart's 128 -> 384, at any width
                          vocab_multiple=p.vocab_multiple,
                          max_position_embeddings=cfg.data.max_prompt_length + cfg.data.max_response_length,
                          seed=cfg.trainer.seed)

@@ -15,8 +15,10 @@ import logging
 import math
 import os
 import signal
+import time
 from pathlib import Path
 
+import psutil
 from tqdm import tqdm
 
 from hybridflow.config import ConfigError, config_to_dict, dump_yaml, load_config
@@ -63,6 +65,7 @@ class Trainer:
         self.stops = StopRequests()
         self.last_checkpoint: Path | None = self.resume_from
         self.timer = Timer()
+        self._to_first_step_s: float | None = None
         self._ray = self._workers = self.ppo = self.tracker = self._data = None
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -94,7 +97,9 @@ class Trainer:
             self._data = self.ppo.train_data.iterate(cfg.data.batch_size, shuffle=cfg.data.shuffle,
                                                      seed=cfg.trainer.seed, skip=self.step_count)
             if state is None and cfg.trainer.val_before_train:
-                self.tracker.log(0, self.validate())
+                with self.timer("val"):
+                    metrics = self.validate()
+                self.tracker.log(0, {**metrics, **self.timer.pop()})
         except BaseException:
             self.close()
             raise
@@ -141,6 +146,9 @@ class Trainer:
         if self.done:
             raise RuntimeError(f"training is complete: step {self.step_count} of {self.total_steps}")
         cfg, k = self.cfg.trainer, self.step_count + 1
+        first_in_process = self._to_first_step_s is None
+        if first_in_process:  # start-up cost as a user waits for it: process start to the first step
+            self._to_first_step_s = time.time() - psutil.Process().create_time()
         with self._failures_named():
             with self.timer("step"):
                 metrics, n_tokens = self.ppo.step(next(self._data), k, self.timer)
@@ -152,10 +160,27 @@ class Trainer:
             metrics.update(self.timer.pop())
             metrics["perf/tokens_per_s"] = n_tokens / metrics["time/step_s"]
             metrics["train/nonfinite_skipped"] = float(skipped)
+            if first_in_process:
+                metrics["time/to_first_step_s"] = self._to_first_step_s
             self.tracker.log(k, metrics)
             if (cfg.save_every > 0 and k % cfg.save_every == 0) or k == self.total_steps:
                 self.save_checkpoint()
         return metrics
+
+    def worker_seconds(self) -> dict[str, float]:
+        """Seconds the workers spent inside each registered method since the last call (the slowest rank of
+        each group, as the driver waits for it), keyed ``group.method``: what a step's time is besides the
+        controller's own cost (dispatch, serialization, Ray, waiting)."""
+        self.start()
+        w, out = self._workers, {}
+        for group in (w.actor_rollout, w.critic, w.reward_model):
+            if group is None:
+                continue
+            for rank in group.execute_all("compute_seconds"):
+                for method, seconds in rank.items():
+                    key = f"{group.name}.{method}"
+                    out[key] = max(out.get(key, 0.0), seconds)
+        return out
 
     def fit(self) -> list[dict]:
         """Train to the last step (continuing a resumed run), export the actor when configured; returns

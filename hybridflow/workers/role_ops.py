@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from hybridflow import device
-from hybridflow.algorithms import GlobalBatch, aggregate_loss, compute_policy_loss_vanilla, kl_penalty, value_loss
+from hybridflow.algorithms import (GlobalBatch, aggregate_loss, compute_policy_loss_vanilla, kl_penalty, masked_mean,
+                                   value_loss)
 from hybridflow.megatron.role import MegatronRole, token_log_probs, vocab_parallel_entropy
 from hybridflow.protocol import Batch
 from hybridflow.util import mean_by_key
@@ -141,16 +142,24 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
     """PPO clipped policy loss (+ optional KL-to-reference loss) over mini-batches of this DP shard; a
     mini-batch is ``ppo_mini_batch_size`` prompts with their ``rollout_n`` responses each (verl's meaning)."""
     a = actor_cfg
-    keys = ["old_log_probs", "advantages", "response_mask"] + (["ref_log_prob"] if a.use_kl_loss else [])
+    # Without old log-probs the update is on-policy (PPOTrainer.update_is_on_policy): its own log-probs,
+    # detached, are the old ones (ratio 1, the same gradient), and it reports the entropy the skipped
+    # forward would have.
+    on_policy = "old_log_probs" not in batch.tensors
+    keys = ["advantages", "response_mask"] + ([] if on_policy else ["old_log_probs"]) + (
+        ["ref_log_prob"] if a.use_kl_loss else [])
 
     def loss_fn(mb, logits, whole):
         log_prob = response_part(token_log_probs(logits, mb["labels"]), mb)
         mask = mb["response_mask"]
+        old = log_prob.detach() if on_policy else mb["old_log_probs"]
         loss, m = compute_policy_loss_vanilla(
-            mb["old_log_probs"], log_prob, mb["advantages"], mask, loss_agg_mode=a.loss_agg_mode,
+            old, log_prob, mb["advantages"], mask, loss_agg_mode=a.loss_agg_mode,
             clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
             global_batch=whole)
         metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
+        if on_policy:
+            metrics["actor/entropy"] = masked_mean(response_part(vocab_parallel_entropy(logits), mb), mask)
         if a.use_kl_loss:
             kl = aggregate_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode,
                                 whole)
