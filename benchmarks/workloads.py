@@ -72,7 +72,7 @@ class Workload:
 # (before its warm start: the warm-started model answers in ~4 tokens and stops, which is no long workload).
 WORKLOADS = {w.name: w for w in (
     Workload("0.8M-short", 128, 4, 6, 1500),
-    Workload("20M-short", 512, 6, 6, 300),
+    Workload("20M-short", 512, 6, 6, 150),
     Workload("0.8M-long", 128, 4, 64, 1500, same_model_as="0.8M-short", before_warm_start=True),
 )}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -167,3 +169,29 @@ def build_gpt(hf_config, tf_config, *, value_head: bool = False, pre_process: bo
     # Every param in the params dtype, as Megatron-LM's Float16Module casts the module: the local spec's
     # torch norms are created in fp32 whatever params_dtype says.
     return model.to(device=device, dtype=tf_config.params_dtype)
+
+
+@contextlib.contextmanager
+def rope_at_positions(model, position_ids: torch.Tensor):
+    """Rotary embeddings at ``position_ids`` [b, s] for the forwards run inside: megatron-core 0.16's
+    GPTModel rotates by index (0..s-1, ``RotaryEmbedding.forward(max_seq_len)``) and reads position ids only
+    for learned position embeddings, so a packed row whose responses all continue from one prompt needs
+    its own. Same formula as ``RotaryEmbedding.get_emb`` (non-interleaved), one [s, b, 1, dim] table that
+    ``_apply_rotary_pos_emb_bshd`` broadcasts per row."""
+    rope = _unwrapped(model).rotary_pos_emb
+
+    def at_positions(*_, **__):
+        freqs = position_ids.t()[..., None].to(rope.inv_freq) * rope.inv_freq  # [s, b, dim/2]
+        return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+
+    rope.forward = at_positions  # shadows the (cached) class method for this instance only
+    try:
+        yield
+    finally:
+        del rope.forward
+
+
+def _unwrapped(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hybridflow import device
 from hybridflow.megatron import convert, cpu_compat, parallel
-from hybridflow.megatron.model import build_gpt, transformer_config_from_hf
+from hybridflow.megatron.model import build_gpt, rope_at_positions, transformer_config_from_hf
 from hybridflow.megatron.offload import Offloader, optimizer_tensors
 from hybridflow.util import mean_by_key
 
@@ -100,6 +100,11 @@ class MegatronRole:
             "optimizer": Offloader(lambda: optimizer_tensors(self.optimizer) if self.optimizer else [], exclude=params),
         }
         self.offload_settings = offload
+        # Rows of one GRPO group may share one packed prompt (role_ops.shared_prompt_rows) where attention
+        # honours an arbitrary mask: megatron's local spec with its torch softmax (masked_softmax_fusion off)
+        # on CPU, one pipeline stage. On GPU the attention kernels apply the causal mask only
+        # (model.layer_spec), so rows keep the rotated causal layout there.
+        self.shares_prompts = cpu_compat.cuda_absent() and self.shard.pp_size == 1
         self._offload_idle()
 
     def _wrap_for_training(self, model, optim: OptimSettings, params_dtype):
@@ -167,7 +172,9 @@ class MegatronRole:
 
         def forward_step(data_iter, model):
             mb = device.to_device(next(data_iter))
-            out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=None)
+            packed = mb.get("packed_mask")  # shared-prompt rows (role_ops.shared_prompt_rows)
+            with rope_at_positions(model, mb["position_ids"]) if packed is not None else contextlib.nullcontext():
+                out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=packed)
             return out, partial(loss_fn, mb)
 
         with cpu_compat.megatron_cpu_scope():

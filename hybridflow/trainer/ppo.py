@@ -51,9 +51,11 @@ def build_worker_groups(cfg) -> WorkerGroups:
     needs_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
     groups = WorkerGroups(RayWorkerGroup(pool, ActorRolloutRefWorker, cfg, needs_ref,
                                          name_prefix="actor_rollout_ref", share=share), pools=[pool])
-    # Wait until the actors (and their vLLM engines) are built: vLLM measures the free device memory
-    # while it starts, and a colocated role allocating at the same time would skew or break that.
-    groups.actor_rollout.dispatch_infos()
+    # On GPUs, wait until the actors (and their vLLM engines) are built: vLLM measures the free device
+    # memory while it starts, and a colocated role allocating at the same time would skew or break that.
+    # On CPUs its KV cache has a fixed size (rollout.kv_cache_gib), so the critic starts alongside.
+    if res.gpus_per_worker > 0:
+        groups.actor_rollout.dispatch_infos()
     if cfg.use_critic:
         critic_pool = pool if colocated_critic else ResourcePool("critic", res.critic_n_workers, **bundle)
         if critic_pool is not pool:

@@ -19,42 +19,116 @@ from hybridflow.util import mean_by_key
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
-def micro_batches(batch: Batch, size: int, extra_keys=(), seq_multiple: int = 1) -> list[dict]:
-    """Dicts for megatron's schedule, laid out so that the causal mask alone is exact.
+def micro_batches(batch: Batch, size: int, extra_keys=(), seq_multiple: int = 1,
+                  share_prompts: bool = False) -> list[dict]:
+    """Dicts for megatron's schedule, one per ``size`` rows, laid out so the model's attention is exact.
 
-    Rows arrive as left-padded prompts followed by right-padded responses. Each row is rotated so that
-    its tokens come first and all of its padding follows them: a causal-only attention (TE's flash/cuDNN
-    kernels ignore any padding mask) then never lets a real token see a pad. Columns that no row of the
-    micro-batch uses are trimmed, and the length is padded to ``seq_multiple`` (sequence parallel splits
-    it across TP ranks). ``labels`` are the next tokens; ``response_index`` [b, R] holds the positions
-    whose outputs predict the response tokens and ``response_valid`` [b, R] where a response token exists.
-    Built on the host; the engine moves each micro-batch to the device right before its forward.
+    Rows arrive as left-padded prompts followed by right-padded responses. By default each row is rotated
+    so that its tokens come first and all of its padding follows them: a causal-only attention (TE's
+    flash/cuDNN kernels ignore any padding mask) then never lets a real token see a pad. Columns that no
+    row of the micro-batch uses are trimmed. With ``share_prompts`` (the CPU path: megatron's local
+    attention honours an explicit mask), consecutive rows with the same prompt (a GRPO group) become one
+    packed row instead: the prompt once, then each response, with a mask letting every response see the
+    prompt and itself only and positions continuing from the prompt (``shared_prompt_rows``).
+
+    The length is padded to ``seq_multiple`` (sequence parallel splits it across TP ranks). Outputs are
+    read per response token: ``sample_row`` [N] is the packed row of each of the N input rows,
+    ``response_index`` [N, R] the positions whose outputs predict its response tokens, ``response_labels``
+    [N, R] those tokens and ``response_valid`` [N, R] where they exist. Built on the host; the engine moves
+    each micro-batch to the device right before its forward.
     """
     P, R = _lengths(batch)
     out = []
     for mb in batch.select(tensor_keys=[*MODEL_INPUTS, *extra_keys]).split(size):
-        mask = mb.tensors["attention_mask"]
-        s = mask.shape[1]
-        lead = (mask.cumsum(1) == 0).sum(1)  # left padding of each row
-        rotate = (torch.arange(s)[None] + lead[:, None]) % s
-        length = int(mask.sum(1).max())
-        length += -length % seq_multiple
-        d = {k: mb.tensors[k] for k in extra_keys}
-        for k in MODEL_INPUTS:
-            t = mb.tensors[k].gather(1, rotate)[:, :length]
-            d[k] = torch.nn.functional.pad(t, (0, length - t.shape[1])) if length > s else t
-        d["labels"] = torch.roll(d["input_ids"], shifts=-1, dims=1)
-        d["response_index"] = ((P - 1 - lead)[:, None] + torch.arange(R)[None]).clamp(max=length - 1)
-        d["response_valid"] = mask[:, P:]
-        out.append(d)
+        d = shared_prompt_rows(mb, P, seq_multiple) if share_prompts else None
+        out.append({**(d or _rotated_rows(mb, P, R, seq_multiple)), **{k: mb.tensors[k] for k in extra_keys}})
     return out
 
 
-def response_part(per_token: torch.Tensor, mb: dict) -> torch.Tensor:
-    """Outputs at the positions that predict the response tokens, [b, s] -> [b, R]; 0 where a row's
-    response has ended."""
-    picked = per_token.gather(1, mb["response_index"])
-    return torch.where(mb["response_valid"].bool(), picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+def _rotated_rows(mb: Batch, P: int, R: int, seq_multiple: int) -> dict:
+    mask = mb.tensors["attention_mask"]
+    s = mask.shape[1]
+    lead = (mask.cumsum(1) == 0).sum(1)  # left padding of each row
+    rotate = (torch.arange(s)[None] + lead[:, None]) % s
+    length = int(mask.sum(1).max())
+    length += -length % seq_multiple
+    d = {}
+    for k in MODEL_INPUTS:
+        t = mb.tensors[k].gather(1, rotate)[:, :length]
+        d[k] = torch.nn.functional.pad(t, (0, length - t.shape[1])) if length > s else t
+    d["sample_row"] = torch.arange(len(mb))
+    d["response_index"] = ((P - 1 - lead)[:, None] + torch.arange(R)[None]).clamp(max=length - 1)
+    d["response_labels"] = mb.tensors["input_ids"][:, P:]
+    d["response_valid"] = mask[:, P:]
+    return d
+
+
+def shared_prompt_rows(mb: Batch, P: int, seq_multiple: int = 1) -> dict | None:
+    """One packed row per run of consecutive rows with the same prompt: [prompt, response 1, ...,
+    response n], with ``packed_mask`` [G, 1, S, S] (True = masked: megatron's convention) letting each
+    token see the prompt's earlier tokens and its own response's, and ``position_ids`` restarting each
+    response right after the prompt, so every output equals the unpacked row's. None when no prompt
+    repeats (nothing to share)."""
+    ids, mask = mb.tensors["input_ids"], mb.tensors["attention_mask"].bool()
+    prompts = torch.where(mask[:, :P], ids[:, :P], -1)
+    starts = [0] + [i for i in range(1, len(mb)) if not torch.equal(prompts[i], prompts[i - 1])]
+    if len(starts) == len(mb):
+        return None
+    groups = list(zip(starts, starts[1:] + [len(mb)]))
+    rows, segments, positions, index = [], [], [], torch.zeros(len(mb), mask.shape[1] - P, dtype=torch.long)
+    for first, end in groups:
+        prompt = ids[first, :P][mask[first, :P]]
+        tokens, seg, pos = [prompt], [torch.zeros(len(prompt), dtype=torch.long)], [torch.arange(len(prompt))]
+        at = len(prompt)
+        for i in range(first, end):
+            resp = ids[i, P:][mask[i, P:]]
+            tokens.append(resp)
+            seg.append(torch.full((len(resp),), i - first + 1))
+            pos.append(len(prompt) + torch.arange(len(resp)))
+            # the prompt's last token predicts the first response token; each response token the next
+            index[i, 0] = len(prompt) - 1
+            index[i, 1:len(resp)] = at + torch.arange(max(len(resp) - 1, 0))
+            at += len(resp)
+        rows.append(torch.cat(tokens))
+        segments.append(torch.cat(seg))
+        positions.append(torch.cat(pos))
+    length = max(len(r) for r in rows)
+    length += -length % seq_multiple
+    pad = lambda ts, v: torch.stack([torch.nn.functional.pad(t, (0, length - len(t)), value=v) for t in ts])  # noqa: E731
+    seg = pad(segments, -1)  # -1: padding
+    q, k = seg[:, :, None], seg[:, None, :]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = causal & (((k == 0) & (q >= 0)) | (k == q))
+    allowed |= torch.eye(length, dtype=torch.bool)  # padding attends to itself: no empty softmax row
+    return {
+        "input_ids": pad(rows, 0), "position_ids": pad(positions, 0), "packed_mask": ~allowed[:, None],
+        "sample_row": torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([e - f for f, e in groups])),
+        "response_index": index, "response_labels": ids[:, P:], "response_valid": mask[:, P:].long(),
+    }
+
+
+def _picked(per_position: torch.Tensor, mb: dict) -> torch.Tensor:
+    """Outputs [rows, s, ...] at the positions predicting each response token: [N, R, ...]."""
+    return per_position[mb["sample_row"][:, None], mb["response_index"]]
+
+
+def _valid(x: torch.Tensor, mb: dict) -> torch.Tensor:
+    """0 where a row's response has ended."""
+    return torch.where(mb["response_valid"].bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def response_log_probs(logits: torch.Tensor, mb: dict) -> torch.Tensor:
+    """log p(response token) [N, R] from vocab-parallel logits [rows, s, V/t] (differentiable)."""
+    return _valid(token_log_probs(_picked(logits, mb), mb["response_labels"]), mb)
+
+
+def response_entropy(logits: torch.Tensor, mb: dict) -> torch.Tensor:
+    return _valid(vocab_parallel_entropy(_picked(logits, mb)), mb)
+
+
+def response_values(values: torch.Tensor, mb: dict) -> torch.Tensor:
+    """Values [N, R] at the positions that predict each response token, from the value head's [rows, s, 1]."""
+    return _valid(_picked(values[..., 0].float(), mb), mb)
 
 
 def _lengths(batch: Batch) -> tuple[int, int]:
@@ -74,26 +148,27 @@ def _concat(outputs: list[dict], key: str):
     return torch.cat([o[key] for o in outputs]) if outputs else None
 
 
-def _seq_multiple(role: MegatronRole) -> int:
-    return role.shard.tp_size if role.tf_config.sequence_parallel else 1
+def _micro_batches(role: MegatronRole, batch: Batch, size: int, extra_keys=()) -> list[dict]:
+    return micro_batches(batch, size, extra_keys, role.shard.tp_size if role.tf_config.sequence_parallel else 1,
+                         share_prompts=role.shares_prompts)
 
 
 def log_probs(role: MegatronRole, batch: Batch, micro_batch_size: int, with_entropy: bool = False) -> dict:
     """{'log_probs': [b, R], 'entropy': [b, R]} of the response tokens (None off the last stage)."""
     def output_fn(mb, logits):
-        out = {"log_probs": response_part(token_log_probs(logits, mb["labels"]), mb)}
+        out = {"log_probs": response_log_probs(logits, mb)}
         if with_entropy:
-            out["entropy"] = response_part(vocab_parallel_entropy(logits), mb)
+            out["entropy"] = response_entropy(logits, mb)
         return out
 
-    outs = role.forward(micro_batches(batch, micro_batch_size, seq_multiple=_seq_multiple(role)), output_fn)
+    outs = role.forward(_micro_batches(role, batch, micro_batch_size), output_fn)
     return {k: _concat(outs, k) for k in (("log_probs", "entropy") if with_entropy else ("log_probs",))}
 
 
 def values(role: MegatronRole, batch: Batch, micro_batch_size: int):
     """Critic values [b, R] at the positions that predict each response token."""
-    outs = role.forward(micro_batches(batch, micro_batch_size, seq_multiple=_seq_multiple(role)),
-                        lambda mb, v: {"values": response_part(v[..., 0].float(), mb)})
+    outs = role.forward(_micro_batches(role, batch, micro_batch_size),
+                        lambda mb, v: {"values": response_values(v, mb)})
     return _concat(outs, "values")
 
 
@@ -124,7 +199,7 @@ def _train(role, batch, *, mini_batch_size, micro_batch_size, epochs, keys, loss
     all_metrics = []
     for _ in range(epochs):
         for mini in batch.split(mini_batch_size):
-            mbs = micro_batches(mini, micro_batch_size, extra_keys=keys, seq_multiple=_seq_multiple(role))
+            mbs = _micro_batches(role, mini, micro_batch_size, keys)
             whole = global_batch(mini.tensors["response_mask"], loss_scale_factor)
             scale = len(mbs) * ps.get_data_parallel_world_size()
 
@@ -150,7 +225,7 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
         ["ref_log_prob"] if a.use_kl_loss else [])
 
     def loss_fn(mb, logits, whole):
-        log_prob = response_part(token_log_probs(logits, mb["labels"]), mb)
+        log_prob = response_log_probs(logits, mb)
         mask = mb["response_mask"]
         old = log_prob.detach() if on_policy else mb["old_log_probs"]
         loss, m = compute_policy_loss_vanilla(
@@ -159,7 +234,7 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
             global_batch=whole)
         metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
         if on_policy:
-            metrics["actor/entropy"] = masked_mean(response_part(vocab_parallel_entropy(logits), mb), mask)
+            metrics["actor/entropy"] = masked_mean(response_entropy(logits, mb), mask)
         if a.use_kl_loss:
             kl = aggregate_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode,
                                 whole)
@@ -180,7 +255,7 @@ def update_value(role: MegatronRole, batch: Batch, critic_cfg, dp_size: int, rol
     c = critic_cfg
 
     def loss_fn(mb, v, whole):
-        vpreds = response_part(v[..., 0].float(), mb)
+        vpreds = response_values(v, mb)
         loss, clipfrac = value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
                                     cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
                                     global_batch=whole)

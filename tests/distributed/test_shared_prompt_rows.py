@@ -1,0 +1,85 @@
+"""The shared-prompt layout (role_ops.shared_prompt_rows, the CPU path for GRPO groups): one packed row per
+group of rows with the same prompt gives the same log-probs, entropy, values and gradient as the rotated
+one-row-per-sample layout, for prompts of different lengths, responses of 0 to R tokens, and groups cut by
+a micro-batch boundary; at TP=2 with sequence parallel too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.spawn import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+P, R = 9, 6
+PROMPT_LENS = [4, 9, 6, 2]  # one per group of GROUP rows
+GROUP = 3
+RESPONSE_LENS = [6, 1, 3, 0, 2, 6, 5, 5, 1, 4, 6, 2]
+
+
+def grouped_batch():
+    from hybridflow.protocol import Batch
+
+    g = torch.Generator().manual_seed(5)
+    rows = len(RESPONSE_LENS)
+    ids = torch.randint(3, 40, (rows, P + R), generator=g)
+    mask = torch.zeros_like(ids)
+    for i in range(rows):
+        n_prompt = PROMPT_LENS[i // GROUP]
+        ids[i, :P] = ids[i // GROUP * GROUP, :P]  # the group's prompt
+        mask[i, P - n_prompt:P] = 1
+        mask[i, P:P + RESPONSE_LENS[i]] = 1
+    ids = ids * mask
+    rm = mask[:, P:]
+    return Batch.from_dict(tensors=dict(
+        input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), responses=ids[:, P:],
+        response_mask=rm, advantages=torch.randn(rows, R, generator=g) * rm,
+        ref_log_prob=(-3 + torch.randn(rows, R, generator=g)) * rm))
+
+
+def _rank_fn(rank, world, hf_dir, tp, micro):
+    from hybridflow.config.schema import Actor
+    from hybridflow.megatron import parallel
+    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.workers import role_ops
+    from hybridflow.workers.common import load_hf_folder
+
+    parallel.init_model_parallel(tp, 1, seed=1)
+    cfg, state = load_hf_folder(hf_dir)
+    batch = grouped_batch()
+    actor = Actor(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_gpu=micro, use_kl_loss=True)
+    out = {}
+    for shared in (False, True):
+        kw = dict(sequence_parallel=tp > 1)
+        policy = MegatronRole(cfg, state, optim=OptimSettings(lr=1e-2, eps=1e-3, clip_grad=1e9), **kw)
+        critic = MegatronRole(cfg, state, value_head=True, **kw)
+        policy.shares_prompts = critic.shares_prompts = shared
+        lp = role_ops.log_probs(policy, batch, micro, with_entropy=True)
+        values = role_ops.values(critic, batch, micro)
+        role_ops.update_policy(policy, batch, actor, 1)
+        out[shared] = dict(lp=lp, values=values,
+                           grads={n: p.main_grad.detach().clone() for n, p in policy.module.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("tp,micro", [(1, 12), (1, 5), (2, 12)])
+def test_shared_prompt_rows_equal_rotated_rows(tmp_path, tp, micro):
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+    from hybridflow.workers import role_ops
+
+    packed = role_ops.shared_prompt_rows(grouped_batch(), P)
+    assert packed["input_ids"].shape[0] == len(PROMPT_LENS)  # one row per group
+    assert packed["input_ids"].shape[1] == max(PROMPT_LENS[g] + sum(RESPONSE_LENS[g * GROUP:(g + 1) * GROUP])
+                                              for g in range(len(PROMPT_LENS)))
+
+    build_tiny_qwen2(tmp_path, build_char_tokenizer(tmp_path), hidden_size=64, num_layers=2, seed=11)
+    rank0 = run_ranks(_rank_fn, tp, str(tmp_path), tp, micro)[0]
+    rotated, shared = rank0[False], rank0[True]
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(shared["lp"][key], rotated["lp"][key], rtol=1e-5, atol=1e-5, msg=key)
+    torch.testing.assert_close(shared["values"], rotated["values"], rtol=1e-5, atol=1e-6)
+    assert (rotated["lp"]["log_probs"] != 0).sum() == sum(RESPONSE_LENS)  # every response token was scored
+    for name, g in rotated["grads"].items():
+        torch.testing.assert_close(shared["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
