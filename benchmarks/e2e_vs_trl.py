@@ -5,7 +5,8 @@
 For each workload (benchmarks/workloads.py: the quickstart task at three model sizes / response lengths) both
 systems start from the same SFT weights and train on the same prompts parquet with the same group size (4),
 prompts per step (16), max response length, optimizer (Adam, lr 1e-4, no weight decay, grad clip 1.0), KL
-loss coefficient (1e-3, low_var_kl = TRL's k3), fp32, and the same torch thread count. TRL runs in its own
+loss coefficient (1e-3, low_var_kl = TRL's k3), precision (fp32, or bf16 with ``--dtype bfloat16``), and the
+same torch thread count. TRL runs in its own
 pinned venv (benchmarks/trl_env.py) through benchmarks/trl_grpo.py; hybridflow runs its CLI with
 configs/quickstart_grpo_cpu.yaml. The two run one after the other, never at the same time.
 
@@ -41,13 +42,15 @@ from workloads import GROUP, PROMPTS, REPO, WORKLOADS, Workload, n_params, prepa
 RESULTS = REPO / "benchmarks" / "results"
 
 
-def run_hybridflow(w: Workload, steps: int, threads: int, work: Path) -> dict:
+def run_hybridflow(w: Workload, steps: int, threads: int, work: Path, dtype: str) -> dict:
     out = work / f"hf_{w.name}"
     overrides = w.overrides()
     overrides["trainer"] = {"output_dir": str(out), "total_steps": steps, "val_every": steps, "val_before_train": True,
                             "save_every": 0, "logger": ["jsonl"], "save_hf_at_end": False}
     overrides["resources"] = {"cpus_per_worker": threads}
     overrides["ray"] = {"num_cpus": threads}
+    overrides["actor"]["megatron"] = {"dtype": dtype}  # bf16: megatron's bf16 params, fp32 main params
+    overrides["rollout"]["dtype"] = dtype
     cfg_path = work / f"hf_{w.name}.yaml"
     cfg_path.write_text(json.dumps(overrides))  # JSON is YAML
     cmd = [sys.executable, "-m", "hybridflow.trainer.main", "--config", "configs/quickstart_grpo_cpu.yaml",
@@ -66,11 +69,12 @@ def run_hybridflow(w: Workload, steps: int, threads: int, work: Path) -> dict:
     }
 
 
-def run_trl(w: Workload, steps: int, threads: int, work: Path, python: Path) -> dict:
+def run_trl(w: Workload, steps: int, threads: int, work: Path, python: Path, dtype: str) -> dict:
     out = work / f"trl_{w.name}.json"
     cmd = [str(python), "benchmarks/trl_grpo.py", "--model", str(w.model), "--train", str(w.train), "--val", str(w.val),
            "--steps", str(steps), "--prompts", str(PROMPTS), "--n", str(GROUP), "--max-response",
-           str(w.max_response_length), "--lr", "1e-4", "--kl", "1e-3", "--threads", str(threads), "--out", str(out)]
+           str(w.max_response_length), "--lr", "1e-4", "--kl", "1e-3", "--threads", str(threads), "--out", str(out),
+           *(["--bf16"] if dtype == "bfloat16" else [])]
     wall, peak = run_measured(cmd, work / f"trl_{w.name}.log")
     r = json.loads(out.read_text())
     return {"step_s": r["step_s"], "generated_tokens": r["generated_tokens"], "startup_s": r["startup_s"],
@@ -105,15 +109,15 @@ def forward_flops(shapes: dict, tokens: float, mean_len: float) -> float:
     return tokens * (per_token + attention)
 
 
-def matmul_gflops(shapes: dict, rows: int, threads: int, repeats: int = 20) -> float:
-    """The machine's fp32 matmul throughput on the model's own weight shapes (a plain torch.mm loop with
+def matmul_gflops(shapes: dict, rows: int, threads: int, dtype: str, repeats: int = 20) -> float:
+    """The machine's matmul throughput in ``dtype`` on the model's own weight shapes (a plain torch.mm loop with
     ``rows`` tokens), FLOP-weighted over the shapes: the physical limit the step is measured against."""
     import torch
 
     torch.set_num_threads(threads)
     flops = seconds = 0.0
     for i, o in shapes["linears"] + [(shapes["hidden"], shapes["vocab"])]:
-        a, b = torch.randn(rows, i), torch.randn(i, o)
+        a, b = torch.randn(rows, i, dtype=getattr(torch, dtype)), torch.randn(i, o, dtype=getattr(torch, dtype))
         for _ in range(3):
             torch.mm(a, b)
         start = time.perf_counter()
@@ -148,7 +152,7 @@ def mean_prompt_tokens(w: Workload) -> float:
 
 def markdown(report: dict) -> str:
     lines = [f"# hybridflow vs TRL {report['trl_version']} (GRPO, {PROMPTS} prompts x {GROUP}, "
-             f"{report['threads']} torch threads, {report['steps']} steps, fp32)", "",
+             f"{report['threads']} torch threads, {report['steps']} steps, {report['dtype']})", "",
              "| workload | params | system | s/step | gen tok/s | start-up s | peak RSS GiB | val acc before -> after "
              "| GFLOP/s (matmul peak) | efficiency |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in report["workloads"].items():
@@ -177,6 +181,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the means")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="both systems: fp32, or bf16 (hybridflow: bf16 params with fp32 main params and a bf16 "
+                         "vLLM; TRL: its bf16 mixed precision)")
     ap.add_argument("--out", default=str(RESULTS / "e2e_vs_trl.json"))
     a = ap.parse_args(argv)
     from trl_env import trl_python
@@ -184,17 +191,18 @@ def main(argv=None) -> int:
     python = trl_python()
     trl_version = __import__("subprocess").run([str(python), "-c", "import trl; print(trl.__version__)"],
                                                capture_output=True, text=True, check=True).stdout.strip()
-    report = {"steps": a.steps, "warmup": a.warmup, "threads": a.threads, "trl_version": trl_version, "workloads": {}}
+    report = {"steps": a.steps, "warmup": a.warmup, "threads": a.threads, "dtype": a.dtype, "trl_version": trl_version,
+              "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="hf_bench_") as tmp:
         work = Path(tmp)
         for name in a.workloads.split(","):
             w = WORKLOADS[name]
             prepare(w)
-            peak = matmul_gflops(model_shapes(w.model), PROMPTS * GROUP * 16, a.threads)
+            peak = matmul_gflops(model_shapes(w.model), PROMPTS * GROUP * 16, a.threads, a.dtype)
             prompt_tokens = mean_prompt_tokens(w) * PROMPTS * GROUP
             entry = {"params": n_params(w.model), "max_response_length": w.max_response_length}
-            for system, run in (("hybridflow", lambda: run_hybridflow(w, a.steps, a.threads, work)),
-                                ("trl", lambda: run_trl(w, a.steps, a.threads, work, python))):
+            for system, run in (("hybridflow", lambda: run_hybridflow(w, a.steps, a.threads, work, a.dtype)),
+                                ("trl", lambda: run_trl(w, a.steps, a.threads, work, python, a.dtype))):
                 print(f"[{name}] {system}: {a.steps} steps", flush=True)
                 raw = run()
                 s = summarize(raw, a.warmup)

@@ -57,6 +57,7 @@ def parse_args(argv=None):
     ap.add_argument("--kl", type=float, default=1e-3, help="KL loss coefficient (TRL's beta)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--bf16", action="store_true", help="bf16 mixed precision (TRL's default; off: fp32)")
     ap.add_argument("--out", default=None, help="JSON results file")
     return ap.parse_args(argv)
 
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
         output_dir=str(REPO / "benchmarks" / ".cache" / "trl_grpo_run"),  # nothing is saved there
         # --- devices and precision: TRL's defaults assume a GPU; hybridflow's CPU quickstart is fp32 ---
         use_cpu=True,
-        bf16=False,
+        bf16=a.bf16,  # --bf16: TRL's (and HF Trainer's) default mixed precision, fp32 weights
         fp16=False,
         gradient_checkpointing=False,  # hybridflow does not recompute activations
         use_vllm=False,  # TRL's vLLM path needs a GPU; generation is HF generate() on the policy itself
