@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +38,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import GROUP, PROMPTS, REPO, WORKLOADS, Workload, n_params, prepare, run_measured, write_json  # noqa: E402
+from workloads import (GROUP, PROMPTS, REPO, WORKLOADS, Workload, n_params, prepare, run_measured,  # noqa: E402
+                       write_json, write_text)
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -189,8 +191,8 @@ def main(argv=None) -> int:
     from trl_env import trl_python
 
     python = trl_python()
-    trl_version = __import__("subprocess").run([str(python), "-c", "import trl; print(trl.__version__)"],
-                                               capture_output=True, text=True, check=True).stdout.strip()
+    trl_version = subprocess.run([str(python), "-c", "import trl; print(trl.__version__)"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
     report = {"steps": a.steps, "warmup": a.warmup, "threads": a.threads, "dtype": a.dtype, "trl_version": trl_version,
               "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="hf_bench_") as tmp:
@@ -223,9 +225,7 @@ def main(argv=None) -> int:
         report[f"ratio_gen_tok_s_{name}"] = entry["ratio_gen_tok_s"]
     write_json(Path(a.out), report)
     md = markdown(report)
-    tmp_md = Path(a.out).with_suffix(".md.tmp")
-    tmp_md.write_text(md)
-    tmp_md.replace(Path(a.out).with_suffix(".md"))
+    write_text(Path(a.out).with_suffix(".md"), md)
     print(md)
     return 0
 

@@ -9,6 +9,7 @@ preparation (hybridflow/trainer/prepare.py) under benchmarks/.cache/<name>/ and 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -116,14 +117,7 @@ def n_params(model_dir: Path) -> int:
     from safetensors import safe_open
 
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        return sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
-
-
-def _numel(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 class TreeMemory:
@@ -173,9 +167,13 @@ def run_measured(cmd: list[str], log_path: Path, env: dict | None = None) -> tup
     return time.perf_counter() - start, peak
 
 
-def write_json(path: Path, data) -> None:
+def write_text(path: Path, text: str) -> None:
     """Atomically: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json(path: Path, data) -> None:
+    write_text(path, json.dumps(data, indent=1))

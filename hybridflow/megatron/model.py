@@ -173,12 +173,12 @@ def build_gpt(hf_config, tf_config, *, value_head: bool = False, pre_process: bo
 
 @contextlib.contextmanager
 def rope_at_positions(model, position_ids: torch.Tensor):
-    """Rotary embeddings at ``position_ids`` [b, s] for the forwards run inside: megatron-core 0.16's
+    """Rotary embeddings at ``position_ids`` [b, s] for the forwards of the GPTModel ``model`` run inside: megatron-core 0.16's
     GPTModel rotates by index (0..s-1, ``RotaryEmbedding.forward(max_seq_len)``) and reads position ids only
     for learned position embeddings, so a packed row whose responses all continue from one prompt needs
     its own. Same formula as ``RotaryEmbedding.get_emb`` (non-interleaved), one [s, b, 1, dim] table that
     ``_apply_rotary_pos_emb_bshd`` broadcasts per row."""
-    rope = _unwrapped(model).rotary_pos_emb
+    rope = model.rotary_pos_emb
 
     def at_positions(*_, **__):
         freqs = position_ids.t()[..., None].to(rope.inv_freq) * rope.inv_freq  # [s, b, dim/2]
@@ -189,9 +189,3 @@ def rope_at_positions(model, position_ids: torch.Tensor):
         yield
     finally:
         del rope.forward
-
-
-def _unwrapped(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model

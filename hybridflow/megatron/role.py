@@ -173,7 +173,7 @@ class MegatronRole:
         def forward_step(data_iter, model):
             mb = device.to_device(next(data_iter))
             packed = mb.get("packed_mask")  # shared-prompt rows (role_ops.shared_prompt_rows)
-            with rope_at_positions(model, mb["position_ids"]) if packed is not None else contextlib.nullcontext():
+            with rope_at_positions(self.module, mb["position_ids"]) if packed is not None else contextlib.nullcontext():
                 out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=packed)
             return out, partial(loss_fn, mb)
 
