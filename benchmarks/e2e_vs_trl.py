@@ -39,7 +39,9 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import (GROUP, PROMPTS, REPO, WORKLOADS, Workload, n_params, prepare, run_measured,  # noqa: E402
-                       write_json, write_text)
+                       write_json)
+
+from hybridflow.util import write_atomically  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -225,7 +227,7 @@ def main(argv=None) -> int:
         report[f"ratio_gen_tok_s_{name}"] = entry["ratio_gen_tok_s"]
     write_json(Path(a.out), report)
     md = markdown(report)
-    write_text(Path(a.out).with_suffix(".md"), md)
+    write_atomically(Path(a.out).with_suffix(".md"), md)
     print(md)
     return 0
 

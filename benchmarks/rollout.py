@@ -58,6 +58,8 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.util import write_atomically
+
 # vLLM's CPU worker replaces torch.set_num_threads with a no-op process-wide: keep the real one.
 _SET_NUM_THREADS = torch.set_num_threads
 
@@ -141,13 +143,13 @@ def vllm_sample(rollout, prompt_ids: list[list[int]], n: int) -> list[list[int]]
         del llm.generate
     if len(called) != 1:  # VLLMRollout.generate no longer goes through LLM.generate: ignore_eos was not set
         raise RuntimeError("VLLMRollout.generate did not call LLM.generate once; update vllm_sample")
-    return [o[0] for o in outs]
+    return outs
 
 
 def greedy_agreement(rollout, hf: HF, prompt_ids: list[list[int]], n: int) -> dict:
     from hybridflow.rollout.vllm_rollout import SamplingSettings
 
-    ours = [o[0] for o in rollout.generate(prompt_ids, SamplingSettings(temperature=0, max_new_tokens=n))]
+    ours = rollout.generate(prompt_ids, SamplingSettings(temperature=0, max_new_tokens=n))
     theirs = []
     for row in hf.generate(n, greedy=True).tolist():
         theirs.append(row[: row.index(hf.eos) + 1] if hf.eos in row else row)  # vLLM keeps the EOS, drops the rest
@@ -274,10 +276,7 @@ def main(argv=None) -> int:
         "wall_s": time.perf_counter() - wall,
     }
     out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, out)  # atomic: a crash never leaves a half-written result behind
+    write_atomically(out, json.dumps(report, indent=2))
     print(f"total {report['wall_s']:.0f} s; wrote {out}")
     return 0
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import psutil
 
+from hybridflow.util import write_atomically
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 CACHE = HERE / ".cache"
@@ -167,13 +169,5 @@ def run_measured(cmd: list[str], log_path: Path, env: dict | None = None) -> tup
     return time.perf_counter() - start, peak
 
 
-def write_text(path: Path, text: str) -> None:
-    """Atomically: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_json(path: Path, data) -> None:
-    write_text(path, json.dumps(data, indent=1))
+    write_atomically(path, json.dumps(data, indent=1))

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Start a hybridflow image with podman or docker and the flags its GPUs need.
 #     containers/run.sh [--engine podman|docker] [--gpu cuda|rocm|none] [--name NAME] [--detach]
-#                       [--shm-size SIZE] [--dry-run] IMAGE [COMMAND ...]
-# Host network (Ray and NCCL reach the other nodes directly); the current directory mounted at the same
-# path and used as the work dir; /dev/infiniband passed when present. --dry-run prints the command.
+#                       [--shm-size SIZE] [--volume DIR ...] [--dry-run] IMAGE [COMMAND ...]
+# Host network (Ray and NCCL reach the other nodes directly); the current directory, and each --volume DIR,
+# mounted at the same path (the current directory is the work dir); /dev/infiniband passed when present.
+# --dry-run prints the command.
 set -euo pipefail
 
-engine="" gpu="" name="" detach=0 shm=16g dry=0
+engine="" gpu="" name="" detach=0 shm=16g dry=0 volumes=()
 while (( $# )); do
   case $1 in
     --engine) engine=$2; shift 2 ;;
@@ -14,8 +15,9 @@ while (( $# )); do
     --name) name=$2; shift 2 ;;
     --detach) detach=1; shift ;;
     --shm-size) shm=$2; shift 2 ;;
+    --volume) volumes+=(-v "$2:$2"); shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
     --*) echo "containers/run.sh: unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -32,7 +34,7 @@ if [[ -z $gpu ]]; then
   if [[ -e /dev/kfd ]]; then gpu=rocm; elif [[ -e /dev/nvidiactl ]]; then gpu=cuda; else gpu=none; fi
 fi
 
-cmd=("$engine" run --rm --network host --shm-size "$shm" --ulimit memlock=-1:-1 -v "$PWD:$PWD" -w "$PWD")
+cmd=("$engine" run --rm --network host --shm-size "$shm" --ulimit memlock=-1:-1 -v "$PWD:$PWD" "${volumes[@]}" -w "$PWD")
 case $gpu in
   cuda) if [[ $engine == podman ]]; then cmd+=(--device nvidia.com/gpu=all); else cmd+=(--gpus all); fi ;;
   rocm) cmd+=(--device /dev/kfd --device /dev/dri --group-add video --security-opt seccomp=unconfined) ;;

@@ -6,6 +6,12 @@
         trainer.fit()
 """
 
+from hybridflow.patches import check_versions as _check_patch_versions
+
+# A megatron-core, vLLM, torch or transformers outside the range a patch was written for fails here, in
+# one line naming the patch (hybridflow/patches), not deep inside a run.
+_check_patch_versions()
+
 __all__ = ["Trainer", "load_config"]
 
 

@@ -33,6 +33,11 @@ def accelerator_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def has_gpu() -> bool:
+    """The one answer to "is there a GPU" (CUDA or ROCm) for this process."""
+    return accelerator_count() > 0
+
+
 def device_index(local_rank: int, visible: int) -> int:
     """Which visible accelerator a process with this node-local rank uses.
 

@@ -13,10 +13,12 @@ import random
 import numpy as np
 import torch
 
+from hybridflow import device
+
 
 def capture() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if device.has_gpu():
         state["cuda"] = torch.cuda.get_rng_state_all()
     tracker = _megatron_tracker()
     if tracker is not None:
@@ -28,7 +30,7 @@ def restore(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and device.has_gpu():
         torch.cuda.set_rng_state_all(state["cuda"])
     tracker = _megatron_tracker()
     if tracker is not None and "megatron" in state:

@@ -17,12 +17,14 @@ def _free_port() -> int:
 
 
 def _entry(rank, world_size, port, fn, args, queue):
+    # One torch thread per rank unless HYBRIDFLOW_RANK_THREADS says otherwise (tests/numerics_sweep.sh).
+    threads = os.environ.get("HYBRIDFLOW_RANK_THREADS", "1")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS=threads)
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(threads))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         # plain pickle: tensors travel by value (torch would share fds that die with this process)

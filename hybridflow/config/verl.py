@@ -11,7 +11,7 @@ per rank), as ours do.
 
 from __future__ import annotations
 
-from hybridflow.config.loader import ConfigError
+from hybridflow.config.loader import ConfigError, Override
 
 _ACTOR = "actor_rollout_ref.actor."
 _ROLLOUT = "actor_rollout_ref.rollout."
@@ -90,9 +90,22 @@ def _ours(key: str):
     return None
 
 
+def _gpu_count(arg: str, value: str) -> int:
+    import yaml
+
+    try:
+        n = yaml.safe_load(value)
+    except yaml.YAMLError:
+        n = value
+    if type(n) is not int or n < 1:
+        raise ConfigError(f"verl override {arg!r}: expects a whole number >= 1, got {value!r}")
+    return n
+
+
 def translate(verl_overrides: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Our ``key=value`` overrides for a verl command line's, and the (our key or constant -> verl value)
-    pairs that must agree once the config is loaded (``check_agreement``)."""
+    """Our ``key=value`` overrides for a verl command line's (each naming its verl override in errors: a
+    ``1.5`` for an integer key names the verl key), and the (our key or constant -> verl value) pairs that
+    must agree once the config is loaded (``check_agreement``)."""
     ours, agree, unsupported, gpus = [], {}, [], {}
     for arg in verl_overrides:
         if "=" not in arg:
@@ -101,7 +114,7 @@ def translate(verl_overrides: list[str]) -> tuple[list[str], dict[str, str]]:
         key = key.lstrip("+")  # hydra's "add a key" prefix
         target = _ours(key)
         if key in _GPU_KEYS:
-            gpus[key] = int(value)
+            gpus[key] = _gpu_count(arg, value)
         elif key in MUST_AGREE:
             agree[arg] = MUST_AGREE[key]
         elif key in NO_EFFECT:
@@ -111,7 +124,8 @@ def translate(verl_overrides: list[str]) -> tuple[list[str], dict[str, str]]:
         else:
             if target in _LISTS and not value.lstrip().startswith("["):
                 value = f"[{value}]"  # verl takes one file (or logger) as a plain string
-            ours.extend(f"{t}={value}" for t in ((target,) if isinstance(target, str) else target))
+            ours.extend(Override(f"{t}={value}", f"verl override '{arg}'")
+                        for t in ((target,) if isinstance(target, str) else target))
     if unsupported:
         raise ConfigError(f"verl keys not supported by hybridflow: {', '.join(unsupported)} "
                           "(see hybridflow/config/verl.py for the supported ones)")

@@ -19,11 +19,17 @@ import tempfile
 import psutil
 import ray
 
+from hybridflow.util import environ
+
 log = logging.getLogger(__name__)
 
-# AF_UNIX paths are limited to 107 bytes and Ray appends
-# "/session_<date>_<time>_<us>_<pid>/sockets/plasma_store" (~66 bytes).
-_MAX_TEMP_DIR_LEN = 40
+# Ray puts its Unix sockets at <temp_dir>/session_<%Y-%m-%d_%H-%M-%S_%f>_<pid>/sockets/plasma_store (and
+# .../raylet): ray/_private/node.py (_session_name, _sockets_dir, _prepare_socket_file). The longest pid has
+# 7 digits (Linux's pid_max is at most 2**22), and a Unix socket path at most 107 bytes (sun_path is 108 with
+# its NUL; ray's validate_socket_filepath).
+RAY_SOCKET_TAIL = "/session_2000-01-01_00-00-00_000000_4194304/sockets/plasma_store"
+AF_UNIX_PATH_MAX = 107
+MAX_TEMP_DIR_BYTES = AF_UNIX_PATH_MAX - len(RAY_SOCKET_TAIL)
 
 
 class RayHandle:
@@ -85,6 +91,8 @@ class RayHandle:
                 _, alive = psutil.wait_procs(alive, timeout=3)
         if self._owns_temp_dir and self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+        elif self.temp_dir:  # a caller's temp dir keeps Ray's logs; the workers' scratch goes
+            shutil.rmtree(worker_tmp_dir(self.temp_dir), ignore_errors=True)
         return killed
 
     def __enter__(self) -> RayHandle:
@@ -96,6 +104,13 @@ class RayHandle:
     def __repr__(self) -> str:
         kind = "embedded" if self.embedded else "joined"
         return f"RayHandle({kind}, address={self.address!r}, temp_dir={self.temp_dir!r})"
+
+
+def worker_tmp_dir(temp_dir: str) -> str:
+    """The TMPDIR of an embedded cluster's processes (made here)."""
+    path = os.path.join(temp_dir, "tmp")
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -127,15 +142,19 @@ def start_ray(address: str | None = None, num_cpus: int | None = None,
     if owns:
         temp_dir = tempfile.mkdtemp(prefix="hf_ray_", dir="/tmp")
     temp_dir = os.path.abspath(temp_dir)
-    if len(temp_dir) > _MAX_TEMP_DIR_LEN:
-        raise ValueError(f"Ray temp_dir {temp_dir!r} is {len(temp_dir)} chars; keep it <= "
-                         f"{_MAX_TEMP_DIR_LEN} (Unix socket paths inside it are length-limited)")
+    if len(temp_dir.encode()) > MAX_TEMP_DIR_BYTES:
+        raise ValueError(f"Ray temp_dir {temp_dir!r} is {len(temp_dir.encode())} bytes; keep it <= "
+                         f"{MAX_TEMP_DIR_BYTES} (Unix socket paths inside it are length-limited)")
     os.makedirs(temp_dir, exist_ok=True)
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     try:
-        ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-                       log_to_driver=True, _temp_dir=temp_dir, **init_kwargs)
+        # The workers' TMPDIR lies inside the cluster's temp dir (they inherit it from the raylet): what
+        # they leave there (wandb's media folders from megatron's import, multiprocessing's pymp-*,
+        # torchinductor_*; a worker stopped by ray.kill never cleans up) goes with the cluster.
+        with environ(TMPDIR=worker_tmp_dir(temp_dir)):
+            ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                           log_to_driver=True, _temp_dir=temp_dir, **init_kwargs)
     except BaseException:  # e.g. SIGTERM while starting (Ray's handler exits): stop what had started
         if ray.is_initialized():
             ray.shutdown()

@@ -105,11 +105,6 @@ class Worker:
         """
         return {"dp_rank": self.rank, "dp_size": self.world_size, "collect": True}
 
-    def node_ip(self) -> str:
-        import ray
-
-        return ray.util.get_node_ip_address()
-
     @staticmethod
     def find_free_port() -> int:
         """A TCP port free on this node right now (the OS may reuse it later)."""

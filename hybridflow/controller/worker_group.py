@@ -56,6 +56,9 @@ class DispatchFuture:
         return len(ready) == len(self._refs)
 
     def get(self, timeout: float | None = None) -> Any:
+        """Wait for every rank (at most ``timeout`` s, by default the group's ``call_timeout_s``; a rank
+        still running then is named in a WorkerGroupError) and collect."""
+        timeout = self._wg.call_timeout_s if timeout is None else timeout
         rank_of = {ref: call.rank for ref, call in zip(self._refs, self._plan.calls)}
         results, pending = {}, list(self._refs)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -65,9 +68,7 @@ class DispatchFuture:
             # even while other ranks block in a collective waiting for it.
             ready, pending = ray.wait(pending, num_returns=1, timeout=left)
             if not ready:
-                ranks = sorted(rank_of[r] for r in pending)
-                raise TimeoutError(f"{self._wg.name}.{self._method}: ranks {ranks} "
-                                   f"not finished after {timeout}s")
+                raise self._wg._stuck(self._method, sorted(rank_of[r] for r in pending), timeout)
             more = []
             if pending:  # drain whatever else is already finished
                 more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
@@ -82,7 +83,9 @@ class DispatchFuture:
 class RayWorkerGroup:
     def __init__(self, pool: ResourcePool, worker_cls: type, *args,
                  name_prefix: str | None = None, share: float = 1.0,
-                 env: dict[str, str] | None = None, **kwargs):
+                 env: dict[str, str] | None = None, call_timeout_s: float | None = None, **kwargs):
+        """``call_timeout_s``: a blocking call whose ranks have not all finished after this many seconds
+        raises a WorkerGroupError naming them (a stopped process or a wedged collective); None waits."""
         if not isinstance(worker_cls, type):
             raise TypeError("RayWorkerGroup wants the plain worker class, not a Ray actor class "
                             f"(got {worker_cls!r}); it applies ray.remote itself")
@@ -90,6 +93,7 @@ class RayWorkerGroup:
         self.worker_cls = worker_cls
         self.name = name_prefix or f"{worker_cls.__name__}_{uuid.uuid4().hex[:6]}"
         self.share = share
+        self.call_timeout_s = call_timeout_s if call_timeout_s and call_timeout_s > 0 else None
         self._dispatch_infos: dict[str, list[dict]] = {}
         self._meshes: dict[str, str] = {}
         self._workers: list = []
@@ -199,9 +203,6 @@ class RayWorkerGroup:
         """Call any worker method (registered or not) on every rank."""
         return self._run(method, Dispatch.ONE_TO_ALL, True, args, kwargs)
 
-    def execute_rank_zero(self, method: str, *args, **kwargs) -> Any:
-        return self._run(method, Dispatch.RANK_ZERO, True, args, kwargs)
-
     def _run(self, method: str, mode: Dispatch, blocking: bool, args: tuple, kwargs: dict):
         if not self._workers:
             raise RuntimeError(f"worker group {self.name!r} is shut down")
@@ -229,14 +230,24 @@ class RayWorkerGroup:
 
     def _error(self, method: str, rank: int, e: BaseException) -> WorkerGroupError:
         where = f"rank {rank} of {self.world_size} on node {self.node_names[rank]}"
-        if isinstance(e, ray.exceptions.RayActorError):  # the process is gone (killed, OOM, crashed)
+        lines = [line for line in _ANSI.sub("", str(e)).splitlines() if line.strip()]
+        last = lines[-1].strip() if lines else type(e).__name__
+        if isinstance(e, ray.exceptions.RayActorError) and getattr(e, "actor_init_failed", False):
+            what = f"failed while being built: {last}"  # its __init__ raised: that error, not "died"
+        elif isinstance(e, ray.exceptions.RayActorError):  # the process is gone (killed, OOM, crashed)
             what = "its worker process died"
         else:
-            lines = [line for line in _ANSI.sub("", str(e)).splitlines() if line.strip()]
-            what = f"failed: {lines[-1].strip() if lines else type(e).__name__}"
+            what = f"failed: {last}"
         summary = f"worker group {self.name!r} ({self.worker_cls.__name__}.{method}), {where}: {what}"
         return WorkerGroupError(f"{summary}\n{_ANSI.sub('', str(e))}", rank, method, getattr(e, "cause", None) or e,
                                 summary)
+
+    def _stuck(self, method: str, ranks: list[int], timeout: float) -> WorkerGroupError:
+        nodes = sorted({self.node_names[r] for r in ranks})
+        summary = (f"worker group {self.name!r} ({self.worker_cls.__name__}.{method}): rank(s) "
+                   f"{', '.join(map(str, ranks))} of {self.world_size} on node(s) {', '.join(nodes)} did not finish "
+                   f"within {timeout:g} s (a stopped worker or a wedged collective)")
+        return WorkerGroupError(summary, ranks[0], method, None, summary)
 
     # ------------------------------------------------------------- teardown
     def shutdown(self) -> None:

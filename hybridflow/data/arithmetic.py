@@ -12,6 +12,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hybridflow.util import atomic_path
+
 DATA_SOURCE = "arithmetic"
 
 
@@ -45,7 +47,6 @@ def write_arithmetic_parquet(out_dir: str | Path, max_operand: int = 99, n_val: 
     train, val = make_split_pairs(max_operand, n_val, seed)
     paths = out / "train.parquet", out / "val.parquet"
     for pairs, path in zip((train, val), paths):
-        tmp = path.with_suffix(".tmp")
-        pq.write_table(_table(pairs), tmp)
-        tmp.replace(path)  # atomic: a crash never leaves a half-written file behind
+        with atomic_path(path) as tmp:
+            pq.write_table(_table(pairs), tmp)
     return paths

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
@@ -13,7 +14,8 @@ from hybridflow.protocol import Batch
 
 
 class PromptDataset:
-    """Prompts (tokenized once) and their non-tensor columns, from one or more parquet files."""
+    """Prompts (tokenized once) and their non-tensor columns, from one or more parquet files.
+    ``unrepresentable``: {file: rows} whose prompts the tokenizer cannot represent (kept; the caller warns)."""
 
     def __init__(self, files: list[str], tokenizer, *, prompt_key: str, answer_key: str, max_prompt_length: int):
         if not files:
@@ -21,6 +23,7 @@ class PromptDataset:
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.prompt_ids: list[list[int]] = []
+        self.unrepresentable: dict[str, list[int]] = {}
         columns: dict[str, list] = {}
         for f in files:
             table = self._read(f, prompt_key, answer_key)
@@ -28,11 +31,21 @@ class PromptDataset:
                 nulls = table[key].is_null().to_pylist()
                 if any(nulls):
                     raise ValueError(f"{f} row {nulls.index(True)}: {key!r} is empty (null)")
-            for row, ids in enumerate(tokenizer(table[prompt_key].to_pylist()).input_ids):
-                if len(ids) > max_prompt_length:
-                    raise ValueError(f"{f} row {row}: prompt has {len(ids)} tokens, more than "
+            prompts = table[prompt_key]
+            if not (pa.types.is_string(prompts.type) or pa.types.is_large_string(prompts.type)):
+                raise ValueError(f"{f}: column {prompt_key!r} holds {prompts.type}, not text")
+            prompts = prompts.to_pylist()
+            blank = next((row for row, text in enumerate(prompts) if not text.strip()), None)
+            if blank is not None:
+                raise ValueError(f"{f} row {blank}: {prompt_key!r} is empty (blank text)")
+            ids = tokenizer(prompts).input_ids
+            for row, row_ids in enumerate(ids):
+                if len(row_ids) > max_prompt_length:
+                    raise ValueError(f"{f} row {row}: prompt has {len(row_ids)} tokens, more than "
                                      f"data.max_prompt_length={max_prompt_length}")
-                self.prompt_ids.append(ids)
+            self.prompt_ids.extend(ids)
+            if lossy := _unrepresentable(tokenizer, prompts, ids):
+                self.unrepresentable[f] = lossy
             for name in table.column_names:
                 columns.setdefault(name, []).extend(table[name].to_pylist())
         self.columns = {k: np.array(v, dtype=object) for k, v in columns.items()}
@@ -44,11 +57,9 @@ class PromptDataset:
             raise FileNotFoundError(f"data file not found: {path}")
         if not Path(path).is_file():  # pyarrow would read a folder as a dataset of every file in it
             raise ValueError(f"{path} is not a file (a parquet file is expected)")
-        import pyarrow
-
         try:
             table = pq.read_table(path)
-        except (pyarrow.ArrowInvalid, OSError) as e:
+        except (pa.ArrowInvalid, OSError) as e:
             raise ValueError(f"{path} is not a readable parquet file ({' '.join(str(e).split())[:120]})") from None
         if table.num_rows == 0:
             raise ValueError(f"{path} has no rows")
@@ -88,3 +99,15 @@ class PromptDataset:
                     skip -= 1
                     continue
                 yield self.batch(order[start:start + batch_size].tolist())
+
+
+def _unrepresentable(tokenizer, texts: list[str], ids: list[list[int]]) -> list[int]:
+    """Rows whose text the tokenizer cannot represent: an unknown token, or characters lost on the way back
+    (whitespace aside: tokenizers normalize it, SentencePiece's and the quickstart's among them)."""
+    def visible(text: str) -> str:
+        return "".join(text.split())
+
+    unk = tokenizer.unk_token_id
+    decoded = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    return [row for row, (text, row_ids, back) in enumerate(zip(texts, ids, decoded))
+            if (unk is not None and unk in row_ids) or visible(back) != visible(text)]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hybridflow.rewards.gsm8k import extract_ground_truth
+from hybridflow.util import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -114,15 +114,9 @@ def preprocess_gsm8k(input_path: str | Path, output_dir: str | Path, tokenizer, 
         "data_source": [DATA_SOURCE] * len(keep),
         "index": pa.array([indices[j] for j in keep], pa.int64()),
     })
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{split}.parquet"
-    tmp = out / f".{split}.parquet.tmp-{os.getpid()}"
-    try:
+    path = Path(output_dir) / f"{split}.parquet"
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
-        os.replace(tmp, path)  # atomic: readers never see a half-written file
-    finally:
-        tmp.unlink(missing_ok=True)
     return PreprocessResult(path, len(keep), dropped)
 
 

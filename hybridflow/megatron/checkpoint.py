@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.megatron import cpu_compat
+from hybridflow.megatron import checkpoint_files
+from hybridflow.patches import megatron_core
 
 _METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
@@ -35,21 +36,28 @@ def save_role(role, path: str) -> None:
 
     os.makedirs(path, exist_ok=True)  # every rank: the folder must exist before any rank writes
     torch.distributed.barrier()
-    with role.resident(training=role.optimizer is not None), cpu_compat.megatron_cpu_scope():
+    with role.resident(training=role.optimizer is not None), megatron_core.cpu_scope():
         dist_checkpointing.save(_sharded_state_dict(role, loading=False), path,
                                 content_metadata=_METADATA)
 
 
 def load_role(role, path: str, *, with_optimizer: bool = True) -> None:
-    """Load weights (and optimizer state) saved by ``save_role`` at any layout; every rank calls it."""
+    """Load weights (and optimizer state) saved by ``save_role`` at any layout; every rank calls it. A damaged
+    checkpoint raises ``checkpoint_files.DamagedCheckpoint`` in one line naming the folder and the file."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     training = role.optimizer is not None and with_optimizer
-    with role.resident(training=training), cpu_compat.megatron_cpu_scope():
+    with role.resident(training=training), megatron_core.cpu_scope():
         template = _sharded_state_dict(role, loading=True)
         if not training:
             template.pop("optimizer", None)
-        loaded = dist_checkpointing.load(template, path)
+        try:
+            loaded = dist_checkpointing.load(template, path)
+        # A damaged file surfaces as EOFError, FileNotFoundError, pickle errors..., most of them wrapped in
+        # torch's CheckpointException, which derives from BaseException (torch/distributed/checkpoint/api.py).
+        except (Exception, CheckpointException) as e:
+            raise checkpoint_files.load_error(path, e) from e
         role.module.load_state_dict(loaded["model"], strict=True)
         if training:
             # Loads the fp32 main params of 16-bit models too (the model's copies came with "model").

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+from hybridflow.megatron.hf_weights import tp_chunk
 
 
 @dataclass(frozen=True)
@@ -42,13 +45,16 @@ def _heads(cfg):
     return nh, ng, hd
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg) -> torch.Tensor:
-    """HF q/k/v (weights [out, in] or biases [out]) -> megatron's per-group interleaved linear_qkv."""
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg, tp_size: int = 1) -> torch.Tensor:
+    """HF q/k/v (weights [out, in] or biases [out]) -> megatron's per-group interleaved linear_qkv. Given
+    each one's TP chunk r of ``tp_size`` (query groups [r*g/t, (r+1)*g/t) of q, k and v alike), this is
+    chunk r of the fused tensor: megatron requires the query groups to divide evenly among TP ranks."""
     nh, ng, hd = _heads(cfg)
     tail = q.shape[1:]
-    q = q.reshape(ng, nh // ng * hd, *tail)
-    k = k.reshape(ng, hd, *tail)
-    v = v.reshape(ng, hd, *tail)
+    groups = ng // tp_size
+    q = q.reshape(groups, nh // ng * hd, *tail)
+    k = k.reshape(groups, hd, *tail)
+    v = v.reshape(groups, hd, *tail)
     return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
 
 
@@ -61,10 +67,6 @@ def split_qkv(qkv: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor, torch
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
-def _chunk(t: torch.Tensor, dim: int, shard: Shard) -> torch.Tensor:
-    return torch.chunk(t, shard.tp_size, dim=dim)[shard.tp_rank].clone()
-
-
 # Per-layer params: megatron suffix -> (HF suffix, TP split dim or None for replicated).
 _LAYER_SIMPLE = {
     "input_layernorm.weight": ("input_layernorm.weight", None),
@@ -74,35 +76,38 @@ _LAYER_SIMPLE = {
 }
 
 
-def hf_to_megatron(hf_sd: dict, cfg, shard: Shard = Shard(), *, value_head: bool = False) -> dict:
-    """This rank's megatron state dict (local layer numbering) from a full HF state dict."""
+def hf_to_megatron(hf_sd: Mapping, cfg, shard: Shard = Shard(), *, value_head: bool = False) -> dict:
+    """This rank's megatron state dict (local layer numbering) from a HF state dict: a dict of full
+    tensors, or an ``HFWeights`` from which only this rank's stage and TP chunks are read."""
     out = {}
     tie = bool(getattr(cfg, "tie_word_embeddings", False))
+
+    def part(name: str, dim: int | None) -> torch.Tensor:
+        return tp_chunk(hf_sd, name, dim, shard.tp_size, shard.tp_rank)
+
     if shard.first_stage:
-        out["embedding.word_embeddings.weight"] = _chunk(hf_sd["model.embed_tokens.weight"], 0, shard)
+        out["embedding.word_embeddings.weight"] = part("model.embed_tokens.weight", 0)
     for local, layer in enumerate(shard.layer_range(cfg.num_hidden_layers)):
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
         for mkey, (hkey, dim) in _LAYER_SIMPLE.items():
-            t = hf_sd[src + hkey]
-            out[dst + mkey] = t.clone() if dim is None else _chunk(t, dim, shard)
+            out[dst + mkey] = part(src + hkey, dim)
         for kind in ("weight", "bias"):
             if src + f"self_attn.q_proj.{kind}" not in hf_sd:
                 continue
-            qkv = fuse_qkv(*(hf_sd[src + f"self_attn.{p}_proj.{kind}"] for p in "qkv"), cfg)
-            out[dst + f"self_attention.linear_qkv.{kind}"] = _chunk(qkv, 0, shard)
-        gate = _chunk(hf_sd[src + "mlp.gate_proj.weight"], 0, shard)
-        up = _chunk(hf_sd[src + "mlp.up_proj.weight"], 0, shard)
+            qkv = [part(src + f"self_attn.{p}_proj.{kind}", 0) for p in "qkv"]
+            out[dst + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(*qkv, cfg, shard.tp_size)
+        gate, up = part(src + "mlp.gate_proj.weight", 0), part(src + "mlp.up_proj.weight", 0)
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
     if shard.last_stage:
-        out["decoder.final_layernorm.weight"] = hf_sd["model.norm.weight"].clone()
+        out["decoder.final_layernorm.weight"] = part("model.norm.weight", None)
         if value_head:
             if "score.weight" in hf_sd:  # a critic checkpoint: keep its trained head
-                out["output_layer.weight"] = hf_sd["score.weight"].clone()
+                out["output_layer.weight"] = part("score.weight", None)
         elif tie:
             if not shard.first_stage:  # megatron keeps a copy of the tied embedding on the last stage
-                out["output_layer.weight"] = _chunk(hf_sd["model.embed_tokens.weight"], 0, shard)
+                out["output_layer.weight"] = part("model.embed_tokens.weight", 0)
         else:
-            out["output_layer.weight"] = _chunk(hf_sd["lm_head.weight"], 0, shard)
+            out["output_layer.weight"] = part("lm_head.weight", 0)
     return out
 
 

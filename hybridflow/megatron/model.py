@@ -2,19 +2,51 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
-from hybridflow.megatron import cpu_compat
+from hybridflow import device
+from hybridflow.patches import megatron_core
+from hybridflow.patches.transformers_rope import hf_inverse_frequencies
 
 SUPPORTED_ARCHS = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 
 
+# HF rope types that megatron's RotaryEmbedding reproduces once it holds HF's inverse frequencies: both
+# rotate position p by p * inv_freq with no cos/sin scale. Types that also scale cos/sin (yarn, longrope:
+# HF's "attention_factor") or recompute the frequencies per sequence length (dynamic) are refused.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _rope_parameters(hf_config) -> dict:
+    # transformers 5.x folds a config.json's legacy ``rope_scaling`` (and ``rope_theta``) into this dict.
+    return getattr(hf_config, "rope_parameters", None) or {}
+
+
 def _rope_theta(hf_config) -> float:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    return float(_rope_parameters(hf_config).get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def check_rope_supported(hf_config) -> None:
+    kind = _rope_parameters(hf_config).get("rope_type", "default")
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type '{kind}' is not supported yet (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+
+def _use_hf_rope_frequencies(rope, hf_config) -> None:
+    """Give megatron's RotaryEmbedding ``rope`` the inverse frequencies of the HF model's scaled RoPE.
+
+    megatron-core 0.16's GPTModel hands RotaryEmbedding only ``rope_scaling_factor``; its ``_apply_scaling``
+    keeps Llama 3.1's low_freq_factor=1, high_freq_factor=4 and original context 8192 whatever the config
+    says (models/common/embeddings/rotary_pos_embedding.py). So the frequencies come from transformers'
+    own function for the config's rope type (modeling_rope_utils.ROPE_INIT_FUNCTIONS, what the HF model
+    uses), computed on the embedding's device before any forward: the same numbers on CPU and GPU, and
+    every rotary table megatron builds (``get_emb``, our ``rope_at_positions``) reads ``inv_freq``.
+    The rollout needs nothing: vLLM reads the same ``rope_parameters`` from config.json itself
+    (model_executor/layers/rotary_embedding get_rope)."""
+    kind = _rope_parameters(hf_config).get("rope_type", "default")
+    if kind != "default":
+        megatron_core.set_rope_inverse_frequencies(rope, hf_inverse_frequencies(hf_config, kind, rope.inv_freq.device))
 
 
 def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
@@ -25,7 +57,8 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, sequence_
     archs = getattr(hf_config, "architectures", None) or []
     if archs and archs[0] not in SUPPORTED_ARCHS:
         raise ValueError(f"model architecture {archs[0]} is not supported (supported: {SUPPORTED_ARCHS})")
-    on_gpu = not cpu_compat.cuda_absent()
+    check_rope_supported(hf_config)
+    on_gpu = device.has_gpu()
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
     return TransformerConfig(
@@ -66,7 +99,7 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, sequence_
 
 
 def te_available() -> bool:
-    if cpu_compat.cuda_absent():
+    if not device.has_gpu():
         return False
     try:
         import transformer_engine  # noqa: F401
@@ -80,46 +113,40 @@ def layer_spec(config):
 
     Both use the causal attention mask type: TE's flash/cuDNN backends then ignore any attention_mask
     (and so does the local spec's fused softmax on GPU), which is why rows are laid out so that the
-    causal mask alone is exact (workers/role_ops.py) and no padding mask is passed at all.
+    causal mask alone is exact (workers/row_layout.py) and no padding mask is passed at all.
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if te_available():
         return specs.get_gpt_layer_with_transformer_engine_spec()
     if config.sequence_parallel:
-        _allow_sequence_parallel_torch_norm()
+        megatron_core.allow_sequence_parallel_torch_norm()
+    # The local spec's RMSNorm layer norms are WrappedTorchNorm with or without Apex
+    # (backends.LocalSpecProvider.layer_norm(rms_norm=True)).
     return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
-_torch_norm_patched = False
+def final_norm():
+    """The decoder's final norm, named explicitly: left to itself, TransformerBlock takes its module-level
+    ``LayerNormImpl`` (transformer/transformer_block.py), which is Apex's FusedLayerNorm whenever Apex is
+    importable and TE is not, and FusedLayerNorm asserts ``normalization == "LayerNorm"``
+    (fusions/fused_layer_norm.py); Qwen2/Llama use RMSNorm. Same norm family as ``layer_spec``."""
+    if te_available():
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return WrappedTorchNorm
 
 
-def _allow_sequence_parallel_torch_norm() -> None:
-    """The local spec's norm without Apex (WrappedTorchNorm, torch_norm.py) asserts
-    ``not config.sequence_parallel``, on GPU as on CPU. A plain norm is correct under sequence parallel
-    as long as its weight gradients are all-reduced across TP, which megatron does for params marked
-    ``sequence_parallel`` (finalize_model_grads): build it with the flag off and mark its params."""
-    global _torch_norm_patched
-    if _torch_norm_patched:
-        return
-    from megatron.core.transformer import torch_norm
+def block_spec(config):
+    """This pipeline stage's decoder layers and final norm, as megatron's get_gpt_decoder_block_spec
+    builds them (layers evenly split over stages) but with ``final_norm``."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    original_new = torch_norm.WrappedTorchNorm.__new__
-
-    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
-            normalization="LayerNorm"):
-        sp = config.sequence_parallel
-        config.sequence_parallel = False
-        try:
-            norm = original_new(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
-        finally:
-            config.sequence_parallel = sp
-        for p in norm.parameters():
-            setattr(p, "sequence_parallel", sp)
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
-    _torch_norm_patched = True
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(config)] * get_num_layers_to_build(config),
+                                      layer_norm=final_norm())
 
 
 class ValueHead(torch.nn.Linear):
@@ -151,10 +178,10 @@ def build_gpt(hf_config, tf_config, *, value_head: bool = False, pre_process: bo
     from megatron.core.models.gpt import GPTModel
 
     tie = bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head
-    with cpu_compat.megatron_cpu_scope():
+    with megatron_core.cpu_scope():
         model = GPTModel(
             config=tf_config,
-            transformer_layer_spec=layer_spec(tf_config),
+            transformer_layer_spec=block_spec(tf_config),
             vocab_size=hf_config.vocab_size,
             max_sequence_length=hf_config.max_position_embeddings,
             pre_process=pre_process,
@@ -164,28 +191,9 @@ def build_gpt(hf_config, tf_config, *, value_head: bool = False, pre_process: bo
             rotary_base=_rope_theta(hf_config),
             parallel_output=True,
         )
+    _use_hf_rope_frequencies(model.rotary_pos_emb, hf_config)
     if value_head and post_process:
         model.output_layer = ValueHead(tf_config.hidden_size, tf_config.sequence_parallel, tf_config.params_dtype)
     # Every param in the params dtype, as Megatron-LM's Float16Module casts the module: the local spec's
     # torch norms are created in fp32 whatever params_dtype says.
     return model.to(device=device, dtype=tf_config.params_dtype)
-
-
-@contextlib.contextmanager
-def rope_at_positions(model, position_ids: torch.Tensor):
-    """Rotary embeddings at ``position_ids`` [b, s] for the forwards of the GPTModel ``model`` run inside: megatron-core 0.16's
-    GPTModel rotates by index (0..s-1, ``RotaryEmbedding.forward(max_seq_len)``) and reads position ids only
-    for learned position embeddings, so a packed row whose responses all continue from one prompt needs
-    its own. Same formula as ``RotaryEmbedding.get_emb`` (non-interleaved), one [s, b, 1, dim] table that
-    ``_apply_rotary_pos_emb_bshd`` broadcasts per row."""
-    rope = model.rotary_pos_emb
-
-    def at_positions(*_, **__):
-        freqs = position_ids.t()[..., None].to(rope.inv_freq) * rope.inv_freq  # [s, b, dim/2]
-        return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-
-    rope.forward = at_positions  # shadows the (cached) class method for this instance only
-    try:
-        yield
-    finally:
-        del rope.forward

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from hybridflow.megatron import cpu_compat
 from hybridflow.megatron.convert import Shard
+from hybridflow.patches import megatron_core
 
 
 def init_model_parallel(tp: int, pp: int, seed: int, timeout_s: float = 600) -> None:
@@ -20,15 +20,15 @@ def init_model_parallel(tp: int, pp: int, seed: int, timeout_s: float = 600) -> 
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")
-    cpu_compat.enable()
+    megatron_core.enable_cpu()
     if ps.model_parallel_is_initialized():
         if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
             raise ValueError("this process already has megatron groups of a different layout")
     else:
-        with cpu_compat.megatron_cpu_scope():
+        with megatron_core.cpu_scope():
             ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                          distributed_timeout_minutes=max(1, round(timeout_s / 60)))
-    cpu_compat.model_parallel_seed(seed)
+    megatron_core.model_parallel_seed(seed)
 
 
 def current_shard() -> Shard:

@@ -7,18 +7,19 @@ so the same code runs at any TP/PP/DP layout; losses and outputs appear on the l
 from __future__ import annotations
 
 import contextlib
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from hybridflow import device
-from hybridflow.megatron import convert, cpu_compat, parallel
-from hybridflow.megatron.model import build_gpt, rope_at_positions, transformer_config_from_hf
+from hybridflow.megatron import convert, parallel
+from hybridflow.megatron.model import build_gpt, transformer_config_from_hf
 from hybridflow.megatron.offload import Offloader, optimizer_tensors
+from hybridflow.patches import megatron_core
 from hybridflow.util import mean_by_key
 
 
@@ -71,7 +72,7 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class MegatronRole:
     """A GPT policy or value model sharded over this process's megatron groups, on this worker's device."""
 
-    def __init__(self, hf_config, hf_state_dict: dict | None, *, value_head: bool = False,
+    def __init__(self, hf_config, hf_state_dict: Mapping | None, *, value_head: bool = False,
                  optim: OptimSettings | None = None, dtype: torch.dtype = torch.float32,
                  sequence_parallel: bool = False, offload: OffloadSettings = OffloadSettings()):
         from megatron.core import parallel_state as ps
@@ -96,15 +97,14 @@ class MegatronRole:
         params = lambda: list(self.module.parameters())  # noqa: E731
         self._offloaders = {
             "params": Offloader(params),
-            "grads": Offloader(lambda: [p.main_grad for p in self.module.parameters() if hasattr(p, "main_grad")]),
             "optimizer": Offloader(lambda: optimizer_tensors(self.optimizer) if self.optimizer else [], exclude=params),
         }
         self.offload_settings = offload
-        # Rows of one GRPO group may share one packed prompt (role_ops.shared_prompt_rows) where attention
+        # Rows of one GRPO group may share one packed prompt (workers/row_layout.shared_prompt_rows) where attention
         # honours an arbitrary mask: megatron's local spec with its torch softmax (masked_softmax_fusion off)
         # on CPU, one pipeline stage. On GPU the attention kernels apply the causal mask only
         # (model.layer_spec), so rows keep the rotated causal layout there.
-        self.shares_prompts = cpu_compat.cuda_absent() and self.shard.pp_size == 1
+        self.shares_prompts = not device.has_gpu() and self.shard.pp_size == 1
         self._offload_idle()
 
     def _wrap_for_training(self, model, optim: OptimSettings, params_dtype):
@@ -113,7 +113,7 @@ class MegatronRole:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.tf_config.finalize_model_grads_func = finalize_model_grads
-        with cpu_compat.megatron_cpu_scope():
+        with megatron_core.cpu_scope():
             ddp = DistributedDataParallel(
                 config=self.tf_config,
                 ddp_config=DistributedDataParallelConfig(
@@ -136,20 +136,28 @@ class MegatronRole:
 
     def _offload_idle(self) -> None:
         s = self.offload_settings
-        kinds = [kind for kind, wanted in (("params", s.params), ("grads", s.grads), ("optimizer", s.optimizer))
-                 if wanted]
-        for kind in kinds:
-            self._offloaders[kind].offload()
-        if kinds and self.device.type == "cuda":
-            torch.cuda.empty_cache()  # give the freed blocks back, or vLLM and colocated roles cannot use them
+        for kind, wanted in (("params", s.params), ("optimizer", s.optimizer)):
+            if wanted:
+                self._offloaders[kind].offload()
+        if s.grads and self.optimizer is not None:
+            # Freed, not copied: every step zeroes the grads first, and restore_grad_buffers gives them
+            # back zeroed (megatron-core 0.16.1, distributed_data_parallel.py).
+            self.model.offload_grad_buffers(synchronize=self.device.type == "cuda", empty_cache=False)
+        if self.device.type == "cuda":
+            # Cached blocks (this role's activations, what was just offloaded) back to the driver, or vLLM
+            # and the colocated roles could not use them while this role idles.
+            torch.cuda.empty_cache()
 
     @contextlib.contextmanager
     def resident(self, *, training: bool = False):
         """The role's params (and, when ``training``, its grads and optimizer state) on the device for the
-        duration; what the offload settings name goes back to host memory afterwards."""
-        kinds = ("params", "grads", "optimizer") if training else ("params",)
-        for kind in kinds:
-            self._offloaders[kind].reload()
+        duration; what the offload settings name goes back to host memory afterwards, and the device's
+        cached blocks are released."""
+        self._offloaders["params"].reload()
+        if training:
+            self._offloaders["optimizer"].reload()
+            if self.offload_settings.grads and self.optimizer is not None:
+                self.model.restore_grad_buffers(synchronize=False)
         try:
             yield self
         finally:
@@ -165,19 +173,20 @@ class MegatronRole:
         """Run fwd(+bwd) over micro-batches; returns the per-micro-batch dicts from ``loss_fn``
         (on the last pipeline stage; empty elsewhere).
 
-        Each micro-batch moves to the device right before its forward. No attention mask is passed:
-        rows are laid out so that the causal mask alone is exact (workers/role_ops.py), which is all that
-        TE's flash/cuDNN attention applies on GPU."""
+        Each micro-batch moves to the device right before its forward. No padding mask is passed: rows
+        are laid out so that the causal mask alone is exact (workers/row_layout.py), which is all that TE's
+        flash/cuDNN attention applies on GPU. Only CPU shared-prompt rows pass a mask, their packed one
+        (megatron's local attention applies it; ``shares_prompts`` is off on GPU)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iter, model):
             mb = device.to_device(next(data_iter))
-            packed = mb.get("packed_mask")  # shared-prompt rows (role_ops.shared_prompt_rows)
-            with rope_at_positions(self.module, mb["position_ids"]) if packed is not None else contextlib.nullcontext():
+            packed = mb.get("packed_mask")  # shared-prompt rows (row_layout.shared_prompt_rows)
+            with megatron_core.rope_at_positions(self.module, mb["position_ids"]) if packed is not None else contextlib.nullcontext():
                 out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=packed)
             return out, partial(loss_fn, mb)
 
-        with cpu_compat.megatron_cpu_scope():
+        with megatron_core.cpu_scope():
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
                 num_microbatches=len(micro_batches), seq_length=micro_batches[0]["input_ids"].shape[1],
@@ -193,37 +202,24 @@ class MegatronRole:
         with torch.no_grad(), self.resident():
             return self._run_schedule(micro_batches, loss_fn, forward_only=True)
 
-    def train_mini_batch(self, micro_batches: list[dict], loss_fn: Callable) -> dict:
-        """One optimizer step over a mini-batch; ``loss_fn(mb, output) -> (loss, metrics)``."""
+    def train(self, steps: Iterable[tuple[list[dict], Callable]]) -> list[dict]:
+        """One optimizer step per (micro-batches, ``loss_fn(mb, output) -> (loss, metrics)``) of ``steps``,
+        all inside one residency: params, grads and optimizer state come to the device once per call,
+        however many mini-batches and epochs it runs (as verl loads them once per update)."""
         self.model.train()
         with self.resident(training=True):
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            outputs = self._run_schedule(micro_batches, loss_fn, forward_only=False)
-            with cpu_compat.megatron_cpu_scope():
-                ok, grad_norm = self._optimizer_step()
+            return [self._train_step(mbs, loss_fn) for mbs, loss_fn in steps]
+
+    def _train_step(self, micro_batches: list[dict], loss_fn: Callable) -> dict:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run_schedule(micro_batches, loss_fn, forward_only=False)
+        with megatron_core.cpu_scope():
+            ok, grad_norm = megatron_core.optimizer_step(self.optimizer)
         metrics = mean_by_key(outputs)
         metrics["grad_norm"] = grad_norm
         metrics["update_skipped"] = float(not ok)
         return metrics
-
-    def _optimizer_step(self) -> tuple[bool, float]:
-        """megatron-core's ``optimizer.step()`` (prepare, global grad norm, clip, update: the same calls in
-        the same order), except that a non-finite grad norm skips the update: megatron skips only on an
-        fp16 loss-scaler overflow and would write NaN into bf16/fp32 weights. The norm is reduced over
-        the model-parallel (and distributed-optimizer) ranks, so every rank decides alike."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-        opt = self.optimizer
-        if opt.prepare_grads():  # fp16 overflow: megatron's scaler has already lowered the scale
-            return False, float("nan")
-        grad_norm = float(opt.get_grad_norm())
-        if not math.isfinite(grad_norm):
-            return False, grad_norm
-        if opt.config.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(opt.get_parameters(), max_norm=opt.config.clip_grad, total_norm=grad_norm,
-                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-        return bool(opt.step_with_ready_grads()), grad_norm
 
     # --- export -----------------------------------------------------------------------------------
 

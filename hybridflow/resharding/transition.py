@@ -30,11 +30,15 @@ class TransitionStats:
     bytes_sent: int = 0
     peak_extra_bytes: int = 0  # parameter bytes held beyond the training shard, at the worst moment
     own_shard_bytes: int = 0
+    # The largest checkpoint-shaped copy made for vLLM's loaders (vllm_layout.to_checkpoint_names; 0 where
+    # vLLM takes the shard as is), held on top of the peak above while vLLM loads it.
+    staging_bytes: int = 0
     seconds: float = 0.0
 
     def as_metrics(self, prefix: str = "reshard") -> dict:
         return {f"{prefix}/bytes_received": float(self.bytes_received), f"{prefix}/bytes_sent": float(self.bytes_sent),
-                f"{prefix}/peak_extra_bytes": float(self.peak_extra_bytes), f"{prefix}/seconds": self.seconds}
+                f"{prefix}/peak_extra_bytes": float(self.peak_extra_bytes + self.staging_bytes),
+                f"{prefix}/staging_bytes": float(self.staging_bytes), f"{prefix}/seconds": self.seconds}
 
 
 def _nbytes(t: torch.Tensor) -> int:

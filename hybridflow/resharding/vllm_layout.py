@@ -30,8 +30,13 @@ def check_supported(cfg, t_g: int) -> None:
     nh, ng, _ = _heads(cfg)
     if ng % t_g or nh % t_g:
         raise ValueError(f"generation TP {t_g} must divide attention heads ({nh}) and KV heads ({ng})")
-    if t_g > 1 and cfg.vocab_size % (64 * t_g):  # vLLM pads the vocab to 64 per shard; megatron splits it evenly
-        raise ValueError(f"vocab_size {cfg.vocab_size} must be a multiple of 64 x generation TP ({t_g}) so "
+    # vLLM pads the vocab to a multiple of 64 (VocabParallelEmbedding / ParallelLMHead: pad_vocab_size,
+    # DEFAULT_VOCAB_PADDING_SIZE) and gives rank k rows [k*P/t_g, (k+1)*P/t_g) of the padded size P, cut
+    # at the real vocab (_get_indices). Those are the even split of the vocab that megatron's shards
+    # form only if nothing was padded: P == vocab, and t_g divides it.
+    vocab = cfg.vocab_size
+    if t_g > 1 and (vocab % 64 or vocab % t_g):
+        raise ValueError(f"vocab_size {vocab} must be a multiple of 64 and of generation TP ({t_g}) so "
                          "vLLM's vocab shards coincide with megatron's")
 
 
@@ -94,22 +99,32 @@ def _staged(t: torch.Tensor, dim: int, k: int, t_g: int) -> torch.Tensor:
     return full
 
 
-def to_checkpoint_names(items, cfg, k: int = 0, t_g: int = 1):
-    """vLLM-layout shard k of t_g -> HF checkpoint names and shapes, the form vLLM's weight loaders take.
-    Fused tensors are split back as views; with t_g > 1 each piece is staged into a checkpoint-shaped
-    tensor (see _staged)."""
+def to_checkpoint_names(items, cfg, k: int = 0, t_g: int = 1, stats=None):
+    """vLLM-layout shard k of t_g -> HF checkpoint names and shapes, the form vLLM's weight loaders take
+    (needed where vLLM repacks weights after loading: its CPU backend). Fused tensors are split back as
+    views; with t_g > 1 each piece is staged into a checkpoint-shaped tensor (see _staged), t_g times its
+    shard's size: the largest is recorded in ``stats.staging_bytes`` (a ``TransitionStats``), which the
+    transition's reported peak includes. Where vLLM takes its own layout (GPU), the shard goes to it as is
+    and nothing is staged (``VLLMRollout.takes_shards``)."""
     nh, ng, hd = _heads(cfg)
     q_rows, kv_rows = nh * hd // t_g, ng * hd // t_g
+
+    def staged(t, dim):
+        full = _staged(t, dim, k, t_g)
+        if stats is not None and full is not t:
+            stats.staging_bytes = max(stats.staging_bytes, full.numel() * full.element_size())
+        return full
+
     for name, t in items:
         if ".qkv_proj." in name:
             for part, piece in zip("qkv", torch.split(t, [q_rows, kv_rows, kv_rows])):
-                yield name.replace("qkv_proj", f"{part}_proj"), _staged(piece, 0, k, t_g)
+                yield name.replace("qkv_proj", f"{part}_proj"), staged(piece, 0)
         elif ".gate_up_proj." in name:
             for part, piece in zip(("gate_proj", "up_proj"), torch.chunk(t, 2)):
-                yield name.replace("gate_up_proj", part), _staged(piece, 0, k, t_g)
+                yield name.replace("gate_up_proj", part), staged(piece, 0)
         elif "o_proj" in name or "down_proj" in name:
-            yield name, _staged(t, 1, k, t_g)
+            yield name, staged(t, 1)
         elif "embed_tokens" in name or "lm_head" in name:
-            yield name, _staged(t, 0, k, t_g)
+            yield name, staged(t, 0)
         else:
             yield name, t

@@ -3,17 +3,20 @@
     fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict (with a "score" key)
 
 Every load problem is reported up front, naming the config key and the file, so a typo fails at
-startup instead of at the first scored batch.
+startup instead of at the first scored batch. A call that fails later (raises, exits, returns no number,
+never returns) is a one-line ``RewardFunctionError`` naming the function, the row and the value.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import inspect
+import math
 import numbers
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -93,22 +96,96 @@ def _describe(fn: Callable) -> str:
     return f"reward function {getattr(fn, '__qualname__', repr(fn))!r}"
 
 
-def _custom_scorer(fn: Callable, data_source: str, response: str, ground_truth: str) -> float:
-    result = fn(data_source, response, ground_truth, extra_info=None)
-    if isinstance(result, dict):
-        if "score" not in result:
-            raise TypeError(f"{_describe(fn)} returned a dict without a 'score' key (keys: {sorted(result)})")
-        result = result["score"]
-    # bool is a number to verl too (float(True) == 1.0); strings and tensors are not accepted
-    if not isinstance(result, numbers.Real):
-        raise TypeError(f"{_describe(fn)} returned {type(result).__name__} {result!r}; "
-                        "expected a number or a dict with a numeric 'score'")
-    return float(result)
+def _one_line(text: str, limit: int = 160) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def adapt_to_scorer(fn: Callable, data_source: str = "custom") -> Callable[[str, str], float]:
-    """A suite scorer ``(response_text, ground_truth) -> float`` calling ``fn`` with ``data_source``.
+class BadRewardValue(TypeError):
+    """The function returned something that is not a score."""
 
-    A partial of a module-level function (not a lambda), so it pickles when ``fn`` does.
-    """
-    return functools.partial(_custom_scorer, fn, data_source)
+
+class RewardFunctionError(RuntimeError):
+    """A user reward function failed on one row of a batch: it raised (SystemExit and KeyboardInterrupt
+    too), returned no finite number, or did not return in time. One line; ``row`` is the row's index in
+    the batch, for the caller to describe."""
+
+    def __init__(self, message: str, row: int):
+        super().__init__(message)
+        self.row = row
+
+
+class CustomScorer:
+    """A user reward function as a suite scorer ``(response_text, ground_truth) -> float``, called with
+    ``data_source``; ``score_all`` scores a batch with at most ``timeout_s`` per call (None: no limit).
+    Pickles when ``fn`` does."""
+
+    def __init__(self, fn: Callable, data_source: str = "custom", timeout_s: float | None = None):
+        self.fn, self.data_source, self.timeout_s = fn, data_source, timeout_s
+
+    def __call__(self, response: str, ground_truth: str) -> float:
+        result = self.fn(self.data_source, response, ground_truth, extra_info=None)
+        if isinstance(result, dict):
+            if "score" not in result:
+                raise BadRewardValue(f"{_describe(self.fn)} returned a dict without a 'score' key "
+                                     f"(keys: {sorted(map(str, result))})")
+            result = result["score"]
+        # bool is a number to verl too (float(True) == 1.0); strings and tensors are not accepted
+        if not isinstance(result, numbers.Real):
+            raise BadRewardValue(f"{_describe(self.fn)} returned {type(result).__name__} {_one_line(repr(result))}; "
+                                 "expected a number or a dict with a numeric 'score'")
+        if not math.isfinite(result):  # one NaN reward poisons the advantages of its whole batch (or group)
+            raise BadRewardValue(f"{_describe(self.fn)} returned {result!r}; expected a finite number")
+        return float(result)
+
+    def score_all(self, responses: list[str], ground_truths: list[str]) -> list[float]:
+        """Every row's score, in order, or a ``RewardFunctionError`` for the first row that fails.
+
+        The calls run on a helper thread while this one waits: a call that never returns is abandoned after
+        ``timeout_s`` (a thread cannot be killed; it stays blocked as a daemon, which does not keep the
+        process alive while the run ends), and a real Ctrl-C still reaches the caller (signals go to the
+        main thread) while a KeyboardInterrupt the function raises itself is reported as its failure.
+        signal.alarm instead would interrupt only Python code on the main thread and clash with a
+        function's own alarm; verl's reward loop also calls these functions from an executor thread."""
+        scores: list[float] = []
+        failure: list[BaseException] = []
+        current = (0, time.monotonic())  # (row being scored, when its call began): swapped whole
+        done = threading.Event()
+
+        def score_rows() -> None:
+            nonlocal current
+            try:
+                for row, (response, truth) in enumerate(zip(responses, ground_truths)):
+                    current = (row, time.monotonic())
+                    scores.append(self(response, truth))
+            except BaseException as e:  # SystemExit and KeyboardInterrupt too: the function's, not ours
+                failure.append(e)
+            finally:
+                done.set()
+
+        def time_left() -> float | None:  # of the call in progress
+            return None if self.timeout_s is None else max(0.0, current[1] + self.timeout_s - time.monotonic())
+
+        threading.Thread(target=score_rows, name="custom reward function", daemon=True).start()
+        while not done.wait(time_left()):
+            row, began = current
+            if time.monotonic() - began >= self.timeout_s:
+                raise RewardFunctionError(f"{_describe(self.fn)} did not return within custom_reward_function."
+                                          f"timeout_s={self.timeout_s:g} s", row)
+        if failure:
+            raise RewardFunctionError(self._failure(failure[0]), row=len(scores))
+        return scores
+
+    def _failure(self, error: BaseException) -> str:
+        if isinstance(error, BadRewardValue):
+            return str(error)
+        if isinstance(error, SystemExit):
+            return f"{_describe(self.fn)} called sys.exit({error.code!r})"
+        detail = f": {_one_line(error)}" if str(error) else ""
+        return f"{_describe(self.fn)} raised {type(error).__name__}{detail}"
+
+
+def adapt_to_scorer(fn: Callable, data_source: str = "custom", timeout_s: float | None = None) -> CustomScorer:
+    """A suite scorer ``(response_text, ground_truth) -> float`` calling ``fn`` with ``data_source``;
+    ``timeout_s``: custom_reward_function.timeout_s."""
+    return CustomScorer(fn, data_source, timeout_s)

@@ -17,28 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridflow import device
-
-
-@contextlib.contextmanager
-def _vllm_groups_from(groups: list[tuple[int, ...]] | None):
-    """While vLLM builds its process groups, map its consecutive rank layout (ExternalDP x ... x TP,
-    TP fastest) onto ``groups``: virtual rank replica * t_g + i is real rank groups[replica][i]."""
-    if not groups or len(groups[0]) == 1:
-        yield
-        return
-    import vllm.distributed.parallel_state as vps
-
-    real = [r for group in groups for r in group]
-    original = vps.init_model_parallel_group
-
-    def remapped(group_ranks, *args, **kwargs):
-        return original([[real[r] for r in ranks] for ranks in group_ranks], *args, **kwargs)
-
-    vps.init_model_parallel_group = remapped
-    try:
-        yield
-    finally:
-        vps.init_model_parallel_group = original
+from hybridflow.patches import vllm_engine
+from hybridflow.util import environ
 
 
 def _unique_dist_ident() -> str:
@@ -52,26 +32,6 @@ def _unique_dist_ident() -> str:
     if dist.is_initialized():
         dist.broadcast_object_list(ident, src=0)
     return ident[0]
-
-
-@contextlib.contextmanager
-def _cpu_shm_names(prefix: str | None):
-    """vLLM's CPU TP communicator names its /dev/shm segments from the init method's port, which under
-    the external launcher is the same for every engine ("env://"): a segment leaked by a killed process
-    then makes the next engine with the same groups fail (EEXIST). Prefix the names with ``prefix``
-    while the engine is built (the only time they are made)."""
-    if prefix is None:
-        yield
-        return
-    from vllm.distributed.device_communicators import cpu_communicator as cc
-
-    original = cc._CPUSHMDistributed.make_group_name
-    cc._CPUSHMDistributed.make_group_name = staticmethod(
-        lambda comm: f"{prefix}-{comm.unique_name}-[{'-'.join(str(r) for r in comm.ranks)}]-cpushm")
-    try:
-        yield
-    finally:
-        cc._CPUSHMDistributed.make_group_name = original
 
 
 class _ReportOnce(logging.Filter):
@@ -100,20 +60,6 @@ def _report_reload_warnings_once() -> None:
         layerwise.addFilter(_ReportOnce())
 
 
-@contextlib.contextmanager
-def _env(**values: str):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def check_free_memory(utilization: float) -> None:
     """vLLM refuses to start unless ``utilization x total`` device memory is free (v1/worker/utils.py);
     say so in one line, with what to change, before it fails deep inside the engine."""
@@ -131,8 +77,6 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 8
-    n: int = 1
-    seed: int | None = None
 
 
 class VLLMRollout:
@@ -158,6 +102,11 @@ class VLLMRollout:
         self.dtype = device.torch_dtype(dtype)
         # Sleep mode raises on CPU; CUDA graphs do not exist there.
         self.sleep_mode = on_gpu and free_cache_engine
+        # On CUDA/ROCm vLLM computes with unquantized weights exactly as loaded (UnquantizedLinearMethod and
+        # UnquantizedEmbeddingMethod.process_weights_after_loading repack only on CPU and XPU), so its
+        # parameters are the vLLM-layout TP shard itself and can be overwritten in place: no
+        # checkpoint-shaped staging copy. vLLM-CPU repacks its linear weights: they go through the loaders.
+        self.takes_shards = on_gpu
         self._asleep: set[str] = set()
         kwargs = dict(enable_sleep_mode=True) if self.sleep_mode else {}
         if max_num_batched_tokens is not None:
@@ -168,26 +117,20 @@ class VLLMRollout:
         local_rank = str(device.current().index or 0)
         self._shm_prefix = None
         if tensor_parallel_size > 1:
+            if not on_gpu:
+                vllm_engine.eager_vocab_mask()
             kwargs["distributed_executor_backend"] = "external_launcher"
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer owns thread placement
             self._shm_prefix = _unique_dist_ident()
         if on_gpu:
             check_free_memory(gpu_memory_utilization)
-        # vLLM's CPU worker replaces torch.set_num_threads with a no-op process-wide and reseeds the
-        # global RNG: keep the trainer's thread count and RNG stream as they were.
-        set_threads, rng = torch.set_num_threads, torch.get_rng_state()
-        threads = torch.get_num_threads()
-        try:
-            with _vllm_groups_from(generation_groups), _cpu_shm_names(self._shm_prefix), _env(LOCAL_RANK=local_rank):
-                self.llm = LLM(model=hf_dir, tokenizer=hf_dir, dtype=dtype, load_format="dummy",
-                               enforce_eager=enforce_eager or not on_gpu, max_model_len=max_model_len,
-                               tensor_parallel_size=tensor_parallel_size, seed=seed,
-                               gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
-                               disable_log_stats=True, disable_custom_all_reduce=True, **kwargs)
-        finally:
-            torch.set_num_threads = set_threads
-            torch.set_num_threads(threads)
-            torch.set_rng_state(rng)
+        with (vllm_engine.keep_threads_and_rng(), vllm_engine.generation_groups(generation_groups),
+              vllm_engine.shm_names(self._shm_prefix), environ(LOCAL_RANK=local_rank)):
+            self.llm = LLM(model=hf_dir, tokenizer=hf_dir, dtype=dtype, load_format="dummy",
+                           enforce_eager=enforce_eager or not on_gpu, max_model_len=max_model_len,
+                           tensor_parallel_size=tensor_parallel_size, seed=seed,
+                           gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
+                           disable_log_stats=True, disable_custom_all_reduce=True, **kwargs)
         self.sleep()  # until the first sync: the dummy weights and the KV cache take nothing from training
         _report_reload_warnings_once()
 
@@ -225,27 +168,32 @@ class VLLMRollout:
             self.llm.wake_up(tags=todo)
             self._asleep -= set(todo)
 
-    def update_weights(self, weights) -> None:
-        """Load new HF-named weights in place (a dict or an iterable of (name, tensor), consumed as it
-        is produced; each moved to this worker's device in vLLM's dtype), then drop cached prefixes
-        computed with the old ones. The weights must be awake (``wake_up(["weights"])``)."""
+    def update_weights(self, weights, *, shards: bool = False) -> None:
+        """Load new weights in place (a dict or an iterable of (name, tensor), consumed as it is produced;
+        each moved to this worker's device in vLLM's dtype), then drop cached prefixes computed with the
+        old ones. The weights must be awake (``wake_up(["weights"])``). They are HF-named checkpoint
+        tensors for vLLM's loaders, or with ``shards`` (only where ``takes_shards``) this rank's vLLM
+        parameters themselves, which vLLM copies in place (reload_weights with is_checkpoint_format=False,
+        model_executor/model_loader/reload/inplace.py)."""
+        if shards and not self.takes_shards:
+            raise ValueError("this vLLM engine repacks its weights after loading: hand it checkpoint names")
         items = weights.items() if isinstance(weights, dict) else weights
         cast = ((name, device.to_device(t, dtype=self.dtype)) for name, t in items)
-        self._worker().reload_weights(weights_iterator=cast)
+        self._worker().reload_weights(weights_iterator=cast, is_checkpoint_format=not shards)
         self.llm.reset_prefix_cache()
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[list[int]]]:
-        """Token ids of ``sampling.n`` responses per prompt (EOS included when produced); weights and KV
-        cache must be awake (``wake_up(["weights", "kv_cache"])``)."""
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:
+        """Token ids of one response per prompt (EOS included when produced; repeat a prompt for more);
+        weights and KV cache must be awake (``wake_up(["weights", "kv_cache"])``). Sampling draws from the
+        process's seeded RNG streams, which checkpoints save and restore."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         greedy = sampling.temperature == 0
         params = SamplingParams(
-            n=sampling.n, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
-            top_k=-1 if greedy else sampling.top_k, max_tokens=sampling.max_new_tokens,
-            seed=sampling.seed, skip_special_tokens=False,
+            temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
+            top_k=-1 if greedy else sampling.top_k, max_tokens=sampling.max_new_tokens, skip_special_tokens=False,
             detokenize=False)  # the caller scores decoded ids itself; vLLM's per-token detokenizing is waste
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
                                  use_tqdm=False)
-        return [[list(c.token_ids) for c in o.outputs] for o in outs]
+        return [list(o.outputs[0].token_ids) for o in outs]

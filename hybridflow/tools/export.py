@@ -4,6 +4,11 @@ tokenizer, sharded safetensors with index) that transformers and vLLM load.
 One process loads the actor at TP1/PP1 with dist_checkpointing (any saved layout reshards on load) and
 streams it out one layer at a time; the optimizer state is not read. DIR may be a checkpoint
 (``.../checkpoints/step_<k>``) or a run's output_dir (its latest checkpoint).
+
+Nothing is lost: before anything is written, a damaged checkpoint is named in one line, and HF_DIR is
+refused when it is an existing file or a non-empty folder (``--force`` replaces it, atomically) or when
+it is, holds or lies in a run's folder (refused even with ``--force``). Exit status: 0 done; 2 refused;
+1 the checkpoint failed to load (damage its files' sizes do not show).
 """
 
 from __future__ import annotations
@@ -13,17 +18,55 @@ import os
 import sys
 from pathlib import Path
 
+from hybridflow.config import ConfigError
+from hybridflow.megatron.checkpoint_files import DamagedCheckpoint
+
 
 def resolve(path: str) -> Path:
+    """The checkpoint ``--checkpoint`` names, whole (ConfigError naming the damaged file otherwise)."""
     from hybridflow.trainer import checkpoint
 
     p = Path(path)
-    if checkpoint.is_complete(p):
-        return p
-    found = checkpoint.latest(str(p))
+    found = p if checkpoint.is_complete(p) else checkpoint.latest(str(p))
     if found is None:
-        raise FileNotFoundError(f"--checkpoint: {path} is neither a complete checkpoint nor a run folder with one")
+        raise ConfigError(f"--checkpoint: {path} is neither a complete checkpoint nor a run folder with one")
+    if (damage := checkpoint.find_damage(found, roles=("actor",), rng=False)) is not None:
+        raise ConfigError(f"--checkpoint: checkpoint {found} is damaged: {damage}")
     return found
+
+
+def check_destination(out_dir: str, force: bool) -> None:
+    """ConfigError, before anything is written, when writing ``out_dir`` could destroy data: it lies in a
+    run's checkpoints, or it exists (not an empty folder) and is, holds or lies in a run's folder (refused
+    even with ``force``); or, without ``force``, it is an existing file or a non-empty folder."""
+    from hybridflow.trainer import checkpoint
+    from hybridflow.workers.export import run_file_in
+
+    out = Path(out_dir).resolve()  # a link to a run is the run
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"--out {out_dir}: {parent} is a file, not a folder")
+        if (parent / checkpoint.STATE_FILE).is_file() or (parent / checkpoint.LATEST).is_file():
+            raise ConfigError(f"--out {out_dir} lies inside a run's checkpoints ({parent}); "
+                              "choose a folder outside them")
+    empty_dir = out.is_dir() and next(out.iterdir(), None) is None
+    if not out.exists() or empty_dir:
+        return
+    never = "a run's files are never replaced, even with --force"
+    for folder in (out, *out.parents):
+        if (marker := run_file_in(folder)) is not None:
+            where = "is a run folder" if folder == out else f"lies inside the run folder {folder}"
+            raise ConfigError(f"--out {out_dir} {where} (it holds {marker}); {never}")
+    if out.is_dir():
+        for folder, _, _ in os.walk(out):
+            if (marker := run_file_in(Path(folder))) is not None:
+                raise ConfigError(f"--out {out_dir} contains the run folder {folder} (it holds {marker}); {never}")
+    if force:
+        return
+    if not out.is_dir():
+        raise ConfigError(f"--out {out_dir} is an existing file; pass --force to replace it")
+    raise ConfigError(f"--out {out_dir} is a folder that is not empty ({len(list(out.iterdir()))} entries); "
+                      "pass --force to replace it")
 
 
 def export(ckpt: Path, out_dir: str) -> None:
@@ -59,14 +102,21 @@ def export(ckpt: Path, out_dir: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="hybridflow export", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="a checkpoint folder, or a run's output_dir (latest)")
-    ap.add_argument("--out", required=True, help="the HF folder to write (replaced atomically)")
+    ap.add_argument("--out", required=True, help="the HF folder to write (a new or empty folder)")
+    ap.add_argument("--force", action="store_true",
+                    help="replace an existing --out (atomically); never a run's folder or its files")
     args = ap.parse_args(argv)
     try:
         ckpt = resolve(args.checkpoint)
-    except FileNotFoundError as e:
+        check_destination(args.out, args.force)
+    except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    export(ckpt, args.out)
+    try:
+        export(ckpt, args.out)
+    except DamagedCheckpoint as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"exported {ckpt} -> {args.out}")
     return 0
 

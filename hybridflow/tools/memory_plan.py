@@ -24,18 +24,31 @@ Assumptions (estimates meant to err on the high side, not exact accounting):
   peak is the larger of its training and forward-only passes.
 - Offload (megatron.param_offload / grad_offload / optimizer_offload): an offloaded item is on the GPU
   only while its role computes; the reference follows actor.megatron.param_offload. The roles compute one
-  after another, so training = the resident items of all roles + the largest (offloaded items +
-  activations) of a single role.
-- vLLM takes gpu_memory_utilization x gpu_mem in generation (weights + KV cache + its own activations;
-  its start-up check wants that much free). With rollout.free_cache_engine it sleeps outside generation
-  (weights on host, KV cache freed), else it holds that budget in every phase. KV-cache budget = budget -
-  vLLM weights (P*bytes(rollout.dtype)/t_g); it must be > 0.
+  after another, and each gives its cached blocks back when it is done (megatron/role.py empties the
+  allocator's cache after every compute, the reward model worker after scoring), so training = the
+  resident items of all roles + the largest (offloaded items + activations) of a single role.
+- The reward model (reward_model.enable) sits on the actor's GPUs in reward_model.dtype, its parameters
+  (its own config.json: a value head hidden x 1) resident in every phase; scoring a micro-batch of
+  reward_model.micro_batch_size x max_length tokens holds one layer's activations.
+- vLLM takes gpu_memory_utilization x gpu_mem in generation (weights + KV cache + its own activations +
+  its CUDA-graph pool, which vLLM 0.32 profiles into that budget: gpu_worker.determine_available_memory;
+  its start-up check wants that much free). With rollout.free_cache_engine it sleeps outside generation:
+  level 1 offloads the weights to host and discards the KV cache (device_allocator/sleep_mode_backend.py,
+  CuMemBackend.suspend), but the CUDA-graph pool stays on the GPU: graphs are captured into torch's graph
+  pool, outside the allocator that sleeps, unless sleep_mode_offload_cudagraph is set (off by default;
+  compilation/cudagraph_pool.capture_pool). That pool is counted while vLLM sleeps unless
+  rollout.enforce_eager (no graphs): --cuda-graph-gib, 2 GiB by
+  default, above the 0.4-1.5 GiB vLLM reports for 7B-1T models ("Estimated CUDA graph memory" in its
+  start-up log gives the real figure). Without free_cache_engine vLLM holds its whole budget in every
+  phase. KV-cache budget = budget - vLLM weights (P*bytes(rollout.dtype)/t_g); it must be > 0.
 - Transition (hybridflow/resharding/transition.py): vLLM weights awake, the actor params (loaded back even
   when offloaded), the engine's gathered generation shard (P*bytes/t_g in the actor's dtype, own copy
   included: DESIGN's peak M/(t_g*p_g)), the largest group assembled at a time (hybrid: a decoder layer,
   the embeddings or lm_head, /t_g; gather_all: a whole pipeline stage unsharded), every other resident item.
-- A fixed 2 GiB per GPU for CUDA contexts and NCCL buffers. The reward model runs on host: not counted.
-  The critic on a separate pool (critic.placement = separate) gets its own table.
+  On GPU vLLM takes the shard in its own layout (VLLMRollout.takes_shards): no checkpoint-shaped staging
+  copy (vLLM-CPU's loaders need one; reshard/staging_bytes reports it there).
+- A fixed 2 GiB per GPU for CUDA contexts and NCCL buffers. The critic on a separate pool
+  (critic.placement = separate) gets its own table.
 """
 
 from __future__ import annotations
@@ -46,9 +59,11 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 GiB = 2 ** 30
 CONTEXT_BYTES = 2 * GiB
+CUDA_GRAPH_GIB = 2.0  # a sleeping vLLM's CUDA-graph pool (see the docstring)
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -129,8 +144,19 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
     return Role(name, items, off, max(train, fwd), label)
 
 
-def plan(cfg, shape: Shape, gpu_mem_gib: float) -> dict:
-    """{phase: [(item, bytes)]} per GPU, plus 'params', 'kv_cache' (bytes) and 'critic_params'."""
+def reward_model_role(rm, shape: Shape) -> Role:
+    """The reward model: a HF model (one rank, no offload) scoring micro-batches forward-only."""
+    hf = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
+                         dtype=rm.dtype)
+    act = activation_bytes(shape, rm.micro_batch_size, rm.max_length, hf, 1, False)
+    return Role("reward model", {"params": count_params(shape, value_head=True) * BYTES[rm.dtype]}, set(), act,
+                f"forward {rm.micro_batch_size} x {rm.max_length} tokens")
+
+
+def plan(cfg, shape: Shape, gpu_mem_gib: float, *, rm_shape: Shape | None = None,
+         cuda_graph_gib: float = CUDA_GRAPH_GIB) -> dict:
+    """{phase: [(item, bytes)]} per GPU, plus 'params', 'kv_cache' (bytes) and 'critic_params'.
+    ``rm_shape``: the reward model's shapes (required when reward_model.enable)."""
     P, n, seq = count_params(shape), cfg.resources.n_workers, cfg.data.max_prompt_length + cfg.data.max_response_length
     roles = [make_role("actor", cfg.actor, P, shape, seq, n, shape.vocab)]
     if cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss:
@@ -141,17 +167,26 @@ def plan(cfg, shape: Shape, gpu_mem_gib: float) -> dict:
         critic = make_role("critic", cfg.critic, P_c, shape, seq, cfg.resources.critic_n_workers if separate else n, 1)
         critic.on_actor_gpus = not separate
         roles.append(critic)
+    if cfg.reward_model.enable:
+        if rm_shape is None:
+            raise ValueError("reward_model.enable: the reward model's shapes are needed (rm_shape)")
+        roles.append(reward_model_role(cfg.reward_model, rm_shape))
     here = [r for r in roles if r.on_actor_gpus]
     ro = cfg.rollout
     budget, asleep = ro.gpu_memory_utilization * gpu_mem_gib * GiB, ro.free_cache_engine
     vllm_weights = P * BYTES[ro.dtype] / ro.tensor_model_parallel_size
+    graphs = 0.0 if ro.enforce_eager else cuda_graph_gib * GiB  # held while vLLM sleeps
     ctx = [("CUDA context + NCCL buffers (fixed)", CONTEXT_BYTES)]
 
     def resident(skip=()):
         return [(f"{r.name} {k}", v) for r in here for k, v in r.resident.items() if (r.name, k) not in skip]
 
     busy = max(here, key=lambda r: sum(r.loaded.values()) + r.activations)
-    training = ctx + [("vLLM (asleep)" if asleep else "vLLM (awake: free_cache_engine false)", 0 if asleep else budget)]
+    if not asleep:
+        vllm_idle = ("vLLM (awake: free_cache_engine false)", budget)
+    else:
+        vllm_idle = ("vLLM (asleep: its CUDA-graph pool stays)", graphs) if graphs else ("vLLM (asleep, eager)", 0)
+    training = ctx + [vllm_idle]
     training += resident() + [(f"{busy.name} {k} (loaded while it computes)", v) for k, v in busy.loaded.items()]
     training.append((f"{busy.name} activations ({busy.act_label})", busy.activations))
 
@@ -161,10 +196,12 @@ def plan(cfg, shape: Shape, gpu_mem_gib: float) -> dict:
         piece = ("largest piece assembled (hybrid)", max(layer_params(shape), shape.vocab * shape.hidden) * by_a / t_g)
     else:  # gather_all holds a whole pipeline stage unsharded while converting it
         piece = ("one stage gathered in full (gather_all)", P * by_a / cfg.actor.megatron.pipeline_model_parallel_size)
-    transition = ctx + [("vLLM weights (awake)" if asleep else "vLLM (awake, whole budget)", vllm_weights if asleep else budget),
-                        ("actor params (loaded for the sync)", actor.items["params"]),
-                        ("resharding: gathered generation shard", P * by_a / t_g),
-                        (f"resharding: {piece[0]}", piece[1])]
+    transition = ctx + [("vLLM weights (awake)" if asleep else "vLLM (awake, whole budget)", vllm_weights if asleep else budget)]
+    if asleep and graphs:
+        transition.append(("vLLM CUDA-graph pool", graphs))
+    transition += [("actor params (loaded for the sync)", actor.items["params"]),
+                   ("resharding: gathered generation shard", P * by_a / t_g),
+                   (f"resharding: {piece[0]}", piece[1])]
     transition += resident(skip={("actor", "params")})
 
     generation = ctx + [(f"vLLM ({ro.gpu_memory_utilization:g} x {gpu_mem_gib:g} GiB: weights + KV cache)", budget)] + resident()
@@ -184,10 +221,10 @@ def peaks(result: dict) -> dict:
     return {k: sum(b for _, b in rows) for k, rows in phases(result).items()}
 
 
-def find_shapes(model_path: str, explicit: str | None) -> str:
+def find_shapes(model_path: str, explicit: str | None, key: str = "model.path", flag: str = "--model-config") -> str:
     if explicit:
         if not os.path.isfile(explicit):
-            raise FileNotFoundError(f"--model-config: no such file: {explicit}")
+            raise FileNotFoundError(f"{flag}: no such file: {explicit}")
         return explicit
     name = os.path.basename(os.path.normpath(model_path)).lower() + ".json"
     tried = [os.path.join(model_path, "config.json"), os.path.join("configs", "models", name),
@@ -195,8 +232,8 @@ def find_shapes(model_path: str, explicit: str | None) -> str:
     for path in tried:
         if os.path.isfile(path):
             return path
-    raise FileNotFoundError(f"no model shapes for model.path {model_path}: none of {', '.join(tried[:2])} "
-                            "exists (pass --model-config FILE, a HF config.json)")
+    raise FileNotFoundError(f"no model shapes for {key} {model_path}: none of {', '.join(tried[:2])} "
+                            f"exists (pass {flag} FILE, a HF config.json)")
 
 
 def render(result: dict, gpu_mem_gib: float) -> tuple[str, bool]:
@@ -220,11 +257,24 @@ def render(result: dict, gpu_mem_gib: float) -> tuple[str, bool]:
     return "\n".join(lines), fits
 
 
+def _read_shape(path: str) -> Shape:
+    try:
+        with open(path) as f:
+            return Shape.from_hf(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError) as e:  # ValueError covers bad JSON
+        raise ValueError(f"{path}: not a HF config.json ({type(e).__name__}: {e})") from e
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hybridflow.tools.memory_plan", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="experiment YAML")
     ap.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU (default 80)")
     ap.add_argument("--model-config", help="HF config.json with the model's shapes (default: see docstring)")
+    ap.add_argument("--reward-model-config", help="HF config.json of the reward model's shapes (default: found "
+                                                  "from reward_model.path as --model-config is from model.path)")
+    ap.add_argument("--cuda-graph-gib", type=float, default=CUDA_GRAPH_GIB,
+                    help=f"a sleeping vLLM's CUDA-graph pool, GiB (default {CUDA_GRAPH_GIB:g}; vLLM logs its own "
+                         "estimate at start-up)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = ap.parse_args(argv)
     from hybridflow.config import ConfigError, load_config
@@ -233,17 +283,20 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(ExperimentConfig, [args.config], args.overrides)
         shapes = find_shapes(cfg.model.path, args.model_config)
+        rm_shapes = (find_shapes(cfg.reward_model.path, args.reward_model_config, "reward_model.path",
+                                 "--reward-model-config") if cfg.reward_model.enable else None)
     except (ConfigError, OSError) as e:
         print(f"memory_plan: {e}", file=sys.stderr)
         return 2
     try:
-        with open(shapes) as f:
-            shape = Shape.from_hf(json.load(f))
-    except (OSError, ValueError, KeyError, TypeError) as e:  # ValueError covers bad JSON
-        print(f"memory_plan: {shapes}: not a HF config.json ({type(e).__name__}: {e})", file=sys.stderr)
+        shape = _read_shape(shapes)
+        rm_shape = _read_shape(rm_shapes) if rm_shapes else None
+    except ValueError as e:
+        print(f"memory_plan: {e}", file=sys.stderr)
         return 2
     print(f"{args.config}: {cfg.model.path} (shapes from {shapes}), {cfg.resources.n_workers} GPUs, per GPU:")
-    text, fits = render(plan(cfg, shape, args.gpu_mem), args.gpu_mem)
+    result = plan(cfg, shape, args.gpu_mem, rm_shape=rm_shape, cuda_graph_gib=args.cuda_graph_gib)
+    text, fits = render(result, args.gpu_mem)
     print(text)
     return 0 if fits else 1
 

@@ -3,21 +3,46 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from hybridflow.algorithms import compute_advantage, kl_penalty, masked_mean
 from hybridflow.protocol import Batch
-from hybridflow.rewards import score_batch
+from hybridflow.rewards import on_last_token, score_batch
+from hybridflow.rewards.custom import CustomScorer, RewardFunctionError
 
 
 def score_responses(batch: Batch, tokenizer, scorer) -> Batch:
     """Decode responses, score them against ``answer`` with ``scorer(response, answer)``; adds
-    ``scores`` and ``token_level_scores``."""
+    ``scores`` and ``token_level_scores``. A user reward function that fails is a one-line
+    ``RewardFunctionError`` naming the row (its prompt and response)."""
     mask = batch.tensors["response_mask"]
     texts = [tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
              for r, m in zip(batch.tensors["responses"], mask)]
-    scores, token_scores = score_batch(scorer, texts, batch.non_tensors["answer"], mask)
+    if isinstance(scorer, CustomScorer):
+        try:
+            scores = torch.tensor(scorer.score_all(texts, [str(a) for a in batch.non_tensors["answer"]]))
+        except RewardFunctionError as e:
+            raise RewardFunctionError(f"{e} on {_describe_row(batch, tokenizer, texts, e.row)}", e.row) from e
+        token_scores = on_last_token(scores, mask)
+    else:
+        scores, token_scores = score_batch(scorer, texts, batch.non_tensors["answer"], mask)
     return batch.union(Batch.from_dict(tensors={"scores": scores, "token_level_scores": token_scores},
                                        non_tensors={"response_text": np.array(texts, dtype=object)}))
+
+
+def _describe_row(batch: Batch, tokenizer, responses: list[str], row: int) -> str:
+    """Row ``row`` of the batch as a user finds it again: its data_source (when the data has one), prompt
+    and response, shortened."""
+    def short(text) -> str:
+        text = str(text)
+        return repr(text if len(text) <= 60 else text[:57] + "...")
+
+    prompts = batch.tensors["prompts"]
+    prompt = prompts[row][batch.tensors["attention_mask"][row, :prompts.shape[1]].bool()]
+    source = batch.non_tensors.get("data_source")
+    return (f"row {row} of {len(batch)} of the batch ({'' if source is None else f'data_source {short(source[row])}, '}"
+            f"prompt {short(tokenizer.decode(prompt.tolist(), skip_special_tokens=True))}, "
+            f"response {short(responses[row])})")
 
 
 def apply_kl_in_reward(batch: Batch, kl_coef: float, kind: str) -> tuple[Batch, float]:

@@ -36,8 +36,15 @@ def main(argv=None) -> int:
     """Exit status: 0 done; 2 bad input (one line, nothing started); 75 preempted (SIGTERM/SIGUSR1, a
     checkpoint was written: rerun to resume); 1 the run failed (a worker died, a non-finite loss: the
     message names it and the last good checkpoint); 128+N killed by signal N (SIGINT: 130)."""
-    import torch
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C where Python's default handler was still (or again) in place
+        print("interrupted (SIGINT)", file=sys.stderr)
+        return 130
 
+
+def _main(argv) -> int:
+    from hybridflow import device
     from hybridflow.trainer.session import RunFailed, Trainer
     from hybridflow.trainer.signals import EXIT_PREEMPTED, Preempted
     from hybridflow.versions import check_stack
@@ -46,7 +53,7 @@ def main(argv=None) -> int:
         cfg = load(argv)
         # Before the quickstart preparation (an SFT warm start) and before Ray: a wrong vLLM, TE or
         # transformers fails here in one line, not at the first weight sync.
-        check_stack(torch.cuda.is_available())
+        check_stack(device.has_gpu())
         checked = None if cfg.prepare.enable else preflight.check_run(cfg)
         trainer = Trainer(cfg, checked=checked)  # with prepare.enable: prepares, then checks
     except ConfigError as e:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from hybridflow.util import write_atomically
 
 CONSOLE_KEYS = [  # (metric, short label, format)
     # The KL to the reference (in the reward, or as a loss term); ppo_kl is 0 for an on-policy update.
@@ -20,13 +21,21 @@ CONSOLE_KEYS = [  # (metric, short label, format)
 class Timer:
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.stages: list[str] = []  # the stages being timed now, outermost first
+        self.failed_in: str | None = None  # the innermost stage an exception left (failures name it)
 
     @contextmanager
     def __call__(self, name: str):
         start = time.perf_counter()
+        self.stages.append(name)
         try:
             yield
+        except BaseException:
+            if self.failed_in is None:
+                self.failed_in = "/".join(self.stages)
+            raise
         finally:
+            self.stages.pop()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def pop(self) -> dict:
@@ -47,9 +56,7 @@ class MetricsLog:
             lines = (self.dir / "metrics.jsonl").read_text().splitlines()
             self.rows = [row for row in map(json.loads, filter(None, lines)) if row["step"] <= resume_step]
         if self.path is not None:
-            tmp = self.path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
-            os.replace(tmp, self.path)
+            write_atomically(self.path, "".join(json.dumps(row) + "\n" for row in self.rows))
 
     def log(self, step: int, metrics: dict) -> dict:
         row = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}

@@ -2,69 +2,17 @@
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
-
 import torch
+
 from hybridflow.algorithms import make_kl_controller
-from hybridflow.controller import RayWorkerGroup, ResourcePool
 from hybridflow.data.dataset import PromptDataset
 from hybridflow.protocol import Batch
 from hybridflow.rewards import get_scorer, on_last_token
 from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, as_group_ids, rollout_metrics,
                                           score_responses)
 from hybridflow.trainer.metrics import Timer
+from hybridflow.trainer.placement import WorkerGroups
 from hybridflow.util import mean_by_key
-
-
-@dataclass
-class WorkerGroups:
-    actor_rollout: RayWorkerGroup
-    critic: RayWorkerGroup | None = None
-    reward_model: RayWorkerGroup | None = None
-    pools: list = field(default_factory=list)
-
-    def shutdown(self) -> None:
-        try:
-            self.actor_rollout.close()
-        except Exception as e:  # a dead worker cannot clean up; the groups are killed regardless
-            logging.getLogger(__name__).warning("rollout close failed: %s", e)
-        for group in (self.actor_rollout, self.critic, self.reward_model):
-            if group is not None:
-                group.shutdown()
-        for pool in self.pools:
-            pool.remove()
-
-
-def build_worker_groups(cfg) -> WorkerGroups:
-    """Placement: actor/rollout/ref share one pool with the colocated critic and the reward model
-    (each taking an equal share of every bundle); a separate critic gets a pool of its own."""
-    from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
-    from hybridflow.workers.critic import CriticWorker
-    from hybridflow.workers.reward_model import RewardModelWorker
-
-    res = cfg.resources
-    bundle = dict(cpus_per_bundle=res.cpus_per_worker, gpus_per_bundle=res.gpus_per_worker)
-    pool = ResourcePool("actor_rollout_ref", res.n_workers, **bundle)
-    colocated_critic = cfg.use_critic and cfg.critic.placement == "colocated"
-    share = 1.0 / (1 + colocated_critic + cfg.reward_model.enable)
-    needs_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
-    groups = WorkerGroups(RayWorkerGroup(pool, ActorRolloutRefWorker, cfg, needs_ref,
-                                         name_prefix="actor_rollout_ref", share=share), pools=[pool])
-    # On GPUs, wait until the actors (and their vLLM engines) are built: vLLM measures the free device
-    # memory while it starts, and a colocated role allocating at the same time would skew or break that.
-    # On CPUs its KV cache has a fixed size (rollout.kv_cache_gib), so the critic starts alongside.
-    if res.gpus_per_worker > 0:
-        groups.actor_rollout.dispatch_infos()
-    if cfg.use_critic:
-        critic_pool = pool if colocated_critic else ResourcePool("critic", res.critic_n_workers, **bundle)
-        if critic_pool is not pool:
-            groups.pools.append(critic_pool)
-        groups.critic = RayWorkerGroup(critic_pool, CriticWorker, cfg, name_prefix="critic",
-                                       share=share if colocated_critic else 1.0)
-    if cfg.reward_model.enable:
-        groups.reward_model = RayWorkerGroup(pool, RewardModelWorker, cfg, name_prefix="reward_model", share=share)
-    return groups
 
 
 def training_scorer(cfg):
@@ -75,10 +23,13 @@ def training_scorer(cfg):
         return get_scorer(cfg.reward.name)
     from hybridflow.rewards.custom import adapt_to_scorer, load_custom_reward_function
 
-    return adapt_to_scorer(load_custom_reward_function(c.path, c.name))
+    return adapt_to_scorer(load_custom_reward_function(c.path, c.name), timeout_s=c.timeout_s)
 
 
-class PPOTrainer:
+class PPODriver:
+    """The single controller's algorithm: holds the prompts, scorers and KL controller, and calls the worker
+    groups, which hold the models, through their typed interfaces (workers/interfaces.py)."""
+
     def __init__(self, cfg, tokenizer, workers: WorkerGroups):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.actor_rollout, self.critic, self.reward_model = workers.actor_rollout, workers.critic, workers.reward_model

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,9 @@ from pathlib import Path
 from hybridflow.config import ConfigError
 from hybridflow.config.schema import ExperimentConfig
 from hybridflow.trainer import checkpoint
+from hybridflow.trainer.run_lock import RunLock
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,7 +31,10 @@ def check_run(cfg: ExperimentConfig) -> Checked:
     """All checks of a run, in the order a user would fix them."""
     model, tokenizer, n_train = check_files(cfg)
     check_resources(cfg)
-    return Checked(model, tokenizer, n_train, resume_checkpoint(cfg, model))
+    check_ray(cfg)
+    checked = Checked(model, tokenizer, n_train, resume_checkpoint(cfg, model))
+    check_trackers(cfg)
+    return checked
 
 
 def check_files(cfg: ExperimentConfig):
@@ -43,7 +50,7 @@ def check_files(cfg: ExperimentConfig):
     model, tokenizer = check_model_folder(cfg)
     if cfg.reward_model.enable and not os.path.isdir(cfg.reward_model.path):
         raise ConfigError(f"reward_model.path: not a model folder: {cfg.reward_model.path}")
-    check_output_dir(cfg.trainer.output_dir)
+    check_output_dir(cfg.trainer.output_dir, save_hf=cfg.trainer.save_hf_at_end)
     from hybridflow.data.dataset import PromptDataset
 
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
@@ -54,6 +61,9 @@ def check_files(cfg: ExperimentConfig):
                                  max_prompt_length=d.max_prompt_length)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{key}: {e}") from None
+        for file, rows in data.unrepresentable.items():  # training goes on: these prompts lose characters
+            log.warning("%s: %d prompts in %s hold characters the tokenizer of %s cannot represent (unknown "
+                        "tokens, or dropped); the first is row %d", key, len(rows), file, cfg.model.path, rows[0])
         if key == "data.train_files" and len(data) < d.batch_size:
             raise ConfigError(f"data.train_files: {len(data)} prompts cannot fill one batch of "
                               f"data.batch_size={d.batch_size}")
@@ -64,9 +74,11 @@ def check_files(cfg: ExperimentConfig):
 
 
 def check_model_folder(cfg: ExperimentConfig):
-    """model.path holds a readable config, safetensors weights and a tokenizer, and the model's context
-    fits the longest prompt plus response; returns (HF config, tokenizer)."""
+    """model.path holds a readable config whose RoPE megatron reproduces, safetensors weights and a
+    tokenizer, and the model's context fits the longest prompt plus response; returns (HF config, tokenizer)."""
     from transformers import AutoConfig, AutoTokenizer
+
+    from hybridflow.megatron.model import check_rope_supported
 
     path = cfg.model.path
     if not os.path.isdir(path):
@@ -75,8 +87,13 @@ def check_model_folder(cfg: ExperimentConfig):
         model = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot read {path}/config.json ({str(e).splitlines()[0][:120]})") from None
+    try:
+        check_rope_supported(model)
+    except ValueError as e:
+        raise ConfigError(f"model.path: {e} in {path}/config.json") from None
     if not list(Path(path).glob("*.safetensors")):
         raise ConfigError(f"model.path: no *.safetensors weights in {path}")
+    check_weight_shapes(path, model)
     # Without its files AutoTokenizer quietly builds an empty tokenizer from config.json alone.
     if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise ConfigError(f"model.path: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json) in {path}")
@@ -93,7 +110,46 @@ def check_model_folder(cfg: ExperimentConfig):
     return model, tokenizer
 
 
-def check_output_dir(path: str) -> None:
+def check_weight_shapes(path: str, model) -> None:
+    """The safetensors headers parse and cover their files, and hold the embedding and attention shapes
+    config.json implies: a vocab, hidden size or head count that disagrees with the weights (or a truncated
+    or garbage file) fails here in one line, not in a worker loading them. Reads the headers only
+    (``safe_open`` memory-maps; no tensor is loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    shapes, file_of = {}, {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as weights:
+                for name in weights.keys():
+                    shapes[name], file_of[name] = list(weights.get_slice(name).get_shape()), f.name
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"model.path: {f} is not a readable safetensors file ({e})") from None
+    hidden, heads, kv_heads = model.hidden_size, model.num_attention_heads, model.num_key_value_heads
+    head_dim = getattr(model, "head_dim", None) or hidden // heads  # as hybridflow.megatron.convert derives it
+    head = f"head_dim {head_dim}" + ("" if getattr(model, "head_dim", None) else f" (hidden_size / {heads} heads)")
+    vocab = f"[vocab_size {model.vocab_size}, hidden_size {hidden}]"
+    expected = {"model.embed_tokens.weight": ([model.vocab_size, hidden], vocab)}
+    if not getattr(model, "tie_word_embeddings", False):
+        expected["lm_head.weight"] = ([model.vocab_size, hidden], vocab)
+    for i in range(model.num_hidden_layers):
+        attn = f"model.layers.{i}.self_attn."
+        expected[attn + "q_proj.weight"] = ([heads * head_dim, hidden],
+                                            f"[num_attention_heads {heads} x {head}, hidden_size {hidden}]")
+        expected[attn + "k_proj.weight"] = ([kv_heads * head_dim, hidden],
+                                            f"[num_key_value_heads {kv_heads} x {head}, hidden_size {hidden}]")
+    for name, (shape, meaning) in expected.items():
+        if name not in shapes:
+            raise ConfigError(f"model.path: the safetensors in {path} lack {name}, which its config.json "
+                              f"({model.num_hidden_layers} layers) needs")
+        if shapes[name] != shape:
+            raise ConfigError(f"model.path: {name} in {path}/{file_of[name]} has shape {shapes[name]}, but "
+                              f"config.json says {meaning}")
+
+
+def check_output_dir(path: str, save_hf: bool = True) -> None:
+    """output_dir, and the checkpoints/ (and actor_hf/ export) folders in it when they exist, take files:
+    found now, not at the first save or the final export."""
     import tempfile
 
     try:
@@ -102,6 +158,18 @@ def check_output_dir(path: str) -> None:
             pass
     except OSError as e:
         raise ConfigError(f"trainer.output_dir: cannot write to {path} ({e.strerror or e})") from None
+    RunLock(path).ensure_free()  # a folder another run is using is refused as such, before anything else
+    for sub in ("checkpoints", "actor_hf") if save_hf else ("checkpoints",):
+        folder = Path(path) / sub
+        if not folder.exists():
+            continue  # made in output_dir, which takes files
+        if not folder.is_dir():
+            raise ConfigError(f"trainer.output_dir: {folder} is a file; the run writes a folder there")
+        try:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as e:
+            raise ConfigError(f"trainer.output_dir: cannot write to {folder} ({e.strerror or e})") from None
 
 
 def check_layouts(cfg: ExperimentConfig, model) -> None:
@@ -151,7 +219,7 @@ def resume_checkpoint(cfg: ExperimentConfig, model) -> Path | None:
                               "checkpoints/ to start over there")
         return None
     if t.resume == "auto":
-        path = checkpoint.latest(t.output_dir)
+        path = checkpoint.newest_whole(t.output_dir)  # a damaged newest one is passed over with a warning
         if path is None and ran_before:
             raise ConfigError(f"trainer.output_dir: {t.output_dir} holds a run with no complete checkpoint to "
                               "resume; choose another output_dir, or delete its metrics.jsonl to start over there")
@@ -160,6 +228,8 @@ def resume_checkpoint(cfg: ExperimentConfig, model) -> Path | None:
         if not checkpoint.is_complete(path):
             raise ConfigError(f"trainer.resume: {t.resume} is not a complete checkpoint "
                               f"(no {checkpoint.STATE_FILE}; expected .../checkpoints/step_<k>)")
+        if (damage := checkpoint.find_damage(path)) is not None:
+            raise ConfigError(f"trainer.resume: checkpoint {t.resume} is damaged: {damage}")
     if path is not None:
         check_checkpoint_fits(cfg, model, path)
     return path
@@ -189,12 +259,78 @@ def check_resources(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"resources: the worker pools need {needed['CPU']:g} CPUs (n_workers x cpus_per_worker), "
                           f"the embedded Ray cluster has {cpus} (ray.num_cpus)")
     if needed["GPU"]:
-        import torch
+        from hybridflow import device
 
-        gpus = torch.cuda.device_count()
+        gpus = device.accelerator_count()
         if needed["GPU"] > gpus:
             raise ConfigError(f"resources: the worker pools need {needed['GPU']:g} GPUs (n_workers x "
                               f"gpus_per_worker), this machine has {gpus}")
+
+
+_RAY_CONNECT_TIMEOUT_S = 5
+
+
+def check_ray(cfg: ExperimentConfig) -> None:
+    """A joined cluster answers at ray.address; an embedded cluster's temp_dir can hold Ray's sockets."""
+    if cfg.ray.address is not None:
+        check_ray_address(cfg.ray.address)
+    elif cfg.ray.temp_dir is not None:
+        check_ray_temp_dir(cfg.ray.temp_dir)
+
+
+def check_ray_address(address: str) -> None:
+    """A TCP connection to the cluster's GCS (or Ray client server) within a few seconds; ray.init would
+    otherwise retry for a minute and end in a traceback."""
+    import socket
+
+    if address == "local":  # ray.init starts a cluster of its own
+        return
+    if address == "auto":
+        # ray.init's own lookup: RAY_ADDRESS, the cluster `ray start` recorded, a local GCS process
+        # (ray/_private/services.py canonicalize_bootstrap_address_or_die)
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+
+        try:
+            address = canonicalize_bootstrap_address_or_die("auto")
+        except ConnectionError:
+            raise ConfigError("ray.address: 'auto' finds no running Ray cluster on this node (no RAY_ADDRESS, no "
+                              "`ray start`); start one or give its host:port") from None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"ray.address: expected host:port, ray://host:port or auto, got {address!r}")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=_RAY_CONNECT_TIMEOUT_S):
+            pass
+    except OSError as e:
+        reason = e.strerror or str(e) or type(e).__name__
+        raise ConfigError(f"ray.address: no Ray cluster answers at {host}:{port} within "
+                          f"{_RAY_CONNECT_TIMEOUT_S} s ({reason})") from None
+
+
+def check_ray_temp_dir(temp_dir: str) -> None:
+    path = Path(os.path.abspath(temp_dir))
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"ray.temp_dir: {temp_dir} is a file; Ray needs a folder there")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"ray.temp_dir: cannot create or write {temp_dir} ({existing} is not a writable folder)")
+    from hybridflow.controller.cluster import AF_UNIX_PATH_MAX, MAX_TEMP_DIR_BYTES, RAY_SOCKET_TAIL
+
+    longest = len(str(path).encode()) + len(RAY_SOCKET_TAIL)
+    if longest > AF_UNIX_PATH_MAX:
+        raise ConfigError(f"ray.temp_dir: {temp_dir} is too long: Ray's socket paths in it reach {longest} bytes "
+                          f"(<temp_dir>{RAY_SOCKET_TAIL}), over the {AF_UNIX_PATH_MAX}-byte limit of Unix sockets; "
+                          f"keep the absolute path within {MAX_TEMP_DIR_BYTES} bytes")
+
+
+def check_trackers(cfg: ExperimentConfig) -> None:
+    """wandb without credentials logs offline (one warning) instead of failing when the tracker starts."""
+    from hybridflow.trainer.tracking import wandb_falls_back_offline
+
+    if "wandb" in cfg.trainer.logger and wandb_falls_back_offline():
+        log.warning("trainer.logger: wandb finds no credentials (WANDB_API_KEY, or an entry in ~/.netrc) and "
+                    "WANDB_MODE is not offline: logging offline to %s/wandb (upload later with `wandb sync`)",
+                    cfg.trainer.output_dir)
 
 
 def required_resources(cfg: ExperimentConfig) -> dict:

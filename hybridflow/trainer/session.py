@@ -25,7 +25,9 @@ from hybridflow.config import ConfigError, config_to_dict, dump_yaml, load_confi
 from hybridflow.config.schema import ExperimentConfig
 from hybridflow.trainer import checkpoint, preflight
 from hybridflow.trainer.metrics import Timer
+from hybridflow.trainer.run_lock import RunLock
 from hybridflow.trainer.signals import Preempted, StopRequests
+from hybridflow.util import write_atomically
 
 log = logging.getLogger(__name__)
 # Update metrics whose non-finite value means the step's update was skipped (trainer.on_nonfinite).
@@ -67,6 +69,8 @@ class Trainer:
         self.timer = Timer()
         self._to_first_step_s: float | None = None
         self._ray = self._workers = self.ppo = self.tracker = self._data = None
+        self.lock = RunLock(cfg.trainer.output_dir)  # one run per output_dir (checked above), held until close()
+        self.lock.acquire()
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -74,10 +78,12 @@ class Trainer:
         """Start Ray and the worker groups, load the checkpoint to resume from; idempotent."""
         if self.ppo is not None:
             return self
-        from hybridflow.trainer.ppo import PPOTrainer, build_worker_groups
+        from hybridflow.trainer.placement import build_worker_groups
+        from hybridflow.trainer.ppo import PPODriver
         from hybridflow.trainer.tracking import Tracker
 
         cfg = self.cfg
+        self.lock.acquire()  # again after a close()
         self.stops.install()
         dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.yaml"))  # the resolved config of this run
         try:
@@ -90,7 +96,7 @@ class Trainer:
         try:
             with self._failures_named():  # a worker that dies while starting is named too
                 self._workers = build_worker_groups(cfg)
-                self.ppo = PPOTrainer(cfg, self.tokenizer, self._workers)
+                self.ppo = PPODriver(cfg, self.tokenizer, self._workers)
             self._record_placement()
             state = self._resume() if self.resume_from is not None else None
             self.tracker = Tracker(cfg.trainer, config_to_dict(cfg), resume_step=state and state["step"])
@@ -111,10 +117,7 @@ class Trainer:
 
         w = self._workers
         placement = {g.name: g.node_names for g in (w.actor_rollout, w.critic, w.reward_model) if g is not None}
-        path = Path(self.cfg.trainer.output_dir) / "placement.json"
-        tmp = path.with_name(".placement.json.tmp")
-        tmp.write_text(json.dumps(placement, indent=1))
-        os.replace(tmp, path)
+        write_atomically(Path(self.cfg.trainer.output_dir) / "placement.json", json.dumps(placement, indent=1))
         log.warning("placement (node of each rank): %s", placement)
 
     def close(self) -> None:
@@ -126,6 +129,7 @@ class Trainer:
         if self._ray is not None:
             self._ray.shutdown()
         self._ray = self._workers = self.ppo = self.tracker = None
+        self.lock.release()
 
     def __enter__(self) -> Trainer:
         return self
@@ -221,7 +225,7 @@ class Trainer:
             self.model_config.save_pretrained(str(tmp / "hf"))  # what the export needs besides weights
             self.tokenizer.save_pretrained(str(tmp / "hf"))
 
-        with self.timer("save"), self._failures_named():
+        with self._failures_named(), self.timer("save"):
             path = checkpoint.save(t.output_dir, self.step_count, write_parts, driver_state, t.max_checkpoints)
         self.last_checkpoint = path
         return path
@@ -241,10 +245,14 @@ class Trainer:
         return self.save_checkpoint()
 
     def _resume(self) -> dict:
+        from hybridflow.controller.worker_group import WorkerGroupError
+
         state = self._resume_state
         same_layout = state.get("layout") == _layout(self.cfg)
-        with self._failures_named():
+        try:
             self.ppo.load_checkpoint(str(self.resume_from), state, restore_rng=same_layout)
+        except WorkerGroupError as error:  # damage the checks before start cannot see (garbage of the right size)
+            raise RunFailed(f"cannot resume from {self.resume_from}: {error.summary}") from error
         log.warning("resumed from %s (step %d%s)", self.resume_from, self.step_count,
                     "" if same_layout else ", another layout: random streams start afresh")
         return state
@@ -253,13 +261,19 @@ class Trainer:
 
     @contextlib.contextmanager
     def _failures_named(self):
-        """A worker group failure becomes a ``RunFailed`` naming the role, rank, node and last checkpoint."""
+        """A worker group failure becomes a ``RunFailed`` naming the role, rank, node and last checkpoint; so
+        does a user reward function that fails on a row."""
         from hybridflow.controller.worker_group import WorkerGroupError
+        from hybridflow.rewards.custom import RewardFunctionError
 
+        self.timer.failed_in = None
         try:
             yield
         except WorkerGroupError as error:
-            raise RunFailed(f"{error.summary}; last good checkpoint: {self.last_checkpoint or 'none'}") from error
+            stage = f"stage {self.timer.failed_in}: " if self.timer.failed_in else ""
+            raise RunFailed(f"{stage}{error.summary}; last good checkpoint: {self.last_checkpoint or 'none'}") from error
+        except RewardFunctionError as error:
+            raise RunFailed(f"{error}; last good checkpoint: {self.last_checkpoint or 'none'}") from error
 
 
 def check_finite(metrics: dict, step: int, policy: str, last_checkpoint: Path | None) -> bool:

@@ -5,6 +5,7 @@ wandb table. The metrics PNG is drawn from the rows at the end of every run."""
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from pathlib import Path
 
@@ -76,11 +77,35 @@ def _md(text: str) -> str:
 
 def _start_wandb(t, config_dict: dict, out: Path):
     """One wandb run per output_dir: its id is kept there, so a resumed run continues the same wandb run.
-    WANDB_MODE=offline (or no API key configured) writes under <output_dir>/wandb for a later sync."""
+    WANDB_MODE=offline, or no credentials (``wandb_falls_back_offline``), writes under <output_dir>/wandb
+    for a later ``wandb sync``."""
     import wandb
 
     id_file = out / "wandb_run_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
     id_file.write_text(run_id)
     return wandb.init(project=t.project_name, name=t.experiment_name, id=run_id, resume="allow", dir=str(out),
-                      config=config_dict)
+                      config=config_dict, mode="offline" if wandb_falls_back_offline() else None)
+
+
+def wandb_falls_back_offline() -> bool:
+    """True when wandb would go online without credentials: it raises then (or prompts in a terminal), so
+    the run logs offline instead (the preflight says so in one line)."""
+    offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
+    return not offline and not _wandb_credentials_found()
+
+
+def _wandb_credentials_found() -> bool:
+    """Where wandb itself looks (wandb/sdk/lib/wbauth): WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE, then a
+    .netrc entry (NETRC, else ~/.netrc) for the host of WANDB_BASE_URL."""
+    import netrc
+    from urllib.parse import urlsplit
+
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    path = Path(os.environ.get("NETRC") or "~/.netrc").expanduser()
+    try:
+        return path.is_file() and netrc.netrc(str(path)).authenticators(host) is not None
+    except (netrc.NetrcParseError, OSError):  # an unreadable .netrc holds no usable key either
+        return False

@@ -99,9 +99,13 @@ class ActorRolloutRefWorker(Worker):
         start = time.perf_counter()
         self.rollout.wake_up(["weights"])
         with torch.no_grad(), self.actor.resident():
-            me = self.rollout_layout.ranks[self.rank]
-            self.rollout.update_weights(to_checkpoint_names(self.resharder.stream(stats), self.actor.hf_config,
-                                                            k=me.gen_tp_rank, t_g=self.rollout_layout.t_g))
+            shard = self.resharder.stream(stats)
+            if self.rollout.takes_shards:  # GPU: vLLM's parameters are the shard's layout; no staging
+                self.rollout.update_weights(shard, shards=True)
+            else:
+                me = self.rollout_layout.ranks[self.rank]
+                self.rollout.update_weights(to_checkpoint_names(shard, self.actor.hf_config, k=me.gen_tp_rank,
+                                                                t_g=self.rollout_layout.t_g, stats=stats))
         stats.seconds = time.perf_counter() - start
         return {**stats.as_metrics(), **device.memory_stats("memory/reshard")}
 
@@ -121,7 +125,7 @@ class ActorRolloutRefWorker(Worker):
         self.rollout.wake_up(["weights", "kv_cache"])
         outs = self.rollout.generate(prompt_ids, sampling)
         self.rollout.sleep()
-        new = responses_to_batch(prompts, [o[0] for o in outs], self.cfg.data.max_response_length,
+        new = responses_to_batch(prompts, outs, self.cfg.data.max_response_length,
                                  self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
         kept = {k: v for k, v in prompts.tensors.items() if k not in new.tensors}
         return Batch(tensors={**kept, "prompts": ids, **new.tensors}, non_tensors=prompts.non_tensors,

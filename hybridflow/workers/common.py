@@ -2,21 +2,39 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+
+
+def open_hf_folder(path: str) -> tuple:
+    """(HF config, ``HFWeights``) of a HF model folder with safetensors weights: nothing is read until
+    asked for, so a rank converting its shard reads only that (megatron/hf_weights.py)."""
+    from transformers import AutoConfig
+
+    from hybridflow.megatron.hf_weights import HFWeights
+
+    weights = HFWeights(path)
+    return AutoConfig.from_pretrained(path), weights
 
 
 def load_hf_folder(path: str) -> tuple:
-    """(HF config, full state dict) of a HF model folder with safetensors weights."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
+    """(HF config, full state dict in host memory), for tools and tests that want every tensor."""
+    config, weights = open_hf_folder(path)
+    return config, dict(weights.items())
 
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in model folder {path}")
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return AutoConfig.from_pretrained(path), state
+
+def megatron_process_env(megatron_cfg, on_gpu: bool) -> dict[str, str]:
+    """Environment variables a megatron role's worker processes need from their start (Ray's runtime_env).
+
+    With tensor parallelism on GPU, megatron-core overlaps its TP communication (the sequence-parallel
+    gathers and reduce-scatters, the async all-reduce of input gradients) with compute only if the device
+    runs kernels in the order they were issued, through one hardware queue: CUDA_DEVICE_MAX_CONNECTIONS=1
+    (megatron-core 0.16.1 tensor_parallel/layers.py, ``linear_with_grad_accumulation_and_async_allreduce``,
+    warns without it; TE's TP comm overlap relies on it too). CUDA reads it when it creates the process's
+    context, so it has to be in the environment before anything touches the GPU. A value set in the
+    driver's environment is passed on instead."""
+    if not on_gpu or not (megatron_cfg.tensor_model_parallel_size > 1 or megatron_cfg.sequence_parallel):
+        return {}
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")}
 
 
 def optim_settings(optim, megatron_cfg):
@@ -39,13 +57,13 @@ def offload_settings(megatron_cfg, params_only: bool = False):
 
 def init_megatron_worker(worker, megatron_cfg, seed: int, model_path: str, timeout_s: float) -> tuple:
     """Join the group's torch.distributed world, create megatron's groups for the role's layout, and
-    load the HF weights the role starts from: (HF config, full state dict)."""
+    open the HF weights the role starts from: (HF config, ``HFWeights``, read lazily)."""
     from hybridflow.megatron import parallel
 
     worker.init_distributed(timeout_s=timeout_s)
     parallel.init_model_parallel(megatron_cfg.tensor_model_parallel_size, megatron_cfg.pipeline_model_parallel_size,
                                  seed=seed, timeout_s=timeout_s)
-    return load_hf_folder(model_path)
+    return open_hf_folder(model_path)
 
 
 def save_role_checkpoint(worker, role, name: str, path: str) -> None:

@@ -1,5 +1,6 @@
 """Write a HF model folder atomically (a crash never leaves a half-written checkpoint), streamed into
-safetensors shards with the index file transformers and vLLM read."""
+safetensors shards with the index file transformers and vLLM read. A folder holding a training run is
+never replaced."""
 
 from __future__ import annotations
 
@@ -10,6 +11,14 @@ import tempfile
 from pathlib import Path
 
 MAX_SHARD_BYTES = 4 * 2**30  # transformers' default shard size for save_pretrained is 5 GB
+# What a training run writes into its output_dir and checkpoints (trainer/session.py, trainer/checkpoint.py):
+# a folder holding one of these belongs to a run.
+RUN_FILES = ("checkpoints", "metrics.jsonl", "trainer_state.json", "latest")
+
+
+def run_file_in(folder: Path) -> str | None:
+    """The file that marks ``folder`` as a run's output_dir, its checkpoints/ or a checkpoint; None if none."""
+    return next((f for f in RUN_FILES if (folder / f).exists()), None)
 
 
 def _write_shards(tmp: Path, items, max_shard_bytes: int) -> None:
@@ -47,8 +56,12 @@ def _write_shards(tmp: Path, items, max_shard_bytes: int) -> None:
 
 
 def save_hf_folder(out_dir: str, hf_config, weights, tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
-    """``weights``: a state dict, or an iterable of (HF name, tensor) consumed as it is produced."""
+    """``weights``: a state dict, or an iterable of (HF name, tensor) consumed as it is produced. An
+    existing ``out_dir`` (a folder or a file) is replaced once the new folder is whole; one holding a run's
+    files is refused (FileExistsError) before anything is written."""
     out = Path(out_dir)
+    if out.is_dir() and (marker := run_file_in(out)) is not None:
+        raise FileExistsError(f"{out} holds a training run ({marker}); a run folder is never replaced")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -59,11 +72,19 @@ def save_hf_folder(out_dir: str, hf_config, weights, tokenizer=None, max_shard_b
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():
+    if out.exists() or out.is_symlink():
         old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
         os.replace(out, old)
         os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     else:
         os.replace(tmp, out)
+
+
+def _remove(path: Path) -> None:
+    """A folder with its files, or a file or link (never what a link points to)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridflow import device
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import Batch
 
@@ -18,7 +19,10 @@ class RewardModelWorker(Worker):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         rm = cfg.reward_model
-        self.model = AutoModelForSequenceClassification.from_pretrained(rm.path, dtype=torch.float32).eval()
+        # On this worker's device (its GPU share: an fp32 model on the host would leave it idle and
+        # take host memory and time), in the configured dtype.
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            rm.path, dtype=device.torch_dtype(rm.dtype)).to(device.current()).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward_model.path {rm.path}: expected one output logit, got num_labels="
                              f"{self.model.config.num_labels}")
@@ -43,5 +47,7 @@ class RewardModelWorker(Worker):
             for start in range(0, len(texts), self.micro_batch_size):
                 enc = self.tokenizer(texts[start:start + self.micro_batch_size], return_tensors="pt", padding=True,
                                      truncation=True, max_length=self.max_length)
-                scores.append(self.model(**enc).logits[:, 0].float())
+                scores.append(device.to_host(self.model(**device.to_device(dict(enc))).logits[:, 0].float()))
+        if device.on_accelerator():
+            torch.cuda.empty_cache()  # its activations' blocks back, for vLLM and the colocated roles
         return Batch.from_dict(tensors={"rm_scores": torch.cat(scores)})

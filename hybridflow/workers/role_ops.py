@@ -14,98 +14,8 @@ from hybridflow.algorithms import (GlobalBatch, aggregate_loss, compute_policy_l
                                    value_loss)
 from hybridflow.megatron.role import MegatronRole, token_log_probs, vocab_parallel_entropy
 from hybridflow.protocol import Batch
+from hybridflow.workers import row_layout
 from hybridflow.util import mean_by_key
-
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
-
-
-def micro_batches(batch: Batch, size: int, extra_keys=(), seq_multiple: int = 1,
-                  share_prompts: bool = False) -> list[dict]:
-    """Dicts for megatron's schedule, one per ``size`` rows, laid out so the model's attention is exact.
-
-    Rows arrive as left-padded prompts followed by right-padded responses. By default each row is rotated
-    so that its tokens come first and all of its padding follows them: a causal-only attention (TE's
-    flash/cuDNN kernels ignore any padding mask) then never lets a real token see a pad. Columns that no
-    row of the micro-batch uses are trimmed. With ``share_prompts`` (the CPU path: megatron's local
-    attention honours an explicit mask), consecutive rows with the same prompt (a GRPO group) become one
-    packed row instead: the prompt once, then each response, with a mask letting every response see the
-    prompt and itself only and positions continuing from the prompt (``shared_prompt_rows``).
-
-    The length is padded to ``seq_multiple`` (sequence parallel splits it across TP ranks). Outputs are
-    read per response token: ``sample_row`` [N] is the packed row of each of the N input rows,
-    ``response_index`` [N, R] the positions whose outputs predict its response tokens, ``response_labels``
-    [N, R] those tokens and ``response_valid`` [N, R] where they exist. Built on the host; the engine moves
-    each micro-batch to the device right before its forward.
-    """
-    P, R = _lengths(batch)
-    out = []
-    for mb in batch.select(tensor_keys=[*MODEL_INPUTS, *extra_keys]).split(size):
-        d = shared_prompt_rows(mb, P, seq_multiple) if share_prompts else None
-        out.append({**(d or _rotated_rows(mb, P, R, seq_multiple)), **{k: mb.tensors[k] for k in extra_keys}})
-    return out
-
-
-def _rotated_rows(mb: Batch, P: int, R: int, seq_multiple: int) -> dict:
-    mask = mb.tensors["attention_mask"]
-    s = mask.shape[1]
-    lead = (mask.cumsum(1) == 0).sum(1)  # left padding of each row
-    rotate = (torch.arange(s)[None] + lead[:, None]) % s
-    length = int(mask.sum(1).max())
-    length += -length % seq_multiple
-    d = {}
-    for k in MODEL_INPUTS:
-        t = mb.tensors[k].gather(1, rotate)[:, :length]
-        d[k] = torch.nn.functional.pad(t, (0, length - t.shape[1])) if length > s else t
-    d["sample_row"] = torch.arange(len(mb))
-    d["response_index"] = ((P - 1 - lead)[:, None] + torch.arange(R)[None]).clamp(max=length - 1)
-    d["response_labels"] = mb.tensors["input_ids"][:, P:]
-    d["response_valid"] = mask[:, P:]
-    return d
-
-
-def shared_prompt_rows(mb: Batch, P: int, seq_multiple: int = 1) -> dict | None:
-    """One packed row per run of consecutive rows with the same prompt: [prompt, response 1, ...,
-    response n], with ``packed_mask`` [G, 1, S, S] (True = masked: megatron's convention) letting each
-    token see the prompt's earlier tokens and its own response's, and ``position_ids`` restarting each
-    response right after the prompt, so every output equals the unpacked row's. None when no prompt
-    repeats (nothing to share)."""
-    ids, mask = mb.tensors["input_ids"], mb.tensors["attention_mask"].bool()
-    prompts = torch.where(mask[:, :P], ids[:, :P], -1)
-    starts = [0] + [i for i in range(1, len(mb)) if not torch.equal(prompts[i], prompts[i - 1])]
-    if len(starts) == len(mb):
-        return None
-    groups = list(zip(starts, starts[1:] + [len(mb)]))
-    rows, segments, positions, index = [], [], [], torch.zeros(len(mb), mask.shape[1] - P, dtype=torch.long)
-    for first, end in groups:
-        prompt = ids[first, :P][mask[first, :P]]
-        tokens, seg, pos = [prompt], [torch.zeros(len(prompt), dtype=torch.long)], [torch.arange(len(prompt))]
-        at = len(prompt)
-        for i in range(first, end):
-            resp = ids[i, P:][mask[i, P:]]
-            tokens.append(resp)
-            seg.append(torch.full((len(resp),), i - first + 1))
-            pos.append(len(prompt) + torch.arange(len(resp)))
-            # the prompt's last token predicts the first response token; each response token the next
-            index[i, 0] = len(prompt) - 1
-            index[i, 1:len(resp)] = at + torch.arange(max(len(resp) - 1, 0))
-            at += len(resp)
-        rows.append(torch.cat(tokens))
-        segments.append(torch.cat(seg))
-        positions.append(torch.cat(pos))
-    length = max(len(r) for r in rows)
-    length += -length % seq_multiple
-    pad = lambda ts, v: torch.stack([torch.nn.functional.pad(t, (0, length - len(t)), value=v) for t in ts])  # noqa: E731
-    seg = pad(segments, -1)  # -1: padding
-    q, k = seg[:, :, None], seg[:, None, :]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    allowed = causal & (((k == 0) & (q >= 0)) | (k == q))
-    allowed |= torch.eye(length, dtype=torch.bool)  # padding attends to itself: no empty softmax row
-    return {
-        "input_ids": pad(rows, 0), "position_ids": pad(positions, 0), "packed_mask": ~allowed[:, None],
-        "sample_row": torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([e - f for f, e in groups])),
-        "response_index": index, "response_labels": ids[:, P:], "response_valid": mask[:, P:].long(),
-    }
-
 
 def _picked(per_position: torch.Tensor, mb: dict) -> torch.Tensor:
     """Outputs [rows, s, ...] at the positions predicting each response token: [N, R, ...]."""
@@ -131,11 +41,6 @@ def response_values(values: torch.Tensor, mb: dict) -> torch.Tensor:
     return _valid(_picked(values[..., 0].float(), mb), mb)
 
 
-def _lengths(batch: Batch) -> tuple[int, int]:
-    r = batch.tensors["responses"].shape[1]
-    return batch.tensors["input_ids"].shape[1] - r, r
-
-
 def last_stage_batch(**tensors) -> Batch | None:
     """A Batch of the outputs; None on pipeline stages that have none (the controller collects only
     from the last stage)."""
@@ -149,7 +54,7 @@ def _concat(outputs: list[dict], key: str):
 
 
 def _micro_batches(role: MegatronRole, batch: Batch, size: int, extra_keys=()) -> list[dict]:
-    return micro_batches(batch, size, extra_keys, role.shard.tp_size if role.tf_config.sequence_parallel else 1,
+    return row_layout.micro_batches(batch, size, extra_keys, role.shard.tp_size if role.tf_config.sequence_parallel else 1,
                          share_prompts=role.shares_prompts)
 
 
@@ -187,8 +92,9 @@ def global_batch(mask: torch.Tensor, loss_scale_factor: float | None = None) -> 
 
 
 def _train(role, batch, *, mini_batch_size, micro_batch_size, epochs, keys, loss_fn, loss_scale_factor) -> dict:
-    """Optimizer steps over mini-batches. ``loss_fn(mb, output, whole)`` returns a micro-batch's share of
-    the mini-batch loss (normalized by ``whole``, the mini-batch's global counts) and its metrics.
+    """Optimizer steps over mini-batches, all in one residency of the role (``MegatronRole.train``).
+    ``loss_fn(mb, output, whole)`` returns a micro-batch's share of the mini-batch loss (normalized by
+    ``whole``, the mini-batch's global counts) and its metrics.
 
     megatron's schedule divides every micro-batch loss by the number of micro-batches and its DDP averages
     gradients over data-parallel ranks; both are undone here, so the gradient is exactly that of the
@@ -196,28 +102,29 @@ def _train(role, batch, *, mini_batch_size, micro_batch_size, epochs, keys, loss
     are scaled the same way: their mean over micro-batches and ranks is the mini-batch loss."""
     from megatron.core import parallel_state as ps
 
-    all_metrics = []
-    for _ in range(epochs):
-        for mini in batch.split(mini_batch_size):
-            mbs = _micro_batches(role, mini, micro_batch_size, keys)
-            whole = global_batch(mini.tensors["response_mask"], loss_scale_factor)
-            scale = len(mbs) * ps.get_data_parallel_world_size()
+    def steps():  # built as the role asks for them, inside its residency
+        for _ in range(epochs):
+            for mini in batch.split(mini_batch_size):
+                mbs = _micro_batches(role, mini, micro_batch_size, keys)
+                whole = global_batch(mini.tensors["response_mask"], loss_scale_factor)
+                scale = len(mbs) * ps.get_data_parallel_world_size()
 
-            def scaled(mb, output, whole=whole, scale=scale):
-                loss, metrics = loss_fn(mb, output, whole)
-                # clone: megatron's schedule divides the returned loss in place
-                return loss * scale, {k: (v * scale).detach().clone() if k.endswith("loss") else v
-                                      for k, v in metrics.items()}
+                def scaled(mb, output, whole=whole, scale=scale):
+                    loss, metrics = loss_fn(mb, output, whole)
+                    # clone: megatron's schedule divides the returned loss in place
+                    return loss * scale, {k: (v * scale).detach().clone() if k.endswith("loss") else v
+                                          for k, v in metrics.items()}
 
-            all_metrics.append(role.train_mini_batch(mbs, scaled))
-    return mean_by_key(all_metrics)  # update_skipped: the fraction of steps megatron's loss scaler skipped
+                yield mbs, scaled
+
+    return mean_by_key(role.train(steps()))  # update_skipped: the fraction of steps megatron's loss scaler skipped
 
 
 def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rollout_n: int = 1) -> dict:
     """PPO clipped policy loss (+ optional KL-to-reference loss) over mini-batches of this DP shard; a
     mini-batch is ``ppo_mini_batch_size`` prompts with their ``rollout_n`` responses each (verl's meaning)."""
     a = actor_cfg
-    # Without old log-probs the update is on-policy (PPOTrainer.update_is_on_policy): its own log-probs,
+    # Without old log-probs the update is on-policy (PPODriver.update_is_on_policy): its own log-probs,
     # detached, are the old ones (ratio 1, the same gradient), and it reports the entropy the skipped
     # forward would have.
     on_policy = "old_log_probs" not in batch.tensors

@@ -49,8 +49,8 @@ def submit(slurm, tmp: Path, *overrides, env=None) -> int:
     job_dir.write_text(f"/tmp/hfc_{uuid.uuid4().hex[:8]}")
     return slurm.sbatch(*SBATCH, f"--output={tmp}/job-%j.out", f"--chdir={ROOT}",
                         "launchers/ppo_multinode.sh", "configs/quickstart_cpu.yaml", *overrides,
-                        env={"HF_PYTHON": sys.executable, "HF_SHARED_DIR": str(tmp / "shared"),
-                             "HF_JOB_DIR": job_dir.read_text(), **(env or {})})
+                        env={"HYBRIDFLOW_PYTHON": sys.executable, "HYBRIDFLOW_SHARED_DIR": str(tmp / "shared"),
+                             "HYBRIDFLOW_JOB_DIR": job_dir.read_text(), **(env or {})})
 
 
 def job_log(tmp: Path, job: int) -> str:
@@ -107,7 +107,7 @@ def test_node_that_never_registers_is_named(slurm, tmp_path):
     wrapper.chmod(0o755)
     before = {p.pid for p in psutil.process_iter()}
     start = time.monotonic()
-    job = submit(slurm, tmp_path, *short_run(tmp_path), env={"HF_PYTHON": str(wrapper), "HF_NODE_WAIT_S": "20"})
+    job = submit(slurm, tmp_path, *short_run(tmp_path), env={"HYBRIDFLOW_PYTHON": str(wrapper), "HYBRIDFLOW_NODE_WAIT_S": "20"})
     done = slurm.wait(job, timeout_s=240)
     log = job_log(tmp_path, job)
     assert done["JobState"] == "FAILED" and time.monotonic() - start < 120, log[-3000:]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hybridflow.spawn import run_ranks
+from tests.numerics import assert_close
 from tests.distributed.test_padding_free_and_offload import _settings, uneven_batch, write_policy_and_critic
 
 pytestmark = pytest.mark.distributed
@@ -71,8 +72,8 @@ def test_resume_at_same_and_other_layout(models, dtype):
     if dtype != "float32":
         return
     other = run_ranks(_rank_fn, 1, *args, False)[0]
+    # Other layout, other reduction order: equal up to fp32 rounding (critic/vf_loss is ~224).
     for key in ("actor/pg_loss", "critic/vf_loss"):
-        assert abs(other["metrics"][key] - straight["metrics"][key]) < 1e-5, key
+        assert_close(other["metrics"][key], straight["metrics"][key], what=f"TP2 -> TP1: {key}")
     for role in ("actor", "critic"):
-        for k, v in straight[role].items():
-            assert torch.allclose(v, other[role][k], atol=1e-5), f"TP2 -> TP1: {role} {k}"
+        assert_close(other[role], straight[role], what=f"TP2 -> TP1: {role}")

@@ -1,7 +1,7 @@
 """Every megatron layout (TP x PP x DP, sequence parallel when TP > 1) reproduces the single-rank run.
 
-On a fixed rollout-like batch: actor log-probs (vs single rank within 1e-5, vs HF transformers within 1e-4),
-critic values, one PPO policy update and one value update (gathered weights within 1e-5), and export to
+On a fixed rollout-like batch: actor log-probs (vs single rank within fp32 rounding, vs HF transformers within
+10x that: other kernels), critic values, one PPO policy update and one value update (gathered weights), and export to
 a HF folder then re-import into the same layout is bit-identical.
 """
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hybridflow.spawn import run_ranks
+from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
 
@@ -142,7 +143,8 @@ def hf_log_probs(hf_dir):
 
 def test_single_rank_matches_hf(hf_dir, single_rank, hf_log_probs):
     valid = rollout_batch().tensors["response_mask"].bool()
-    assert (single_rank["log_probs"] - hf_log_probs)[valid].abs().max() < 1e-4
+    # HF's unfused q/k/v and its own attention kernels: 10x the same-kernel tolerance.
+    assert_close(single_rank["log_probs"][valid], hf_log_probs[valid], slack=10, what="log-probs vs HF")
     assert all(single_rank["reimport"])
     from hybridflow.workers.common import load_hf_folder
 
@@ -155,14 +157,10 @@ def test_single_rank_matches_hf(hf_dir, single_rank, hf_log_probs):
 def test_layout_reproduces_single_rank(hf_dir, single_rank, hf_log_probs, t, p, d):
     got = _run(hf_dir, t, p, d)
     valid = rollout_batch().tensors["response_mask"].bool()
-    assert (got["log_probs"] - hf_log_probs)[valid].abs().max() < 1e-4
+    assert_close(got["log_probs"][valid], hf_log_probs[valid], slack=10, what="log-probs vs HF")
     for key in ("log_probs", "entropy", "values"):
-        diff = (got[key] - single_rank[key])[valid].abs().max().item()
-        assert diff < 1e-5, f"{key} differs by {diff}"
+        assert_close(got[key][valid], single_rank[key][valid], what=key)
     for role in ("actor_hf", "critic_hf"):
-        ref = single_rank[role]
-        assert set(got[role]) == set(ref)
-        worst = max((got[role][k] - ref[k]).abs().max().item() for k in ref)
-        assert worst < 1e-5, f"{role} weights after one update differ by {worst}"
+        assert_close(got[role], single_rank[role], what=f"{role} weights after one update")
     assert all(got["reimport"]), "export -> re-import is not bit-identical on some rank"
-    assert abs(got["actor_loss"] - single_rank["actor_loss"]) < 1e-5
+    assert_close(got["actor_loss"], single_rank["actor_loss"], what="actor loss")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hybridflow.spawn import run_ranks
+from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
 
@@ -23,7 +24,7 @@ def _fixed_batch():
     ids = torch.randint(3, 40, (3, 12), generator=g)
     mask = torch.ones_like(ids)
     # The engine runs causal-only attention (no padding mask, as TE does on GPU): its rows carry their
-    # padding after the real tokens (role_ops.micro_batches lays batches out so).
+    # padding after the real tokens (row_layout.micro_batches lays batches out so).
     mask[0, -4:] = 0
     mask[1, -1:] = 0
     return dict(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
@@ -46,7 +47,7 @@ def _rank_fn(rank, world, hf_dir):
         loss = -(token_log_probs(o, mb["labels"]) * mb["attention_mask"]).sum() / mb["attention_mask"].sum()
         return loss, {"loss": loss.detach()}
 
-    losses = [policy.train_mini_batch([mb], loss_fn)["loss"] for _ in range(3)]
+    losses = [m["loss"] for m in policy.train([([mb], loss_fn)] * 3)]
     value = MegatronRole(cfg, state, value_head=True)
     v = value.forward([mb], lambda mb, o: {"v": o[..., 0]})[0]["v"]
     return dict(lp=lp, exported=exported, losses=losses, values=v)
@@ -65,7 +66,7 @@ def test_megatron_matches_hf_and_trains(tmp_path):
         logits = hf(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"]).logits
     ref = torch.log_softmax(logits, -1).gather(-1, mb["labels"][..., None])[..., 0]
     valid = mb["attention_mask"].bool()
-    assert (out["lp"] - ref)[valid].abs().max() < 1e-4
+    assert_close(out["lp"][valid], ref[valid], slack=10, what="log-probs vs HF")  # other kernels
     _, state = load_hf_folder(hf_dir)
     assert set(out["exported"]) == set(state)
     assert all(torch.equal(out["exported"][k], state[k]) for k in state)  # export before training is exact

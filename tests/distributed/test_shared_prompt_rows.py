@@ -1,4 +1,4 @@
-"""The shared-prompt layout (role_ops.shared_prompt_rows, the CPU path for GRPO groups): one packed row per
+"""The shared-prompt layout (row_layout.shared_prompt_rows, the CPU path for GRPO groups): one packed row per
 group of rows with the same prompt gives the same log-probs, entropy, values and gradient as the rotated
 one-row-per-sample layout, for prompts of different lengths, responses of 0 to R tokens, and groups cut by
 a micro-batch boundary; at TP=2 with sequence parallel too."""
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hybridflow.spawn import run_ranks
+from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
 
@@ -67,9 +68,9 @@ def _rank_fn(rank, world, hf_dir, tp, micro):
 def test_shared_prompt_rows_equal_rotated_rows(tmp_path, tp, micro):
     from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
-    from hybridflow.workers import role_ops
+    from hybridflow.workers import row_layout
 
-    packed = role_ops.shared_prompt_rows(grouped_batch(), P)
+    packed = row_layout.shared_prompt_rows(grouped_batch(), P)
     assert packed["input_ids"].shape[0] == len(PROMPT_LENS)  # one row per group
     assert packed["input_ids"].shape[1] == max(PROMPT_LENS[g] + sum(RESPONSE_LENS[g * GROUP:(g + 1) * GROUP])
                                               for g in range(len(PROMPT_LENS)))
@@ -78,8 +79,8 @@ def test_shared_prompt_rows_equal_rotated_rows(tmp_path, tp, micro):
     rank0 = run_ranks(_rank_fn, tp, str(tmp_path), tp, micro)[0]
     rotated, shared = rank0[False], rank0[True]
     for key in ("log_probs", "entropy"):
-        torch.testing.assert_close(shared["lp"][key], rotated["lp"][key], rtol=1e-5, atol=1e-5, msg=key)
-    torch.testing.assert_close(shared["values"], rotated["values"], rtol=1e-5, atol=1e-6)
+        assert_close(shared["lp"][key], rotated["lp"][key], what=key)
+    assert_close(shared["values"], rotated["values"], what="values")
     assert (rotated["lp"]["log_probs"] != 0).sum() == sum(RESPONSE_LENS)  # every response token was scored
-    for name, g in rotated["grads"].items():
-        torch.testing.assert_close(shared["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
+    # Another attention layout (one packed row per group): summed over more terms in another order.
+    assert_close(shared["grads"], rotated["grads"], slack=10, what="gradient")

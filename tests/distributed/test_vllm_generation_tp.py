@@ -40,12 +40,29 @@ def _rank_fn(rank, world, hf_dir, p, t):
     rollout = VLLMRollout(hf_dir, max_model_len=32, tensor_parallel_size=2, seed=0, generation_groups=plan.replicas)
     resharder = Resharder(role.module, cfg, plan, "hybrid")
     stats = TransitionStats("hybrid")
-    rollout.update_weights(to_checkpoint_names(resharder.stream(stats), cfg, k=me.gen_tp_rank, t_g=2))
+    rollout.update_weights(to_checkpoint_names(resharder.stream(stats), cfg, k=me.gen_tp_rank, t_g=2, stats=stats))
     out = rollout.generate(PROMPTS, SamplingSettings(temperature=0, max_new_tokens=6))
     hf = {k: v.clone() for k, v in role.hf_state_dict().items()}
+    shard = {name: tuple(t.shape) for name, t in resharder.stream(TransitionStats("hybrid"))}
     prefix = rollout._shm_prefix
+    params = _vllm_parameter_shapes(rollout)
     rollout.close()
-    return {"tokens": [o[0] for o in out], "hf": hf if rank == 0 else None, "group": me.gen_group, "shm": prefix}
+    return {"tokens": out, "hf": hf if rank == 0 else None, "group": me.gen_group, "shm": prefix,
+            "shard": shard, "vllm_params": params, "staging_bytes": stats.staging_bytes}
+
+
+def _vllm_parameter_shapes(rollout) -> dict:
+    """{name: shape} of the engine's parameters in vLLM's model format, as its loader built them: vLLM
+    records them for in-place reloads before any backend repacking (reload/layerwise.py), all but the
+    biases (reload/meta.py, SKIP_TENSORS), which no backend repacks."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    model = rollout._worker().model_runner.get_model()
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters() if name.endswith(".bias")}
+    for prefix, module in model.named_modules():
+        params, _ = get_layerwise_info(module).restore_metadata
+        shapes.update({f"{prefix}.{name}" if prefix else name: tuple(t.shape) for name, t in params.items()})
+    return shapes
 
 
 @pytest.mark.parametrize("p,t", [(1, 4), (2, 2)], ids=["p1t4_to_tg2", "p2t2_to_tg2"])
@@ -69,6 +86,13 @@ def test_strided_generation_tp_matches_hf(tmp_path, p, t):
     assert len({r["group"] for r in results}) == 2
     for r in results:
         assert r["tokens"] == expected, f"generation group {r['group']}"
+    for r in results:
+        # The shard the GPU path hands vLLM as is (VLLMRollout.takes_shards) has exactly the names and
+        # shapes of vLLM's own parameters on that rank.
+        assert r["shard"] == r["vllm_params"], sorted(set(r["shard"].items()) ^ set(r["vllm_params"].items()))[:4]
+        # The CPU path stages checkpoint-shaped tensors, one at a time: counted at the largest, a whole
+        # checkpoint tensor.
+        assert r["staging_bytes"] == max(v.numel() * v.element_size() for v in results[0]["hf"].values())
     # vLLM's TP communicator segments carry this engine's own prefix and are gone after close()
     assert len({r["shm"] for r in results}) == 1
     import os

@@ -235,7 +235,8 @@ def test_rollout_after_validation_without_sync(gpu_assets, tmp_path):
     from transformers import AutoTokenizer
 
     from hybridflow.controller.decorator import get_register_spec
-    from hybridflow.trainer.ppo import PPOTrainer, build_worker_groups
+    from hybridflow.trainer.placement import build_worker_groups
+    from hybridflow.trainer.ppo import PPODriver
     from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 
     cfg = gpu_config(gpu_assets, tmp_path, 1, "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
@@ -244,7 +245,7 @@ def test_rollout_after_validation_without_sync(gpu_assets, tmp_path):
         workers = build_worker_groups(cfg)
         stuck = False
         try:
-            trainer = PPOTrainer(cfg, AutoTokenizer.from_pretrained(cfg.model.path), workers)
+            trainer = PPODriver(cfg, AutoTokenizer.from_pretrained(cfg.model.path), workers)
             probe = with_meta(trainer.val_data.batch(list(range(N_PROBE))), temperature=0.0)
             first = _vllm_tokens(trainer.actor_rollout.generate(probe))
             # The second call through a future with a deadline: if it hangs, the test fails instead.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,11 +14,13 @@ import psutil
 from tests.integration.conftest import SMALL
 
 
-def launch(assets, out: Path, *overrides) -> subprocess.Popen:
+def launch(assets, out: Path, *overrides, env: dict | None = None) -> subprocess.Popen:
+    """``env``: variables set for the run on top of this process's environment."""
     args = [sys.executable, "-m", "hybridflow.trainer.main", "--config", "configs/quickstart_cpu.yaml",
             "prepare.enable=false", f"model.path={assets}/sft", f"data.train_files=[{assets}/data/train.parquet]",
             f"data.val_files=[{assets}/data/val.parquet]", f"trainer.output_dir={out}", *SMALL, *overrides]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=None if env is None else {**os.environ, **env})
 
 
 def wait_for(condition, timeout_s: float, what: str, proc: subprocess.Popen | None = None, poll_s: float = 0.005):

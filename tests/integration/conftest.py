@@ -43,11 +43,12 @@ def run_steps(cfg, n_steps: int, check=None) -> list[dict]:
     from transformers import AutoTokenizer
 
     from hybridflow.trainer.metrics import Timer
-    from hybridflow.trainer.ppo import PPOTrainer, build_worker_groups
+    from hybridflow.trainer.placement import build_worker_groups
+    from hybridflow.trainer.ppo import PPODriver
 
     workers = build_worker_groups(cfg)
     try:
-        trainer = PPOTrainer(cfg, AutoTokenizer.from_pretrained(cfg.model.path), workers)
+        trainer = PPODriver(cfg, AutoTokenizer.from_pretrained(cfg.model.path), workers)
         data = trainer.train_data.iterate(cfg.data.batch_size, shuffle=True, seed=0)
         history = []
         for step in range(1, n_steps + 1):

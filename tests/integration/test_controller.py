@@ -43,7 +43,7 @@ class DPWorker(Worker):
         return {"rank": self.rank, "world_size": self.world_size, "tag": tag,
                 "local_rank": self.local_rank, "master": (self.master_addr, self.master_port),
                 "omp": os.environ["OMP_NUM_THREADS"], "torch_threads": torch.get_num_threads(),
-                "flag": os.environ.get("HF_TEST_FLAG")}
+                "flag": os.environ.get("HYBRIDFLOW_TEST_FLAG")}
 
     def _double(self, batch: Batch) -> Batch:
         return Batch.from_dict(
@@ -62,6 +62,10 @@ class DPWorker(Worker):
     def slow(self, seconds: float):
         time.sleep(seconds)
         return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def pid(self):
+        return os.getpid()
 
     @register(Dispatch.ONE_TO_ALL)
     def fail_on(self, rank: int):
@@ -121,7 +125,7 @@ class Colocated(Worker):
 @pytest.fixture(scope="module")
 def dp_group(ray_cluster):
     pool = ResourcePool("dp", world_size=2, cpus_per_bundle=0.25)
-    wg = RayWorkerGroup(pool, DPWorker, 2.0, name_prefix="dp", env={"HF_TEST_FLAG": "on"})
+    wg = RayWorkerGroup(pool, DPWorker, 2.0, name_prefix="dp", env={"HYBRIDFLOW_TEST_FLAG": "on"})
     yield wg
     wg.shutdown()
     pool.remove()
@@ -161,6 +165,55 @@ def test_rank_zero_and_non_blocking(dp_group):
     assert isinstance(fut, DispatchFuture)
     assert fut.get(timeout=30) == [0, 1] and fut.done()
     assert dp_group.execute_all("whoami") == [0, 1]  # any method, all ranks
+
+
+def test_stopped_worker_is_named_within_the_call_timeout(ray_cluster):
+    """A worker that is stuck rather than dead (SIGSTOP) ends the call after call_timeout_s, naming it."""
+    import signal
+
+    pool = ResourcePool("stuck", world_size=2, cpus_per_bundle=0.25)
+    wg = RayWorkerGroup(pool, DPWorker, name_prefix="stuck", call_timeout_s=3)
+    try:
+        pids = wg.pid()
+        os.kill(pids[1], signal.SIGSTOP)
+        start = time.monotonic()
+        try:
+            with pytest.raises(WorkerGroupError) as ei:
+                wg.info("x")
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+        assert time.monotonic() - start < 30
+        assert re.fullmatch(r"worker group 'stuck' \(DPWorker.info\): rank\(s\) 1 of 2 on node\(s\) \S+ did not "
+                            r"finish within 3 s \(a stopped worker or a wedged collective\)", ei.value.summary), \
+            ei.value.summary
+        assert wg.info("y")[1]["tag"] == "y"  # resumed, the worker answers again
+    finally:
+        wg.shutdown()
+        pool.remove()
+
+
+class BrokenWorker(Worker):
+    def __init__(self):
+        super().__init__()
+        raise ValueError("actor.optim.lr=nan is not a learning rate")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def info(self):
+        return self.rank
+
+
+def test_worker_that_fails_while_being_built_names_its_own_error(ray_cluster):
+    pool = ResourcePool("broken", world_size=1, cpus_per_bundle=0.25)
+    wg = RayWorkerGroup(pool, BrokenWorker, name_prefix="broken")
+    try:
+        with pytest.raises(WorkerGroupError) as ei:
+            wg.info()
+        assert re.fullmatch(r"worker group 'broken' \(BrokenWorker.info\), rank 0 of 1 on node \S+: failed while being "
+                            r"built: ValueError: actor.optim.lr=nan is not a learning rate", ei.value.summary), \
+            ei.value.summary
+    finally:
+        wg.shutdown()
+        pool.remove()
 
 
 def test_worker_exception_names_rank_and_method(dp_group):

@@ -60,3 +60,57 @@ def test_driver_killed_while_saving_keeps_the_previous_checkpoint(assets, tmp_pa
     assert logged_steps(out) == [0, 1, 2], "resumed at step 1: the rows the killed run wrote after it are gone"
     assert checkpoint.latest(str(out)) == out / "checkpoints" / "step_2"
     assert not list((out / "checkpoints").glob(".tmp_*")), "the interrupted save is cleaned up"
+
+
+def test_stopped_worker_ends_the_run_within_the_stage_timeout(assets, tmp_path):
+    """A worker that is stuck rather than dead (SIGSTOP) ends the run after trainer.stage_timeout_s, naming
+    the stage, the group, the rank and its node, and the last good checkpoint."""
+    out = tmp_path / "run"
+    proc = launch(assets, out, "trainer.total_steps=50", "trainer.save_every=1", "trainer.val_every=100",
+                  "trainer.stage_timeout_s=20")
+    worker = None
+    try:
+        wait_for(lambda: (out / "checkpoints" / "latest").exists(), 180, "the first checkpoint", proc)
+        tree = process_tree(proc.pid)
+        worker = next(p for p in tree if "ActorRolloutRefWorker" in " ".join(p.cmdline()))
+        worker.suspend()
+        stopped_at = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert took < 20 + 60, took
+    line = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert line, err[-3000:]
+    assert line[0].startswith("error: stage step/"), line[0]
+    assert "worker group 'actor_rollout_ref'" in line[0] and "rank(s) 0 of 1 on node(s)" in line[0], line[0]
+    assert "did not finish within 20 s" in line[0], line[0]
+    assert f"last good checkpoint: {out}/checkpoints/step_" in line[0], line[0]
+    assert wait_gone(tree) == []
+
+
+def test_one_run_per_folder_and_sigint_ends_with_130(assets, tmp_path):
+    """A second run on a folder in use is refused in one line; Ctrl-C ends the first with 130, and nothing
+    it started keeps running or stays behind in its TMPDIR (the workers' scratch lies in Ray's temp dir)."""
+    out, scratch = tmp_path / "run", tmp_path / "tmpdir"
+    scratch.mkdir()
+    first = launch(assets, out, "trainer.total_steps=50", "trainer.val_every=100", env={"TMPDIR": str(scratch)})
+    try:
+        wait_for(lambda: 1 in logged_steps(out), 180, "the first step", first)
+        tree = process_tree(first.pid)
+        second = launch(assets, out, "trainer.total_steps=50")
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 2, err[-3000:]
+        assert err.strip().splitlines()[-1] == (f"config error: trainer.output_dir={out} is in use by another run "
+                                                f"(pid {first.pid} on {os.uname().nodename}); wait for it to end "
+                                                "or choose another output_dir"), err[-2000:]
+        first.send_signal(signal.SIGINT)
+        _, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 130, err[-3000:]
+    assert wait_gone(tree) == []
+    assert sorted(p.name for p in scratch.iterdir()) == [], "left behind in TMPDIR"

@@ -262,3 +262,29 @@ def test_defaults_cycle(cfgdir):
 def test_schema_must_be_dataclass():
     with pytest.raises(TypeError, match="must be a dataclass type"):
         load_config(dict, [])
+
+
+def test_non_utf8_file_names_file_byte_and_line(cfgdir):
+    base = cfgdir.root / "base.yaml"
+    base.write_bytes(MIN.encode() + b"name: r\xe9sum\xe9\n")  # Latin-1, as an old editor saves it
+    top = cfgdir("top.yaml", "defaults: [base.yaml]\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(Cfg, top)
+    offset = len(MIN) + len("name: r")
+    assert str(info.value) == f"{base} is not UTF-8 text: byte {offset} (line 2) is 0xe9; save the file as UTF-8"
+
+
+def test_utf8_with_byte_order_mark_loads(cfgdir):
+    path = cfgdir.root / "bom.yaml"
+    path.write_bytes("\ufeff".encode() + MIN.encode() + "name: résumé\n".encode())
+    assert load_config(Cfg, str(path)).name == "résumé"
+
+
+def test_an_override_may_name_its_own_origin(cfgdir):
+    from hybridflow.config.loader import Override
+
+    path = cfgdir("x.yaml", MIN)
+    with pytest.raises(ConfigError) as info:
+        load_config(Cfg, path, [Override("data.batch_size=1.5", "verl override 'data.train_batch_size=1.5'")])
+    assert str(info.value) == ("key 'data.batch_size' expects int, got float 1.5 "
+                               "(in verl override 'data.train_batch_size=1.5')")

@@ -98,7 +98,7 @@ class _TEModel:
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
 def test_te_names_round_trip_bit_identically(tp, pp):
-    from hybridflow.megatron.convert import canonical_names, load_into, local_state_dict, uses_te_names
+    from hybridflow.megatron.convert import canonical_names, load_into, uses_te_names
 
     cfg = _cfg()
     hf = _hf_state(cfg)

@@ -3,10 +3,12 @@
 import pickle
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
-from hybridflow.rewards.custom import adapt_to_scorer, load_custom_reward_function
+from hybridflow.rewards.custom import RewardFunctionError, adapt_to_scorer, load_custom_reward_function
 
 
 def _write(tmp_path, body, name="my_reward.py"):
@@ -171,3 +173,106 @@ def test_data_source_passed_through():
     adapt_to_scorer(record)("resp", "gt")
     adapt_to_scorer(record, data_source="openai/gsm8k")("resp", "gt")
     assert seen == [("custom", "resp", "gt", None), ("openai/gsm8k", "resp", "gt", None)]
+
+
+# --- failures while scoring a batch: one line naming the function, the row and the value ---------------
+
+FAILS_ON_ROW_2 = """
+    import math, sys
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str != "bad":
+            return 1.0
+        {body}
+"""
+
+
+@pytest.mark.parametrize("body, problem", [
+    ("raise ValueError('no answer\\nin there')", "raised ValueError: no answer in there"),
+    ("return None", "returned NoneType None; expected a number or a dict with a numeric 'score'"),
+    ("return '1.0'", "returned str '1.0'; expected a number or a dict with a numeric 'score'"),
+    ("return {'acc': 1.0}", "returned a dict without a 'score' key (keys: ['acc'])"),
+    ("return {'score': 'high'}", "returned str 'high'; expected a number or a dict with a numeric 'score'"),
+    ("return math.nan", "returned nan; expected a finite number"),
+    ("return {'score': -math.inf}", "returned -inf; expected a finite number"),
+    ("sys.exit(3)", "called sys.exit(3)"),
+    ("raise KeyboardInterrupt", "raised KeyboardInterrupt"),
+])
+def test_a_failing_row_is_one_line_naming_function_row_and_value(tmp_path, body, problem):
+    path = _write(tmp_path, FAILS_ON_ROW_2.format(body=body))
+    scorer = adapt_to_scorer(load_custom_reward_function(str(path)), timeout_s=60)
+    with pytest.raises(RewardFunctionError) as e:
+        scorer.score_all(["ok", "ok", "bad", "ok"], ["1", "1", "1", "1"])
+    assert e.value.row == 2
+    assert str(e.value) == f"custom reward function 'compute_score' from {path} {problem}"
+
+
+def test_good_rows_score_in_order():
+    def length(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": len(solution_str) / 4}
+
+    assert adapt_to_scorer(length, timeout_s=60).score_all(["a", "ab", "abcd"], ["", "", ""]) == [0.25, 0.5, 1.0]
+    assert adapt_to_scorer(length).score_all(["abc"], [""]) == [0.75]  # no time limit
+
+
+def test_a_call_that_never_returns_ends_within_the_timeout(tmp_path):
+    path = _write(tmp_path, FAILS_ON_ROW_2.format(body="import time; time.sleep(1e9)"))
+    scorer = adapt_to_scorer(load_custom_reward_function(str(path)), timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(RewardFunctionError) as e:
+        scorer.score_all(["ok", "ok", "bad"], ["1", "1", "1"])
+    took = time.monotonic() - start
+    assert e.value.row == 2
+    assert str(e.value) == (f"custom reward function 'compute_score' from {path} did not return within "
+                            "custom_reward_function.timeout_s=0.5 s")
+    assert 0.5 <= took < 5, took
+    stuck = [t for t in threading.enumerate() if t.name == "custom reward function"]
+    assert stuck and all(t.daemon for t in stuck), "the abandoned call must not keep the process alive"
+
+
+def test_the_timeout_is_per_call_not_per_batch():
+    def slow(data_source, solution_str, ground_truth, extra_info=None):
+        time.sleep(0.02)
+        return 1.0
+
+    # 60 calls take >= 1.2 s together, each far below the 1 s limit
+    assert adapt_to_scorer(slow, timeout_s=1.0).score_all(["x"] * 60, ["y"] * 60) == [1.0] * 60
+
+
+def _rollout_batch(tokenizer, prompts, responses, answers):
+    """A rollout batch as the actor's generate returns it: left-padded prompts, responses, masks."""
+    import numpy as np
+    import torch
+
+    from hybridflow.protocol import Batch
+
+    width = max(map(len, prompts))
+    prompt_ids = torch.full((len(prompts), width), tokenizer.pad_token_id)
+    prompt_mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids = tokenizer(p).input_ids
+        prompt_ids[i, width - len(ids):], prompt_mask[i, width - len(ids):] = torch.tensor(ids), 1
+    response_ids = torch.tensor([tokenizer(r).input_ids for r in responses])
+    return Batch.from_dict(
+        tensors={"prompts": prompt_ids, "responses": response_ids, "response_mask": torch.ones_like(response_ids),
+                 "attention_mask": torch.cat([prompt_mask, torch.ones_like(response_ids)], dim=1)},
+        non_tensors={"answer": np.array(answers, dtype=object),
+                     "data_source": np.array(["arith"] * len(prompts), dtype=object)})
+
+
+def test_score_responses_names_the_failing_row_by_prompt_and_response(tmp_path):
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.trainer.experience import score_responses
+
+    tokenizer = build_char_tokenizer(tmp_path / "tok")
+    path = _write(tmp_path, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                            "    return float(solution_str) / int(ground_truth)\n")
+    scorer = adapt_to_scorer(load_custom_reward_function(str(path)), timeout_s=60)
+    prompts, responses = ["Q: 1+2= A:", "Q: 3-3= A:"], ["3", "0"]
+    scored = score_responses(_rollout_batch(tokenizer, prompts, responses, ["3", "4"]), tokenizer, scorer)
+    assert scored.tensors["scores"].tolist() == [1.0, 0.0]
+    assert scored.tensors["token_level_scores"].tolist() == [[1.0], [0.0]]
+    with pytest.raises(RewardFunctionError) as e:
+        score_responses(_rollout_batch(tokenizer, prompts, responses, ["3", "0"]), tokenizer, scorer)
+    assert str(e.value) == (f"custom reward function 'compute_score' from {path} raised ZeroDivisionError: float "
+                            "division by zero on row 1 of 2 of the batch (data_source 'arith', prompt 'Q: 3-3= A:', "
+                            "response '0')")

@@ -12,6 +12,7 @@ from hybridflow.tools import memory_plan as mp
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB = 2 ** 30
 CTX = 2 * GiB
+GRAPHS = 2 * GiB  # a sleeping vLLM's CUDA-graph pool, by default
 
 # A tiny Llama (no qkv bias), small enough to count by hand.
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -76,11 +77,11 @@ def test_every_item_of_a_tiny_config_by_hand(tiny):
     activations = 34 * 8 * 2 * 64 * 2 + 2 * 8 * 100 * 10
     assert activations == 85_632
     assert rows(r, "training") == {
-        "CUDA context + NCCL buffers (fixed)": CTX, "vLLM (asleep)": 0, "actor params": params,
-        "actor grads": grads, "actor optimizer": optimizer,
+        "CUDA context + NCCL buffers (fixed)": CTX, "vLLM (asleep: its CUDA-graph pool stays)": GRAPHS,
+        "actor params": params, "actor grads": grads, "actor optimizer": optimizer,
         "actor activations (backward 2 x 8 tokens)": activations}
     assert rows(r, "transition") == {
-        "CUDA context + NCCL buffers (fixed)": CTX, "vLLM weights (awake)": params,
+        "CUDA context + NCCL buffers (fixed)": CTX, "vLLM weights (awake)": params, "vLLM CUDA-graph pool": GRAPHS,
         "actor params (loaded for the sync)": params, "resharding: gathered generation shard": params,
         "resharding: largest piece assembled (hybrid)": TINY_LAYER * 2,  # a layer outweighs the 100 x 64 embeddings
         "actor grads": grads, "actor optimizer": optimizer}
@@ -88,7 +89,21 @@ def test_every_item_of_a_tiny_config_by_hand(tiny):
         "CUDA context + NCCL buffers (fixed)": CTX, "vLLM (0.5 x 1 GiB: weights + KV cache)": GiB / 2,
         "actor params": params, "actor grads": grads, "actor optimizer": optimizer}
     assert r["kv_cache"] == GiB / 2 - params
-    assert mp.peaks(r)["training"] == CTX + params + grads + optimizer + activations
+    assert mp.peaks(r)["training"] == CTX + GRAPHS + params + grads + optimizer + activations
+
+
+def test_a_sleeping_vllm_keeps_its_cuda_graph_pool_unless_eager(tiny):
+    shape = mp.Shape.from_hf(TINY)
+    r = mp.plan(tiny(), shape, 1, cuda_graph_gib=0.5)
+    assert rows(r, "training")["vLLM (asleep: its CUDA-graph pool stays)"] == GiB / 2
+    assert rows(r, "transition")["vLLM CUDA-graph pool"] == GiB / 2
+    eager = mp.plan(tiny("rollout.enforce_eager=true"), shape, 1, cuda_graph_gib=0.5)
+    assert rows(eager, "training")["vLLM (asleep, eager)"] == 0
+    assert "vLLM CUDA-graph pool" not in rows(eager, "transition")
+    for phase in ("training", "transition"):
+        assert mp.peaks(r)[phase] - mp.peaks(eager)[phase] == GiB / 2
+    # In generation the pool is inside vLLM's gpu_memory_utilization budget (vLLM profiles it there).
+    assert mp.peaks(r)["generation"] == mp.peaks(eager)["generation"]
 
 
 def test_reference_and_critic_items(tiny):
@@ -170,3 +185,32 @@ def test_7b_ppo_without_offload_on_tp1_does_not_fit(capsys, monkeypatch, tmp_pat
         "optimizer_offload=false")]
     assert mp.main(["--config", os.path.join(REPO, "configs", "gsm8k_qwen2.5_7b_ppo.yaml"), *overrides]) == 1
     assert "fits on 80 GiB: no" in capsys.readouterr().out
+
+
+RM = {**TINY, "model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+      "vocab_size": 50}
+
+
+def test_the_reward_model_sits_on_the_actor_gpus(tiny):
+    cfg = tiny("reward_model.enable=true", "reward_model.path=/nonexistent/rm", "reward_model.micro_batch_size=4",
+               "reward_model.max_length=16")
+    rm = mp.Shape.from_hf(RM)
+    r = mp.plan(cfg, mp.Shape.from_hf(TINY), 1, rm_shape=rm)
+    params = mp.count_params(rm, value_head=True) * 2  # bf16 by default, a 32 x 1 score head
+    for phase in ("training", "transition", "generation"):
+        assert rows(r, phase)["reward model params"] == params, phase
+    # scoring holds one layer of 4 x 16 tokens and the 1-wide scores: 34*s*b*h + b*s*(2 + 8)
+    assert mp.reward_model_role(cfg.reward_model, rm).activations == 34 * 16 * 4 * 32 + 4 * 16 * 10
+    with pytest.raises(ValueError, match="reward model's shapes"):
+        mp.plan(cfg, mp.Shape.from_hf(TINY), 1)
+
+
+def test_main_reads_the_reward_model_shapes(tiny, capsys):
+    (tiny.dir / "rm.json").write_text(json.dumps(RM))
+    args = ["--config", str(tiny.dir / "tiny.yaml"), "--model-config", str(tiny.dir / "tiny.json"), "--gpu-mem", "8",
+            "reward_model.enable=true", "reward_model.path=/nonexistent/rm"]
+    assert mp.main(args + ["--reward-model-config", str(tiny.dir / "rm.json")]) == 0
+    assert "reward model params" in capsys.readouterr().out
+    assert mp.main(args) == 2
+    err = capsys.readouterr().err
+    assert "reward_model.path /nonexistent/rm" in err and "--reward-model-config" in err

@@ -4,7 +4,8 @@ from fractions import Fraction
 
 import pytest
 
-from hybridflow.resharding.plan import HybridPlan, Layout, main, table
+from hybridflow.resharding.plan import HybridPlan, Layout
+from hybridflow.tools.reshard_plan import main, table
 
 
 def test_groups_for_p2_t2_to_tg2():

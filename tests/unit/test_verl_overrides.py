@@ -53,6 +53,16 @@ def test_our_overrides_and_verl_overrides_combine():
     (["trainer.critic_warmup=5"], "'trainer.critic_warmup=5' must equal supported here (0)"),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=48"], "actor.ppo_mini_batch_size (48 prompts) must divide data.batch_size (32)"),
     (["data.train_batch_size"], "bad verl override 'data.train_batch_size': expected key=value"),
+    # values of the wrong type name the verl key they were given as
+    (["data.train_batch_size=1.5"], "key 'data.batch_size' expects int, got float 1.5 (in verl override "
+                                    "'data.train_batch_size=1.5')"),
+    (["actor_rollout_ref.actor.ppo_epochs=abc"], "key 'actor.ppo_epochs' expects int, got str 'abc' (in verl override "
+                                                 "'actor_rollout_ref.actor.ppo_epochs=abc')"),
+    (["actor_rollout_ref.actor.clip_ratio=wide"], "key 'actor.clip_ratio_low' expects float, got str 'wide' (in verl "
+                                                  "override 'actor_rollout_ref.actor.clip_ratio=wide')"),
+    (["trainer.n_gpus_per_node=1.5"], "verl override 'trainer.n_gpus_per_node=1.5': expects a whole number >= 1, got '1.5'"),
+    (["trainer.nnodes=two"], "verl override 'trainer.nnodes=two': expects a whole number >= 1, got 'two'"),
+    (["trainer.nnodes=0"], "verl override 'trainer.nnodes=0': expects a whole number >= 1, got '0'"),
 ])
 def test_unsupported_or_conflicting_verl_keys_are_one_line(args, message):
     with pytest.raises(ConfigError) as err:

@@ -168,19 +168,23 @@ def test_setup_py_extras_and_requires_follow_the_table(monkeypatch):
     runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
     install = as_dict(captured["install_requires"])
     extras = captured["extras_require"]
-    for stack, reqs in (("both", install), ("gpu", as_dict(extras["gpu"])), ("cpu", as_dict(extras["cpu"]))):
+    for stack, reqs in (("both", install), ("gpu", as_dict(extras["gpu"])), ("cpu", as_dict(extras["cpu"])),
+                        ("flash-attn", as_dict(extras["flash-attn"]))):
         for dist, want in table_requirements(stack).items():
             assert dist in reqs, f"setup.py ({stack}) lacks {want}"
             assert same(reqs[dist], want), f"setup.py has {reqs[dist]}, the table {want}"
     assert as_dict(extras["gpu"]).keys() == table_requirements("gpu").keys()
     assert as_dict(extras["cpu"]).keys() == table_requirements("cpu").keys()
+    # flash-attn (a source build TE does not need) is its own optional extra, never part of gpu
+    assert as_dict(extras["flash-attn"]).keys() == {"flash-attn"}
+    assert "flash-attn" not in as_dict(extras["gpu"])
     assert extras["vllm"] == extras["gpu"]
     assert "test" in extras
     assert str(install["ray"]) == "ray[default]<3,>=2.60"
     assert str(as_dict(extras["gpu"])["transformer-engine"]) == "transformer-engine[pytorch]<2.12,>=2.9"
 
 
-@pytest.mark.parametrize("stack,stacks", [("gpu.txt", ("both", "gpu")), ("cpu.txt", ("both", "cpu"))])
+@pytest.mark.parametrize("stack,stacks", [("gpu.txt", ("both", "gpu", "flash-attn")), ("cpu.txt", ("both", "cpu"))])
 def test_constraints_pin_every_table_package_inside_its_range(stack, stacks):
     pins = read_constraints(stack)
     for req in pins.values():
@@ -210,4 +214,4 @@ def test_specifiers_parse():
     for name, spec, stack, required, why in versions.SUPPORTED:
         SpecifierSet(spec)
         Requirement(name)
-        assert stack in ("both", "gpu", "cpu") and isinstance(required, bool) and why
+        assert stack in ("both", "gpu", "cpu", "flash-attn") and isinstance(required, bool) and why

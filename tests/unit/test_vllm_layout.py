@@ -46,5 +46,41 @@ def test_unsupported_generation_tp(model):
     cfg, _ = model
     with pytest.raises(ValueError, match="must divide attention heads"):
         check_supported(cfg, 4)
-    with pytest.raises(ValueError, match="multiple of 64 x generation TP"):
+    with pytest.raises(ValueError, match="must be a multiple of 64 and of generation TP"):
         check_supported(Qwen2Config(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2), 2)
+
+
+def _vllm_vocab_rows(vocab: int, k: int, t_g: int) -> tuple[int, int]:
+    """The checkpoint vocab rows vLLM's rank k of t_g loads, by vLLM's own index math (weight_loader
+    narrows the checkpoint tensor to [org_vocab_start_index, org_vocab_end_index))."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding, pad_vocab_size
+
+    padded = pad_vocab_size(vocab)  # vLLM's default padding, as Qwen2/Llama build their embedding and head
+    rows = VocabParallelEmbedding._get_indices(padded, padded, vocab, vocab, k, t_g)
+    return rows.org_vocab_start_index, rows.org_vocab_end_index
+
+
+@pytest.mark.parametrize("vocab, t_g, supported", [
+    (151936, 4, True), (151936, 8, True),  # Qwen2.5 <= 3B, Qwen3: refused by the former 64 x t_g rule
+    (128256, 8, True),  # Llama 3.x: also refused before at 8
+    (152064, 4, True), (192, 3, True),
+    (96, 2, False), (160, 2, False),  # padded by vLLM: its shards are not the even split
+])
+def test_vocab_rule_accepts_exactly_what_vllm_shards_like_megatron(vocab, t_g, supported):
+    """Each vLLM rank loads exactly the rows our conversion hands it (hf_to_vllm_shard, which the
+    resharding tests hold bit-identical to the transition's) iff the rule accepts the vocab."""
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=48, num_hidden_layers=0, num_attention_heads=24,
+                      num_key_value_heads=24)
+    table = torch.arange(vocab, dtype=torch.float64)[:, None]  # row i holds i: exact at any vocab size
+    hf = {"model.embed_tokens.weight": table, "lm_head.weight": table}
+    matches = True
+    for k in range(t_g):
+        start, end = _vllm_vocab_rows(vocab, k, t_g)
+        for shard in hf_to_vllm_shard(hf, cfg, k, t_g).values():
+            matches &= torch.equal(shard, table[start:end])
+    assert matches == supported
+    if supported:
+        check_supported(cfg, t_g)
+    else:
+        with pytest.raises(ValueError, match="must be a multiple of 64 and of generation TP"):
+            check_supported(cfg, t_g)

@@ -1,0 +1,287 @@
+"""megatron-core: running it without CUDA, and the few places where its behaviour is replaced.
+
+Without CUDA (``enable_cpu``, ``cpu_scope``): megatron-core allocates with ``device='cuda'`` or an int
+device, calls ``Tensor.cuda()``, compares ``p.type()`` with 'torch.cuda.FloatTensor' and keeps CUDA RNG
+states. A TorchFunctionMode scoped to megatron calls rewrites CUDA devices to CPU (torch function modes
+are thread-local: a global one would leak into, or miss, other threads), and the RNG tracker keeps its
+named states on the CPU generator. All of it is inert when a GPU is visible.
+
+Everywhere: a sequence-parallel torch norm, HF's scaled-RoPE frequencies, rotary positions for packed
+rows, and an optimizer step that never applies a non-finite update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+
+from hybridflow.patches import torch_cuda
+from hybridflow.patches.registry import declare
+
+MCORE = ">=0.16.1,<0.17"
+_RANDOM = "megatron.core.tensor_parallel.random"
+RNG_TRACKER_CLASS = declare(
+    "megatron.cpu_rng_tracker_class", "megatron-core", MCORE, f"{_RANDOM}:CudaRNGStatesTracker",
+    "CPU: named RNG states on the CPU generator (attention dropout and recompute fork them)")
+RNG_TRACKER = declare("megatron.cpu_rng_tracker", "megatron-core", MCORE, f"{_RANDOM}:_CUDA_RNG_STATE_TRACKER",
+                      "CPU: the tracker instance megatron's get_cuda_rng_tracker() returns")
+RNG_TRACKER_READY = declare(
+    "megatron.cpu_rng_tracker_initialized", "megatron-core", MCORE, f"{_RANDOM}:_CUDA_RNG_STATE_TRACKER_INITIALIZED",
+    "CPU: marks the tracker above as built, so megatron never builds its CUDA one")
+RNG_TRACKER_INIT = declare("megatron.cpu_initialize_rng_tracker", "megatron-core", MCORE,
+                           f"{_RANDOM}:initialize_rng_tracker", "CPU: a no-op, the tracker above stays")
+MANUAL_SEED = declare(
+    "megatron.cpu_model_parallel_seed", "megatron-core", MCORE, f"{_RANDOM}:model_parallel_cuda_manual_seed",
+    "stood in for, not replaced, on CPU: the same tracker names and seed offsets, on the CPU generator "
+    "(megatron's own seeds only the CUDA generators)")
+DEVICE_SCOPE = declare(
+    "megatron.cpu_device_rewrite", "megatron-core", MCORE, "torch.overrides:TorchFunctionMode",
+    "CPU: inside megatron calls, tensor factories and .to()/.cuda() with a CUDA device (or an int) make "
+    "CPU tensors, and Tensor.type() reports the CUDA type names megatron's optimizer checks")
+SP_TORCH_NORM = declare(
+    "megatron.sequence_parallel_torch_norm", "megatron-core", MCORE,
+    "megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",
+    "the local spec's torch norm asserts `not sequence_parallel` (on GPU too, without Apex/TE); a plain "
+    "norm is right under sequence parallel when megatron all-reduces its weight grads across TP, which it "
+    "does for params marked `sequence_parallel` (finalize_model_grads)")
+ROPE_FREQUENCIES = declare(
+    "megatron.rope_inverse_frequencies", "megatron-core", MCORE,
+    "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.inv_freq",
+    "GPTModel hands RotaryEmbedding only rope_scaling_factor and _apply_scaling hard-codes Llama 3.1's "
+    "low/high frequency factors and original context: set the HF model's own inverse frequencies")
+ROPE_POSITIONS = declare(
+    "megatron.rope_at_positions", "megatron-core", MCORE,
+    "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.forward",
+    "GPTModel rotates by index and reads position ids only for learned embeddings: packed rows whose "
+    "responses continue from one prompt need their own positions (per instance, inside a block)")
+OPTIMIZER_STEP = declare(
+    "megatron.optimizer_step_skips_nonfinite", "megatron-core", MCORE,
+    "megatron.core.optimizer.optimizer:MegatronOptimizer.step",
+    "stood in for: the same calls in the same order (prepare_grads, get_grad_norm, clip, "
+    "step_with_ready_grads) except that a non-finite grad norm skips the update; megatron skips only on "
+    "an fp16 loss-scaler overflow and would write NaN into bf16/fp32 weights")
+
+_lock = threading.Lock()
+_cpu_enabled = False
+
+
+# --- without CUDA -----------------------------------------------------------------------------------
+
+class CpuRNGStatesTracker:
+    """Named RNG states on the CPU generator, with the interface of megatron's CudaRNGStatesTracker."""
+
+    def __init__(self, *_, **__):
+        self.reset()
+        self.use_cudagraphable_rng = False
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        import torch
+
+        self._is_initialized = True
+        if seed in self.seeds_ or name in self.states_:
+            raise ValueError(f"rng state {name!r} / seed {seed} already registered")
+        self.seeds_.add(seed)
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        import torch
+
+        if name not in self.states_:
+            raise KeyError(f"rng state {name!r} was not added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+def enable_cpu() -> None:
+    """Install the process-wide CPU patches once (nothing when a GPU is visible)."""
+    global _cpu_enabled
+    from hybridflow import device
+
+    if device.has_gpu():
+        return
+    with _lock:
+        if _cpu_enabled:
+            return
+        torch_cuda.install_cpu_shims()
+        RNG_TRACKER_CLASS.replace(CpuRNGStatesTracker)
+        RNG_TRACKER.replace(CpuRNGStatesTracker())
+        RNG_TRACKER_READY.replace(True)
+        RNG_TRACKER_INIT.replace(lambda *a, **k: None)
+        _cpu_enabled = True
+
+
+def model_parallel_seed(seed: int) -> None:
+    """megatron's model_parallel_cuda_manual_seed; on CPU the same tracker states on the CPU generator."""
+    import torch
+
+    from hybridflow import device
+
+    torch.manual_seed(seed)
+    seed_cuda = MANUAL_SEED.require()
+    if device.has_gpu():
+        seed_cuda(seed)
+        return
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom._CUDA_RNG_STATE_TRACKER
+    tracker.reset()
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + ps.get_tensor_model_parallel_rank())
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+
+
+_cuda_to_cpu_mode = None
+
+
+def _cuda_to_cpu():
+    """The TorchFunctionMode class (built on first use: importing torch here would make
+    ``import hybridflow`` heavy)."""
+    global _cuda_to_cpu_mode
+    if _cuda_to_cpu_mode is not None:
+        return _cuda_to_cpu_mode
+    import torch
+
+    base = DEVICE_SCOPE.require()
+    cpu = torch.device("cpu")
+    cuda_type_names = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                       "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+    def is_cuda(dev) -> bool:
+        if isinstance(dev, bool):
+            return False
+        if isinstance(dev, int):
+            return True  # megatron passes torch.cuda.current_device() (an int) as a device
+        if isinstance(dev, str):
+            return dev.startswith("cuda")
+        return isinstance(dev, torch.device) and dev.type == "cuda"
+
+    class CudaToCpu(base):
+        """Rewrites CUDA devices to CPU for every torch call made inside it."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func is torch.Tensor.cuda:
+                return args[0]
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                name = func(*args)
+                return cuda_type_names.get(name, name)
+            if "device" in kwargs and is_cuda(kwargs["device"]):
+                kwargs["device"] = cpu
+            if func is torch.Tensor.to and len(args) > 1 and is_cuda(args[1]):
+                args = (args[0], cpu, *args[2:])
+            return func(*args, **kwargs)
+
+    _cuda_to_cpu_mode = CudaToCpu
+    return CudaToCpu
+
+
+def cpu_scope():
+    """Context for megatron calls: rewrites CUDA devices to CPU when no GPU is visible."""
+    from hybridflow import device
+
+    if device.has_gpu():
+        return contextlib.nullcontext()
+    enable_cpu()
+    return _cuda_to_cpu()()
+
+
+# --- everywhere -------------------------------------------------------------------------------------
+
+_sp_norm_patched = False
+
+
+def allow_sequence_parallel_torch_norm() -> None:
+    """Build WrappedTorchNorm with sequence_parallel off and mark its params ``sequence_parallel``."""
+    global _sp_norm_patched
+    with _lock:
+        if _sp_norm_patched:
+            return
+        original_new = SP_TORCH_NORM.require()
+
+        def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                normalization="LayerNorm"):
+            sp = config.sequence_parallel
+            config.sequence_parallel = False
+            try:
+                norm = original_new(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma,
+                                    normalization)
+            finally:
+                config.sequence_parallel = sp
+            for p in norm.parameters():
+                setattr(p, "sequence_parallel", sp)
+            return norm
+
+        SP_TORCH_NORM.replace(staticmethod(new))
+        _sp_norm_patched = True
+
+
+def set_rope_inverse_frequencies(rope, inv_freq) -> None:
+    """Give the RotaryEmbedding instance ``rope`` these inverse frequencies (every rotary table megatron
+    builds, ``get_emb``, and ``rope_at_positions`` read ``inv_freq``)."""
+    current = ROPE_FREQUENCIES.require(rope)
+    rope.inv_freq = inv_freq.to(device=current.device, dtype=current.dtype)
+
+
+@contextlib.contextmanager
+def rope_at_positions(model, position_ids):
+    """Rotary embeddings at ``position_ids`` [b, s] for the forwards of the GPTModel ``model`` run inside.
+    Same formula as ``RotaryEmbedding.get_emb`` (non-interleaved), one [s, b, 1, dim] table that
+    ``_apply_rotary_pos_emb_bshd`` broadcasts per row."""
+    import torch
+
+    rope = model.rotary_pos_emb
+    ROPE_POSITIONS.require(rope)
+
+    def at_positions(*_, **__):
+        freqs = position_ids.t()[..., None].to(rope.inv_freq) * rope.inv_freq  # [s, b, dim/2]
+        return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+
+    rope.forward = at_positions  # shadows the (cached) class method for this instance only
+    try:
+        yield
+    finally:
+        del rope.forward
+
+
+def optimizer_step(optimizer) -> tuple[bool, float]:
+    """megatron-core's ``optimizer.step()`` that skips a non-finite update; (applied, grad norm). The
+    norm is reduced over the model-parallel (and distributed-optimizer) ranks, so every rank decides alike."""
+    OPTIMIZER_STEP.require()
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    if optimizer.prepare_grads():  # fp16 overflow: megatron's scaler has already lowered the scale
+        return False, float("nan")
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        return False, grad_norm
+    if optimizer.config.clip_grad > 0.0:
+        clip_grad_by_total_norm_fp32(
+            optimizer.get_parameters(), max_norm=optimizer.config.clip_grad, total_norm=grad_norm,
+            use_decoupled_grad=optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return bool(optimizer.step_with_ready_grads()), grad_norm

@@ -1,0 +1,92 @@
+"""vLLM in the trainer's own processes: its process groups, shared memory and process-wide side effects.
+
+The engine is built in-process over the trainer's torch.distributed world (external launcher). What
+vLLM assumes there (consecutive TP ranks, one engine per init method, its own thread count) is adjusted
+here, each only while the engine is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from hybridflow.patches.registry import declare
+
+VLLM = ">=0.32,<0.33"
+GROUP_RANKS = declare(
+    "vllm.init_model_parallel_group", "vllm", VLLM, "vllm.distributed.parallel_state:init_model_parallel_group",
+    "vLLM builds its TP groups from consecutive ranks; the resharding planner's generation groups are "
+    "strided over the training ranks: map each consecutive ('virtual') rank onto the planner's")
+SHM_NAMES = declare(
+    "vllm.cpu_shm_group_name", "vllm", VLLM,
+    "vllm.distributed.device_communicators.cpu_communicator:_CPUSHMDistributed.make_group_name",
+    "vLLM-CPU names its TP communicator's /dev/shm segments after the init method, the same ('env://') "
+    "for every engine under the external launcher: a segment a killed process leaked makes the next "
+    "engine fail (EEXIST); prefix the names with one unique to the engine")
+SET_NUM_THREADS = declare(
+    "vllm.cpu_worker_set_num_threads", "vllm", VLLM, "torch:set_num_threads",
+    "vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process and reseeds "
+    "the global RNG: put back the function, the trainer's thread count and its RNG stream")
+EAGER_VOCAB_MASK = declare(
+    "vllm.cpu_eager_vocab_mask", "vllm", VLLM,
+    "vllm.model_executor.layers.vocab_parallel_embedding:get_masked_input_and_mask",
+    "CPU, generation TP > 1: vLLM compiles this id-masking helper with inductor, whose C++ code is "
+    "generated per vector ISA (ATEN_CPU_CAPABILITY picks it) by a compiler at run time and cached in "
+    "/tmp; every rank's embedding lookup depends on it. Its eager original gives the same ids on any CPU "
+    "without a compiler, and costs nothing for a batch of token ids")
+
+_eager_mask_installed = False
+
+
+def eager_vocab_mask() -> None:
+    """Use the eager original of vLLM's compiled vocab-parallel id mask (CPU only; once per process)."""
+    global _eager_mask_installed
+    if _eager_mask_installed:
+        return
+    compiled = EAGER_VOCAB_MASK.require()
+    EAGER_VOCAB_MASK.replace(compiled._torchdynamo_orig_callable)  # what torch.compile wrapped
+    _eager_mask_installed = True
+
+
+@contextlib.contextmanager
+def generation_groups(groups: list[tuple[int, ...]] | None) -> Iterator[None]:
+    """While vLLM builds its process groups, map its consecutive rank layout (ExternalDP x ... x TP, TP
+    fastest) onto ``groups``: virtual rank replica * t_g + i is real rank groups[replica][i]."""
+    if not groups or len(groups[0]) == 1:
+        yield
+        return
+    real = [r for group in groups for r in group]
+    original = GROUP_RANKS.require()
+
+    def remapped(group_ranks, *args, **kwargs):
+        return original([[real[r] for r in ranks] for ranks in group_ranks], *args, **kwargs)
+
+    with GROUP_RANKS.swapped(remapped):
+        yield
+
+
+@contextlib.contextmanager
+def shm_names(prefix: str | None) -> Iterator[None]:
+    """vLLM-CPU's shared-memory segment names start with ``prefix`` for engines built inside."""
+    if prefix is None:
+        yield
+        return
+    name = staticmethod(lambda comm: f"{prefix}-{comm.unique_name}-[{'-'.join(str(r) for r in comm.ranks)}]-cpushm")
+    with SHM_NAMES.swapped(name):
+        yield
+
+
+@contextlib.contextmanager
+def keep_threads_and_rng() -> Iterator[None]:
+    """The trainer's torch thread count, ``torch.set_num_threads`` and global RNG state, as they were
+    before the block (vLLM's CPU worker changes all three while it starts)."""
+    import torch
+
+    set_threads = SET_NUM_THREADS.require()
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)

