@@ -19,6 +19,7 @@ import tempfile
 import psutil
 import ray
 
+from hybridflow.patches import ray_daemons
 from hybridflow.util import environ
 
 log = logging.getLogger(__name__)
@@ -152,9 +153,12 @@ def start_ray(address: str | None = None, num_cpus: int | None = None,
         # The workers' TMPDIR lies inside the cluster's temp dir (they inherit it from the raylet): what
         # they leave there (wandb's media folders from megatron's import, multiprocessing's pymp-*,
         # torchinductor_*; a worker stopped by ray.kill never cleans up) goes with the cluster.
-        with environ(TMPDIR=worker_tmp_dir(temp_dir)):
+        with environ(TMPDIR=worker_tmp_dir(temp_dir)), ray_daemons.own_session():
+            # A GCS that does not answer for 5 s is gone (it runs on this machine: a signal to the whole
+            # process group ended it): give up then, not after Ray's default 60 s of reconnecting.
+            system_config = {"gcs_rpc_server_reconnect_timeout_s": 5, **init_kwargs.pop("_system_config", {})}
             ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-                           log_to_driver=True, _temp_dir=temp_dir, **init_kwargs)
+                           log_to_driver=True, _temp_dir=temp_dir, _system_config=system_config, **init_kwargs)
     except BaseException:  # e.g. SIGTERM while starting (Ray's handler exits): stop what had started
         if ray.is_initialized():
             ray.shutdown()

@@ -94,6 +94,28 @@ def layer_params(s: Shape) -> int:
     return attn + 3 * s.hidden * s.intermediate + 2 * s.hidden  # + gate/up/down + two RMSNorms
 
 
+def kv_bytes_per_token(s: Shape, dtype_bytes: int, t_g: int = 1) -> int:
+    """KV cache per token on one generation rank: K and V of every layer for its share of the KV heads
+    (vLLM replicates a KV head on ranks beyond their number)."""
+    return 2 * s.layers * max(s.kv_heads // t_g, 1) * s.head_dim * dtype_bytes
+
+
+# Bytes per token of one sequence's columns in a step's batch: ids, masks and positions (int64) over the
+# whole row; responses, their mask (int64) and ~8 float32 columns (log-probs, reference, values, scores,
+# rewards, advantages, returns, entropy) over the response. The driver, Ray's object store and the workers
+# each hold such a batch at once.
+_ROW_BYTES_PER_TOKEN, _RESPONSE_BYTES_PER_TOKEN, _BATCH_COPIES = 24, 48, 3
+
+
+def step_batch_host_bytes(cfg) -> int:
+    """Host memory one step's rollout batch takes (driver, object store, workers)."""
+    d = cfg.data
+    rows = d.batch_size * cfg.rollout.n
+    per_row = (d.max_prompt_length + d.max_response_length) * _ROW_BYTES_PER_TOKEN \
+        + d.max_response_length * _RESPONSE_BYTES_PER_TOKEN
+    return rows * per_row * _BATCH_COPIES
+
+
 def count_params(s: Shape, value_head: bool = False) -> int:
     """The causal LM's parameters, or the critic's (value head hidden x 1 in place of lm_head)."""
     head = s.hidden if value_head else (0 if s.tied else s.vocab * s.hidden)

@@ -31,6 +31,7 @@ def check_run(cfg: ExperimentConfig) -> Checked:
     """All checks of a run, in the order a user would fix them."""
     model, tokenizer, n_train = check_files(cfg)
     check_resources(cfg)
+    check_step_fits(cfg, model)
     check_ray(cfg)
     checked = Checked(model, tokenizer, n_train, resume_checkpoint(cfg, model))
     check_trackers(cfg)
@@ -268,6 +269,33 @@ def check_resources(cfg: ExperimentConfig) -> None:
 
 
 _RAY_CONNECT_TIMEOUT_S = 5
+
+
+def check_step_fits(cfg: ExperimentConfig, model) -> None:
+    """Absurd sizes fail here, not as an endless first step: one step's rollout batch must fit in this
+    machine's memory, and on CPU one sequence of the longest length in vLLM's fixed KV cache."""
+    import psutil
+
+    from hybridflow import device
+    from hybridflow.device import DTYPES
+    from hybridflow.tools import memory_plan
+
+    d, r = cfg.data, cfg.rollout
+    need, have = memory_plan.step_batch_host_bytes(cfg), psutil.virtual_memory().total
+    if need > have:
+        raise ConfigError(f"rollout.n: data.batch_size x rollout.n = {d.batch_size * r.n:,} sequences of up to "
+                          f"{d.max_prompt_length + d.max_response_length} tokens need ~{need / 2**30:,.0f} GiB of "
+                          f"host memory for one step's batch; this machine has {have / 2**30:.0f} GiB: lower "
+                          "rollout.n, data.batch_size or the lengths")
+    if device.has_gpu():
+        return  # vLLM sizes its KV cache from gpu_memory_utilization: python -m hybridflow.tools.memory_plan
+    shape = memory_plan.Shape.from_hf(model.to_dict())
+    per_token = memory_plan.kv_bytes_per_token(shape, DTYPES[r.dtype].itemsize, r.tensor_model_parallel_size)
+    fits, seq = r.kv_cache_gib * 2**30 // per_token, d.max_prompt_length + d.max_response_length
+    if fits < seq:
+        raise ConfigError(f"rollout.kv_cache_gib={r.kv_cache_gib} holds {fits:,} tokens of this model, but one "
+                          f"sequence takes up to {seq:,} (data.max_prompt_length + data.max_response_length); "
+                          "raise rollout.kv_cache_gib or shorten the lengths")
 
 
 def check_ray(cfg: ExperimentConfig) -> None:

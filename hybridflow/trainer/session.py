@@ -262,7 +262,8 @@ class Trainer:
     @contextlib.contextmanager
     def _failures_named(self):
         """A worker group failure becomes a ``RunFailed`` naming the role, rank, node and last checkpoint; so
-        does a user reward function that fails on a row."""
+        does a user reward function that fails on a row. After SIGTERM/SIGUSR1 a worker failure is the same
+        signal having reached the workers (sent to the whole process group): ``Preempted``, at once."""
         from hybridflow.controller.worker_group import WorkerGroupError
         from hybridflow.rewards.custom import RewardFunctionError
 
@@ -270,6 +271,8 @@ class Trainer:
         try:
             yield
         except WorkerGroupError as error:
+            if self.stops.requested:  # the signal reached the workers too (e.g. the whole process group)
+                raise Preempted(self.stops.signum, self.step_count, self.last_checkpoint) from error
             stage = f"stage {self.timer.failed_in}: " if self.timer.failed_in else ""
             raise RunFailed(f"{stage}{error.summary}; last good checkpoint: {self.last_checkpoint or 'none'}") from error
         except RewardFunctionError as error:

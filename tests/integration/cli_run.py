@@ -14,13 +14,14 @@ import psutil
 from tests.integration.conftest import SMALL
 
 
-def launch(assets, out: Path, *overrides, env: dict | None = None) -> subprocess.Popen:
-    """``env``: variables set for the run on top of this process's environment."""
+def launch(assets, out: Path, *overrides, env: dict | None = None, own_group: bool = False) -> subprocess.Popen:
+    """``env``: variables set for the run on top of this process's environment; ``own_group``: the run
+    leads a process group of its own (as under `timeout`), which its Ray cluster joins."""
     args = [sys.executable, "-m", "hybridflow.trainer.main", "--config", "configs/quickstart_cpu.yaml",
             "prepare.enable=false", f"model.path={assets}/sft", f"data.train_files=[{assets}/data/train.parquet]",
             f"data.val_files=[{assets}/data/val.parquet]", f"trainer.output_dir={out}", *SMALL, *overrides]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=None if env is None else {**os.environ, **env})
+                            env=None if env is None else {**os.environ, **env}, start_new_session=own_group)
 
 
 def wait_for(condition, timeout_s: float, what: str, proc: subprocess.Popen | None = None, poll_s: float = 0.005):

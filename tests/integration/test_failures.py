@@ -114,3 +114,27 @@ def test_one_run_per_folder_and_sigint_ends_with_130(assets, tmp_path):
     assert first.returncode == 130, err[-3000:]
     assert wait_gone(tree) == []
     assert sorted(p.name for p in scratch.iterdir()) == [], "left behind in TMPDIR"
+
+
+def test_sigterm_to_the_whole_process_group_exits_promptly(assets, tmp_path):
+    """SIGTERM to the run's whole process group (what `timeout` sends: its Ray cluster's processes are in
+    the group too) ends the run within seconds as preempted, resumable from its last checkpoint, leaving
+    nothing behind."""
+    out = tmp_path / "run"
+    proc = launch(assets, out, "trainer.total_steps=50", "trainer.save_every=1", "trainer.val_every=100",
+                  own_group=True)
+    try:
+        wait_for(lambda: (out / "checkpoints" / "latest").exists(), 180, "the first checkpoint", proc)
+        tree = process_tree(proc.pid)
+        os.killpg(proc.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, "\n".join(x for x in err.splitlines() if "pid=" not in x)[-3000:]
+    assert took < 30, took
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("preempted: stopped by SIGTERM after step ") and f"checkpoint {out}/checkpoints/step_" in last, last
+    assert wait_gone(tree) == []

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from hybridflow.config import ConfigError
 from hybridflow.trainer.main import main
 
 QUICKSTART = "configs/quickstart_cpu.yaml"
@@ -265,6 +266,9 @@ CASES = {
     "prepare with a mistyped model.path": (lambda g, t: ["prepare.enable=true", f"model.path={t}/elsewhere/sft_mdoel"],
                                            "prepare.enable builds the warm start only next to prepare.base_model_dir"),
     "mini batch vs data batch": (lambda g, t: ["actor.ppo_mini_batch_size=48"], "actor.ppo_mini_batch_size (48 prompts) must divide data.batch_size (64)"),
+    # sizes that would make an endless first step
+    "absurd rollout.n": (lambda g, t: ["rollout.n=10000000"], "rollout.n: data.batch_size x rollout.n = 640,000,000 "
+                                                               "sequences of up to 22 tokens need ~"),
 }
 
 
@@ -373,3 +377,22 @@ def test_ray_address_auto_is_checked_where_ray_would_look(good, tmp_path, capsys
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")  # what ray.init(address="auto") joins first
     err = run(good, tmp_path, "ray.address=auto", "ray.num_cpus=null", capsys=capsys)
     assert "config error: ray.address: no Ray cluster answers at " in err and f":{port} within 5 s (" in err, err
+
+
+def test_a_sequence_that_cannot_fit_the_cpu_kv_cache_is_refused(tmp_path):
+    """vLLM-CPU's KV cache has a fixed size (rollout.kv_cache_gib): a 70B-shaped model's 4096-token
+    sequence does not fit into 1 GiB of it."""
+    from transformers import Qwen2Config
+
+    from hybridflow.trainer.main import load
+    from hybridflow.trainer.preflight import check_step_fits
+
+    big = Qwen2Config(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                      num_key_value_heads=8, vocab_size=152064)
+    cfg = load(["--config", QUICKSTART, "data.max_prompt_length=2048", "data.max_response_length=2048",
+                "rollout.dtype=bfloat16"])
+    with pytest.raises(ConfigError, match=r"^rollout.kv_cache_gib=1 holds 3,276 tokens of this model, but one "
+                                          r"sequence takes up to 4,096"):
+        check_step_fits(cfg, big)
+    check_step_fits(load(["--config", QUICKSTART, "data.max_prompt_length=1024", "data.max_response_length=2048",
+                          "rollout.dtype=bfloat16"]), big)

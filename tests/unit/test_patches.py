@@ -27,7 +27,7 @@ EXPECTED = {
     "megatron.optimizer_step_skips_nonfinite",
     "vllm.init_model_parallel_group", "vllm.cpu_shm_group_name", "vllm.cpu_worker_set_num_threads",
     "vllm.cpu_eager_vocab_mask",
-    "transformers.rope_init_functions",
+    "transformers.rope_init_functions", "ray.daemons_in_own_session",
 }
 
 
