@@ -22,7 +22,7 @@ class WorkerGroups:
         try:
             self.actor_rollout.close()
         except Exception as e:  # a dead worker cannot clean up; the groups are killed regardless
-            logging.getLogger(__name__).warning("rollout close failed: %s", e)
+            logging.getLogger(__name__).warning("rollout close failed: %s", getattr(e, "summary", e))
         for group in (self.actor_rollout, self.critic, self.reward_model):
             if group is not None:
                 group.shutdown()

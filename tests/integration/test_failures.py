@@ -138,3 +138,23 @@ def test_sigterm_to_the_whole_process_group_exits_promptly(assets, tmp_path):
     last = err.strip().splitlines()[-1]
     assert last.startswith("preempted: stopped by SIGTERM after step ") and f"checkpoint {out}/checkpoints/step_" in last, last
     assert wait_gone(tree) == []
+
+
+def test_killed_raylet_ends_the_run_in_one_line(assets, tmp_path):
+    """kill -9 of the node's raylet: the workers go with it, and the run ends (status 1) in one hybridflow
+    line naming what failed and the last good checkpoint; nothing is left running."""
+    out = tmp_path / "run"
+    proc = launch(assets, out, "trainer.total_steps=50", "trainer.save_every=1", "trainer.val_every=100")
+    try:
+        wait_for(lambda: (out / "checkpoints" / "latest").exists(), 180, "the first checkpoint", proc)
+        tree = process_tree(proc.pid)
+        next(p for p in tree if p.name() == "raylet" or "/raylet/raylet" in " ".join(p.cmdline()[:1])).kill()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    line = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert len(line) == 1, err[-3000:]
+    assert "its worker process died" in line[0] and f"last good checkpoint: {out}/checkpoints/step_" in line[0], line[0]
+    assert wait_gone(tree) == []
