@@ -70,3 +70,30 @@ def wait_gone(procs: list[psutil.Process], timeout_s: float = 30) -> list[str]:
         except psutil.NoSuchProcess:
             pass
     return left
+
+
+def disturbed_run(assets, out: Path, disturb, *overrides, wait_s: float = 120, **launch_kw):
+    """A 50-step run checkpointing every step: once its first checkpoint exists, ``disturb(tree)`` (the
+    driver's process tree; the driver first) acts on it, and the run is waited for. Returns the exit
+    status, stderr, the tree, and the seconds from the disturbance to the end."""
+    proc = launch(assets, out, "trainer.total_steps=50", "trainer.save_every=1", "trainer.val_every=100",
+                  *overrides, **launch_kw)
+    try:
+        wait_for(lambda: (out / "checkpoints" / "latest").exists(), 180, "the first checkpoint", proc)
+        tree = process_tree(proc.pid)
+        disturb(tree)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=wait_s)
+        return proc.returncode, err, tree, time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def error_lines(err: str) -> list[str]:
+    """The run's one-line failure reports (what `hybridflow train` prints after "error: ")."""
+    return [line for line in err.splitlines() if line.startswith("error: ")]
+
+
+def worker(tree, name: str = "ActorRolloutRefWorker"):
+    return next(p for p in tree if name in " ".join(p.cmdline()))

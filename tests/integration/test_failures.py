@@ -1,38 +1,29 @@
-"""Failures end clearly: a killed worker ends the run within 60 s naming the worker and the last good
-checkpoint; a driver killed mid-checkpoint leaves the previous checkpoint as the one `resume: auto` picks;
-nothing started by the run keeps running."""
+"""Failures end clearly: a killed worker, a stopped one (after trainer.stage_timeout_s) or a killed raylet
+ends the run in one line naming the worker and the last good checkpoint; a driver killed mid-checkpoint
+leaves the previous checkpoint as the one `resume: auto` picks; SIGINT ends with 130 and SIGTERM to the
+whole process group with 75 (preempted); a second run on a folder in use is refused; nothing started by
+the run keeps running."""
 
 from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
 from hybridflow.trainer import checkpoint
-from tests.integration.cli_run import launch, logged_steps, process_tree, wait_for, wait_gone
+from tests.integration.cli_run import (disturbed_run, error_lines, launch, logged_steps, process_tree, wait_for,
+                                      wait_gone, worker)
 
 pytestmark = pytest.mark.integration
 
 
 def test_killed_worker_ends_the_run_naming_it(assets, tmp_path):
     out = tmp_path / "run"
-    proc = launch(assets, out, "trainer.total_steps=50", "trainer.save_every=1", "trainer.val_every=100")
-    try:
-        wait_for(lambda: (out / "checkpoints" / "latest").exists(), 180, "the first checkpoint", proc)
-        tree = process_tree(proc.pid)
-        worker = next(p for p in tree if "ActorRolloutRefWorker" in " ".join(p.cmdline()))
-        worker.kill()
-        killed_at = time.monotonic()
-        _, err = proc.communicate(timeout=60)
-        took = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, err[-3000:]
+    status, err, tree, took = disturbed_run(assets, out, lambda tree: worker(tree).kill(), wait_s=60)
+    assert status == 1, err[-3000:]
     assert took < 60
-    line = [x for x in err.splitlines() if x.startswith("error: ")]
+    line = error_lines(err)
     assert line, err[-3000:]
     assert "worker group 'actor_rollout_ref'" in line[0] and "rank 0 of 1 on node" in line[0], line[0]
     assert "its worker process died" in line[0] and f"last good checkpoint: {out}/checkpoints/step_" in line[0], line[0]
@@ -66,23 +57,11 @@ def test_stopped_worker_ends_the_run_within_the_stage_timeout(assets, tmp_path):
     """A worker that is stuck rather than dead (SIGSTOP) ends the run after trainer.stage_timeout_s, naming
     the stage, the group, the rank and its node, and the last good checkpoint."""
     out = tmp_path / "run"
-    proc = launch(assets, out, "trainer.total_steps=50", "trainer.save_every=1", "trainer.val_every=100",
-                  "trainer.stage_timeout_s=20")
-    worker = None
-    try:
-        wait_for(lambda: (out / "checkpoints" / "latest").exists(), 180, "the first checkpoint", proc)
-        tree = process_tree(proc.pid)
-        worker = next(p for p in tree if "ActorRolloutRefWorker" in " ".join(p.cmdline()))
-        worker.suspend()
-        stopped_at = time.monotonic()
-        _, err = proc.communicate(timeout=120)
-        took = time.monotonic() - stopped_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, err[-3000:]
+    status, err, tree, took = disturbed_run(assets, out, lambda tree: worker(tree).suspend(),
+                                            "trainer.stage_timeout_s=20")
+    assert status == 1, err[-3000:]
     assert took < 20 + 60, took
-    line = [x for x in err.splitlines() if x.startswith("error: ")]
+    line = error_lines(err)
     assert line, err[-3000:]
     assert line[0].startswith("error: stage step/"), line[0]
     assert "worker group 'actor_rollout_ref'" in line[0] and "rank(s) 0 of 1 on node(s)" in line[0], line[0]
@@ -121,19 +100,9 @@ def test_sigterm_to_the_whole_process_group_exits_promptly(assets, tmp_path):
     the group too) ends the run within seconds as preempted, resumable from its last checkpoint, leaving
     nothing behind."""
     out = tmp_path / "run"
-    proc = launch(assets, out, "trainer.total_steps=50", "trainer.save_every=1", "trainer.val_every=100",
-                  own_group=True)
-    try:
-        wait_for(lambda: (out / "checkpoints" / "latest").exists(), 180, "the first checkpoint", proc)
-        tree = process_tree(proc.pid)
-        os.killpg(proc.pid, signal.SIGTERM)
-        signalled = time.monotonic()
-        _, err = proc.communicate(timeout=120)
-        took = time.monotonic() - signalled
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 75, "\n".join(x for x in err.splitlines() if "pid=" not in x)[-3000:]
+    status, err, tree, took = disturbed_run(assets, out, lambda tree: os.killpg(tree[0].pid, signal.SIGTERM),
+                                            own_group=True)
+    assert status == 75, "\n".join(x for x in err.splitlines() if "pid=" not in x)[-3000:]
     assert took < 30, took
     last = err.strip().splitlines()[-1]
     assert last.startswith("preempted: stopped by SIGTERM after step ") and f"checkpoint {out}/checkpoints/step_" in last, last
@@ -144,17 +113,9 @@ def test_killed_raylet_ends_the_run_in_one_line(assets, tmp_path):
     """kill -9 of the node's raylet: the workers go with it, and the run ends (status 1) in one hybridflow
     line naming what failed and the last good checkpoint; nothing is left running."""
     out = tmp_path / "run"
-    proc = launch(assets, out, "trainer.total_steps=50", "trainer.save_every=1", "trainer.val_every=100")
-    try:
-        wait_for(lambda: (out / "checkpoints" / "latest").exists(), 180, "the first checkpoint", proc)
-        tree = process_tree(proc.pid)
-        next(p for p in tree if p.name() == "raylet" or "/raylet/raylet" in " ".join(p.cmdline()[:1])).kill()
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, err[-3000:]
-    line = [x for x in err.splitlines() if x.startswith("error: ")]
+    status, err, tree, _ = disturbed_run(assets, out, lambda tree: worker(tree, "/raylet/raylet").kill())
+    assert status == 1, err[-3000:]
+    line = error_lines(err)
     assert len(line) == 1, err[-3000:]
     assert "its worker process died" in line[0] and f"last good checkpoint: {out}/checkpoints/step_" in line[0], line[0]
     assert wait_gone(tree) == []

@@ -8,6 +8,12 @@ import torch
 from tests.numerics import assert_close, used_fraction
 
 
+@pytest.fixture(autouse=True)
+def _no_report(monkeypatch):
+    """These comparisons exceed their tolerance on purpose: keep them out of the sweep's report."""
+    monkeypatch.delenv("HYBRIDFLOW_TOL_REPORT", raising=False)
+
+
 def test_relative_to_magnitude_not_absolute():
     assert_close(224.0 * (1 + 5e-8), 224.0)  # the cross-CPU difference a bare 1e-5 rejected
     with pytest.raises(AssertionError, match="differs by"):
