@@ -118,8 +118,10 @@ def test_no_module_outside_patches_assigns_to_a_library_attribute():
     assert not offenders, offenders
 
 
-def test_eager_vocab_mask_gives_the_compiled_ids():
-    """The eager id mask vLLM-CPU gets at generation TP > 1 equals inductor's compiled one."""
+def test_eager_vocab_mask_replaces_the_compiled_one():
+    """vLLM-CPU at generation TP > 1 gets the eager id mask: each rank's ids are shard-local, the others
+    masked. (The compiled one is not called here: inductor's kernels for it depend on the ISA and on a C++
+    cache in /tmp shared across ATEN_CPU_CAPABILITY settings, which is why it is replaced.)"""
     import torch
     from vllm.model_executor.layers import vocab_parallel_embedding as vpe
 
@@ -129,8 +131,9 @@ def test_eager_vocab_mask_gives_the_compiled_ids():
     vllm_engine.eager_vocab_mask()
     eager = vpe.get_masked_input_and_mask
     assert eager is not compiled and eager is compiled._torchdynamo_orig_callable
-    ids = torch.arange(0, 130)
+    ids = torch.arange(0, 128)
     for start, end in ((0, 64), (64, 128)):
-        got, want = eager(ids, start, end, 0, 128, 128), compiled(ids, start, end, 0, 128, 128)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        assert int(got[0].max()) < end - start  # every id inside this rank's shard
+        local, masked = eager(ids, start, end, 0, 128, 128)
+        inside = (ids >= start) & (ids < end)
+        assert torch.equal(masked, ~inside)
+        assert torch.equal(local, torch.where(inside, ids - start, 0))
