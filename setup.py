@@ -46,6 +46,7 @@ setup(
         "tqdm",
         "psutil",  # dist_checkpointing's background writer dies silently without it
         "matplotlib",
+        "math-verify",  # MATH answer equivalence (hybridflow.rewards.math_equiv)
     ],
     extras_require={
         "gpu": GPU,  # GPU rollouts + TE

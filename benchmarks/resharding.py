@@ -2,10 +2,11 @@
 
     python benchmarks/resharding.py [--out benchmarks/results/resharding.json] [--repeats 3]
 
-Runs both schemes for real on 4 gloo ranks for train (p,t,d) = (1,4,1) -> t_g=2 and (2,2,1) -> t_g=2 with
-a Qwen2-architecture model of >= 50M parameters (fp32), and writes per scheme: bytes received per rank,
-peak extra parameter bytes, seconds per transition (median over repeats, slowest rank), the ratios
-hybrid / gather-all, and the paper's formula for the hybrid bytes.
+Runs both schemes for real on 4 gloo ranks for train (p,t,d) = (1,4,1) -> t_g=2, (2,2,1) -> t_g=2 and
+(1,2,2) -> t_g=4 (generation TP above training TP: hybrid moves nothing) with a Qwen2-architecture model
+of >= 50M parameters (fp32), and writes per scheme: bytes received per rank, peak extra parameter bytes, seconds per transition (median over repeats, slowest rank), the ratios
+hybrid / gather-all, and the paper's formula for the hybrid bytes (bytes/formula is null where the formula
+is 0; the hybrid bytes are then checked to be 0).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from hybridflow.spawn import run_ranks
 
-CASES = [((1, 4, 1), 2), ((2, 2, 1), 2)]  # ((p, t, d), t_g)
+CASES = [((1, 4, 1), 2), ((2, 2, 1), 2), ((1, 2, 2), 4)]  # ((p, t, d), t_g)
 
 
 def build_model(out_dir: str) -> int:
@@ -63,6 +64,10 @@ def _rank(rank, world, hf_dir, p, t, t_g, repeats):
     return out
 
 
+def _ratio(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)  # None: both sides move nothing
+
+
 def main(argv=None) -> int:
     from hybridflow.resharding.plan import HybridPlan, Layout
 
@@ -91,17 +96,24 @@ def main(argv=None) -> int:
             h, g = case["hybrid"], case["gather_all"]
             case["ratios"] = {
                 "time_hybrid_over_gather_all": h["seconds"] / g["seconds"],
-                "bytes_hybrid_over_gather_all": max(h["bytes_received_per_rank"]) / max(g["bytes_received_per_rank"]),
+                "bytes_hybrid_over_gather_all": (max(h["bytes_received_per_rank"]) / max(g["bytes_received_per_rank"])
+                                                 if max(g["bytes_received_per_rank"]) else None),
                 "peak_hybrid_over_gather_all": max(h["peak_extra_bytes_per_rank"]) / max(g["peak_extra_bytes_per_rank"]),
-                "bytes_hybrid_over_formula": max(h["bytes_received_per_rank"]) / case["formula_hybrid_bytes"],
+                "bytes_hybrid_over_formula": (max(h["bytes_received_per_rank"]) / case["formula_hybrid_bytes"]
+                                              if case["formula_hybrid_bytes"] else None),
             }
+            if not case["formula_hybrid_bytes"] and max(h["bytes_received_per_rank"]):
+                raise SystemExit(f"{case['train']} -> t_g={t_g}: the formula says 0 bytes, hybrid moved "
+                                 f"{max(h['bytes_received_per_rank'])}")
             report["cases"].append(case)
             r = case["ratios"]
             print(f"train (p,t,d)=({p},{t},{d}) -> t_g={t_g}: "
                   f"gather-all {g['seconds']:.3f}s {max(g['bytes_received_per_rank']) / 2**20:.1f} MiB | "
                   f"hybrid {h['seconds']:.3f}s {max(h['bytes_received_per_rank']) / 2**20:.1f} MiB | "
-                  f"time x{r['time_hybrid_over_gather_all']:.2f}, bytes x{r['bytes_hybrid_over_gather_all']:.3f}, "
-                  f"peak x{r['peak_hybrid_over_gather_all']:.2f}, bytes/formula {r['bytes_hybrid_over_formula']:.4f}")
+                  f"time x{r['time_hybrid_over_gather_all']:.2f}, "
+                  f"bytes x{_ratio(r['bytes_hybrid_over_gather_all'], '.3f')}, "
+                  f"peak x{r['peak_hybrid_over_gather_all']:.2f}, bytes/formula "
+                  f"{_ratio(r['bytes_hybrid_over_formula'], '.4f')}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=2))
     print(f"model {n_params / 1e6:.1f}M params; wrote {a.out}")

@@ -3,7 +3,7 @@
     .venv/bin/python examples/python_api.py [OUTPUT_DIR]
 
 The first run prepares the quickstart's data and warm start (as `make run` does). Rerunning continues
-from the newest checkpoint in OUTPUT_DIR (trainer.resume=auto). Leaving the `with` block stops every
+from the newest checkpoint in OUTPUT_DIR (trainer.resume_mode=auto). Leaving the `with` block stops every
 process the trainer started.
 """
 

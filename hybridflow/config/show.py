@@ -14,7 +14,11 @@ from hybridflow.config.schema import ExperimentConfig
 
 def show(paths: list[str], overrides: list[str]) -> str:
     sources: dict[str, str] = {}
-    cfg = load_config(ExperimentConfig, paths, overrides, sources=sources)
+    return render(load_config(ExperimentConfig, paths, overrides, sources=sources), sources)
+
+
+def render(cfg, sources: dict[str, str]) -> str:
+    """One ``key = value  # source`` line per resolved value (source: a file, an override, or default)."""
     rows = [(key, yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n..."), sources.get(key, "default"))
             for key, value in flat_items(config_to_dict(cfg))]
     width = max(len(k) + len(v) for k, v, _ in rows) + 3
@@ -27,11 +31,18 @@ def main(argv=None) -> int:
     p_show = sub.add_parser("show", help="resolved config with the source of every value")
     p_show.add_argument("--config", action="append", required=True, help="YAML file(s); later ones override")
     p_show.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    p_show.add_argument("--verl-overrides", nargs=argparse.REMAINDER, metavar="VERL_ARG",
+                        help="last: a verl command line's arguments, unchanged")
     sub.add_parser("dump", help="the schema's defaults as YAML")
     args = ap.parse_args(argv)
     try:
         if args.command == "dump":
             print(yaml.safe_dump(config_to_dict(ExperimentConfig()), sort_keys=False), end="")
+        elif args.verl_overrides is not None:  # a verl command line too: the trainer's dry run
+            from hybridflow.trainer.main import dry_run
+
+            print(dry_run(["--config", *sum((["--config", c] for c in args.config[1:]), [args.config[0]]),
+                           *args.overrides, "--verl-overrides", *args.verl_overrides]))
         else:
             print(show(args.config, args.overrides))
     except ConfigError as e:

@@ -1,92 +1,210 @@
-"""A verl 0.9.1 command line's overrides (``actor_rollout_ref.*``, ``data.*``, ``algorithm.*``, ``critic.*``,
-``trainer.*``, ...) mapped onto this suite's keys, for users who bring their verl scripts along:
+"""A verl 0.9.1 command line (``python3 -m verl.trainer.main_ppo <overrides>``) mapped onto this suite's keys,
+for users who bring their verl scripts along: replace ``python3 -m verl.trainer.main_ppo`` with
 
-    hybridflow train --config configs/ppo_megatron.yaml --verl-overrides data.train_batch_size=256 ...
+    hybridflow train --config configs/ppo_megatron.yaml --verl-overrides <the same arguments>
 
-Every verl key either maps to ours, is checked to agree with what it maps to (a second name for one of
-our values), or is named in a one-line error; keys that change nothing here are listed with the reason.
-Batch-size keys mean what they mean in verl (``ppo_mini_batch_size`` counts prompts, ``*_per_gpu`` sizes are
-per rank), as ours do.
+Every verl key either maps to ours with verl's meaning and default (``DIFFERENCES`` lists each deliberate
+exception with its reason; tests/unit/test_verl_overrides.py fails on an unlisted one), is checked to agree
+with what it names here (a second name for one of our values), changes nothing here (``NO_EFFECT``, with the
+reason), or is reported: all unsupported keys in one line, before anything starts. Batch sizes mean what they
+mean in verl (``ppo_mini_batch_size`` counts prompts, ``*_per_gpu`` sizes are per rank).
+
+FSDP runs (``strategy=fsdp``/``fsdp2``, verl's default ``ppo_trainer.yaml``) become megatron data
+parallelism (TP = PP = 1) with the distributed optimizer, which shards optimizer state across ranks as
+FSDP does; ``fsdp_config.param_offload``/``optimizer_offload`` map onto the megatron offloads.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from hybridflow.config.loader import ConfigError, Override
 
-_ACTOR = "actor_rollout_ref.actor."
-_ROLLOUT = "actor_rollout_ref.rollout."
-_SAME_NAMES = {  # verl section prefix -> ours, for keys spelled the same below it
-    _ACTOR + "megatron.": "actor.megatron.",
-    "critic.megatron.": "critic.megatron.",
-    "algorithm.kl_ctrl.": "algorithm.kl_ctrl.",
-}
+_A = "actor_rollout_ref.actor."
+_R = "actor_rollout_ref.rollout."
+_REF = "actor_rollout_ref.ref."
+_MODEL = "actor_rollout_ref.model."
+
+# verl section -> ours, for leaves spelled the same below it (each leaf listed: anything else is unsupported)
 _SAME_LEAVES = {
-    _ACTOR: ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "clip_ratio_low", "clip_ratio_high",
-             "clip_ratio_c", "loss_agg_mode", "loss_scale_factor", "use_kl_loss", "kl_loss_coef", "kl_loss_type"),
-    _ACTOR + "optim.": ("lr", "weight_decay", "betas"),
+    _A: ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "clip_ratio_low", "clip_ratio_high",
+         "clip_ratio_c", "loss_agg_mode", "loss_scale_factor", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
+         "entropy_coeff", "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
     "critic.": ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "cliprange_value",
-                "loss_agg_mode", "loss_scale_factor"),
-    "critic.optim.": ("lr", "weight_decay", "betas"),
-    _ROLLOUT: ("n", "temperature", "top_p", "top_k", "tensor_model_parallel_size", "gpu_memory_utilization", "dtype",
-               "enforce_eager", "free_cache_engine", "max_num_batched_tokens"),
+                "loss_agg_mode", "loss_scale_factor", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
+                "forward_max_token_len_per_gpu"),
+    _R: ("n", "temperature", "top_p", "top_k", "tensor_model_parallel_size", "gpu_memory_utilization", "dtype",
+         "enforce_eager", "free_cache_engine", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill"),
     "algorithm.": ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty"),
+    "algorithm.kl_ctrl.": ("type", "kl_coef", "target_kl", "horizon"),
     "data.": ("train_files", "val_files", "prompt_key", "max_prompt_length", "max_response_length", "shuffle",
-              "val_batch_size"),
-    "trainer.": ("experiment_name", "total_epochs", "logger", "project_name", "val_before_train"),
+              "val_batch_size", "reward_fn_key", "filter_overlong_prompts", "truncation"),
+    "trainer.": ("experiment_name", "total_epochs", "logger", "project_name", "val_before_train", "balance_batch"),
     "custom_reward_function.": ("path", "name"),
     "reward_model.": ("enable",),
 }
+_OPTIM = ("lr", "weight_decay", "betas", "clip_grad", "lr_warmup_steps", "lr_warmup_steps_ratio", "lr_warmup_init",
+          "lr_decay_style", "lr_decay_steps", "min_lr", "min_lr_ratio")
+_MEGATRON = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
+             "use_distributed_optimizer", "dtype", "param_offload", "grad_offload", "optimizer_offload")
+_OURS_PREFIX = {_A: "actor.", _R: "rollout.", "algorithm.kl_ctrl.": "algorithm.kl_ctrl."}
+
 RENAMED = {
     "data.train_batch_size": "data.batch_size",
     "data.seed": "trainer.seed",
-    "actor_rollout_ref.model.path": "model.path",
-    _ACTOR + "grad_clip": "actor.optim.clip_grad",
-    _ACTOR + "clip_ratio": ("actor.clip_ratio_low", "actor.clip_ratio_high"),
-    _ROLLOUT + "log_prob_micro_batch_size_per_gpu": "actor.log_prob_micro_batch_size_per_gpu",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "actor.ref_log_prob_micro_batch_size_per_gpu",
+    _MODEL + "path": "model.path",
+    _A + "grad_clip": "actor.optim.clip_grad",
+    _A + "clip_ratio": ("actor.clip_ratio_low", "actor.clip_ratio_high"),
+    _R + "log_prob_micro_batch_size_per_gpu": "actor.log_prob_micro_batch_size_per_gpu",
+    _R + "log_prob_use_dynamic_bsz": "actor.log_prob_use_dynamic_bsz",
+    _R + "log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
+    _REF + "log_prob_micro_batch_size_per_gpu": "actor.ref_log_prob_micro_batch_size_per_gpu",
+    _REF + "megatron.param_offload": "actor.ref_param_offload",
+    _REF + "fsdp_config.param_offload": "actor.ref_param_offload",
+    _A + "fsdp_config.param_offload": "actor.megatron.param_offload",
+    _A + "fsdp_config.optimizer_offload": "actor.megatron.optimizer_offload",
+    "critic.model.fsdp_config.param_offload": "critic.megatron.param_offload",
+    "critic.model.fsdp_config.optimizer_offload": "critic.megatron.optimizer_offload",
     "critic.grad_clip": "critic.optim.clip_grad",
     "critic.forward_micro_batch_size_per_gpu": "critic.log_prob_micro_batch_size_per_gpu",
     "trainer.total_training_steps": "trainer.total_steps",
     "trainer.test_freq": "trainer.val_every",
     "trainer.default_local_dir": "trainer.output_dir",
-    "trainer.save_freq": "trainer.save_every",  # verl's -1 (never) is any value <= 0 here
+    "trainer.save_freq": "trainer.save_every",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_checkpoints",
-    "trainer.resume_from_path": "trainer.resume",
+    "trainer.resume_mode": "trainer.resume_mode",
+    "trainer.resume_from_path": "trainer.resume_from_path",
     "trainer.log_val_generations": "trainer.val_samples",
     "reward_model.model.path": "reward_model.path",
     "reward_model.micro_batch_size_per_gpu": "reward_model.micro_batch_size",
 }
+# Whole dicts passed on: verl section -> ours (their entries are checked where they are used, before start).
+_DICTS = {
+    _A + "megatron.override_transformer_config.": "actor.megatron.override_transformer_config.",
+    "critic.megatron.override_transformer_config.": "critic.megatron.override_transformer_config.",
+    _R + "engine_kwargs.vllm.": "rollout.engine_kwargs.",
+    "data.apply_chat_template_kwargs.": "data.apply_chat_template_kwargs.",
+}
+# verl's FSDP engine reads enable_gradient_checkpointing (HF gradient checkpointing: every layer recomputed
+# in full, which is megatron's full, uniform recompute one layer at a time); verl 0.9.1's megatron engine
+# ignores it and recomputes only as override_transformer_config.recompute_* says. So does the translation:
+# the key means recompute for an FSDP command line, nothing under --config-name=ppo_megatron_trainer.
+_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": "1"}
+_CHECKPOINTING = {_MODEL + "enable_gradient_checkpointing": "actor.megatron.override_transformer_config.",
+                  "critic.model.enable_gradient_checkpointing": "critic.megatron.override_transformer_config."}
 # Second names for one of our values: accepted when they agree with it (checked after loading).
 MUST_AGREE = {
     "critic.model.path": "model.path",  # the critic starts from the policy's weights here
-    _ROLLOUT + "name": "rollout.name",
-    **{f"actor_rollout_ref.ref.megatron.{k}": f"actor.megatron.{k}"  # the reference shares the actor's layout
+    _R + "name": "rollout.name",
+    **{f"{_REF}megatron.{k}": f"actor.megatron.{k}"  # the reference shares the actor's layout
        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel")},
+    "trainer.max_critic_ckpt_to_keep": "trainer.max_checkpoints",  # one retention for the whole checkpoint
+    _REF + "log_prob_use_dynamic_bsz": "actor.log_prob_use_dynamic_bsz",  # one setting for actor and ref forwards
+    _REF + "log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
     "trainer.critic_warmup": 0,  # no critic warm-up steps here
+    _A + "policy_loss.loss_mode": "vanilla",  # the one policy loss here
+    "trainer.device": "cuda",
 }
+_STRATEGY = "an FSDP run becomes megatron data parallelism with the distributed optimizer (this module's docstring)"
+_FSDP_ONLY = "FSDP's wrapping/sharding detail; megatron's distributed optimizer shards state here"
 NO_EFFECT = {  # verl key -> why it changes nothing here
-    "data.filter_overlong_prompts": "a prompt longer than max_prompt_length is an error naming its row "
-                                    "(the GSM8K preprocessor filters them)",
-    "data.truncation": "over-long prompts are an error, as verl's 'error'",
-    "actor_rollout_ref.model.use_remove_padding": "rows are always laid out padding-free",
-    "actor_rollout_ref.model.enable_gradient_checkpointing": "not used by the megatron engine here",
-    "critic.model.enable_gradient_checkpointing": "not used by the megatron engine here",
+    _A + "strategy": _STRATEGY, _REF + "strategy": _STRATEGY, "critic.strategy": _STRATEGY,
+    "--config-name": "picks verl's FSDP or megatron defaults file; hybridflow's engine is megatron-core either way",
+    "--config-path": "verl's config folder; hybridflow's configs come from --config",
+    _MODEL + "use_remove_padding": "rows are always laid out padding-free",
     "critic.model.use_remove_padding": "rows are always laid out padding-free",
+    _MODEL + "use_fused_kernels": "log-probs come from megatron's vocab-parallel cross entropy without full logits",
+    _MODEL + "trust_remote_code": "only the architectures hybridflow converts are loaded",
+    _A + "megatron.use_mbridge": "hybridflow converts HF weights itself (megatron/convert.py)",
+    _REF + "megatron.use_mbridge": "hybridflow converts HF weights itself (megatron/convert.py)",
+    "critic.megatron.use_mbridge": "hybridflow converts HF weights itself (megatron/convert.py)",
+    _A + "megatron.seed": "trainer.seed seeds every role",
+    _A + "use_torch_compile": "megatron-core's kernels are used as they are",
+    _A + "fsdp_config.model_dtype": "FSDP's parameter storage dtype; actor.megatron.dtype sets compute here, with "
+                                    "fp32 main params in the optimizer",
+    _A + "fsdp_config.fsdp_size": _FSDP_ONLY, _A + "fsdp_config.wrap_policy": _FSDP_ONLY,
+    _A + "fsdp_config.reshard_after_forward": _FSDP_ONLY, "critic.model.fsdp_config.fsdp_size": _FSDP_ONLY,
+    _REF + "fsdp_config.reshard_after_forward": _FSDP_ONLY,
+    "data.return_raw_chat": "prompts are rendered with the chat template at load; the raw chat is not needed",
+    "data.filter_overlong_prompts_workers": "filtering runs in the loading process",
+    "data.dataloader_num_workers": "prompts are tokenized once at load",
+    _R + "mode": "one batched vLLM call per step gives the samples verl's sync and async modes give",
+    _R + "multi_turn.format": "single-turn rollouts (multi_turn.enable is false)",
+    _R + "load_format": "weights reach vLLM through the resharding engine, not a load format",
+    _R + "calculate_log_probs": "the trainer recomputes log-probs with megatron",
+    _R + "engine_kwargs.sglang.attention_backend": "sglang is not used (vLLM is the rollout engine)",
+    _R + "val_kwargs.do_sample": "validation is greedy here",
+    "reward_model.use_reward_loop": "the reward model runs in its own worker group here",
+    "reward_model.num_workers": "the reward model's worker group has resources.n_workers ranks",
+    "reward_model.rollout.name": "the reward model is a HF sequence classifier scored with transformers here",
+    "reward_model.rollout.tensor_model_parallel_size": "the reward model is not sharded here",
+    "reward_model.rollout.gpu_memory_utilization": "the reward model is not served by vLLM here",
+    "reward_model.rollout.prompt_length": "reward_model.max_length bounds prompt + response",
+    "reward_model.rollout.response_length": "reward_model.max_length bounds prompt + response",
+    "trainer.val_only": "not supported as a mode: run `hybridflow train` with trainer.total_steps=0 instead",
+    "trainer.default_hdfs_dir": "checkpoints are written under trainer.output_dir",
+    "trainer.del_local_ckpt_after_load": "checkpoints are kept (trainer.max_checkpoints prunes old ones)",
+    "trainer.ray_wait_register_center_timeout": "trainer.stage_timeout_s bounds every stage",
+    "trainer.use_v1": "one trainer loop here",
 }
 _GPU_KEYS = ("trainer.n_gpus_per_node", "trainer.nnodes")
 _LISTS = ("data.train_files", "data.val_files", "trainer.logger")
+
+# Deliberate differences from verl 0.9.1 (ppo_megatron_trainer.yaml) for keys that carry a verl name:
+# ours -> (verl key, reason). tests/unit/test_verl_overrides.py compares every mapped key's default with
+# verl's and fails on one not listed here.
+DIFFERENCES = {
+    "data.val_batch_size": ("data.val_batch_size", "verl's null sends the whole validation set to one generate "
+                                                   "call; 256 prompts per call bounds the driver's memory"),
+    "actor.ppo_mini_batch_size": ("actor_rollout_ref.actor.ppo_mini_batch_size",
+                                  "16, not 256: fits the default data.batch_size on a few ranks"),
+    "actor.ppo_micro_batch_size_per_gpu": ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                                           "verl requires it (null default); 8 here"),
+    "actor.log_prob_micro_batch_size_per_gpu": ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                                                "verl requires it (null default); 16 here"),
+    "critic.ppo_micro_batch_size_per_gpu": ("critic.ppo_micro_batch_size_per_gpu",
+                                            "verl requires it (null default); 8 here"),
+    "rollout.tensor_model_parallel_size": ("actor_rollout_ref.rollout.tensor_model_parallel_size",
+                                           "1, not 2: any machine runs it; set it for large models"),
+    "rollout.gpu_memory_utilization": ("actor_rollout_ref.rollout.gpu_memory_utilization",
+                                       "0.4, not 0.5: the colocated megatron roles keep their memory"),
+    "rollout.max_num_batched_tokens": ("actor_rollout_ref.rollout.max_num_batched_tokens",
+                                       "null: vLLM's own default for the chunked-prefill budget"),
+    "trainer.experiment_name": ("trainer.experiment_name", "a name only"),
+    "trainer.project_name": ("trainer.project_name", "a name only"),
+    "trainer.logger": ("trainer.logger", "console + jsonl: wandb needs an account and network"),
+    "trainer.output_dir": ("trainer.default_local_dir", "outputs/run; verl's is under checkpoints/"),
+    "trainer.val_samples": ("trainer.log_val_generations", "4 examples logged per validation, not 0"),
+    "trainer.seed": ("data.seed", "1: verl's null seeds its data loader with 1 too"),
+    "critic.ppo_mini_batch_size": ("critic.ppo_mini_batch_size", "the actor's, as in verl (whose actor's is 256)"),
+    "model.path": ("actor_rollout_ref.model.path", "the CPU quickstart's model, not a 7B download"),
+    "data.train_files": ("data.train_files", "none: verl's points at ~/data/rlhf/gsm8k, which few have"),
+    "data.val_files": ("data.val_files", "none: verl's points at ~/data/rlhf/gsm8k, which few have"),
+    "custom_reward_function.name": ("custom_reward_function.name", "verl's null means compute_score too"),
+    "reward_model.enable": ("reward_model.enable", "verl's null means false too"),
+}
+
+
+@dataclasses.dataclass
+class Translation:
+    overrides: list  # ours, as Override records naming the verl argument
+    agree: dict  # verl argument -> our key (or constant) it must equal once loaded
+    no_effect: dict  # verl key -> why it changes nothing here (printed by the dry run)
 
 
 def _ours(key: str):
     if key in RENAMED:
         return RENAMED[key]
-    for prefix, leaves in _SAME_LEAVES.items():
-        if key.startswith(prefix) and key[len(prefix):] in leaves:
-            ours = key[len(prefix):]
-            return {_ACTOR: "actor.", _ACTOR + "optim.": "actor.optim.", _ROLLOUT: "rollout."}.get(prefix, prefix) + ours
-    for prefix, ours in _SAME_NAMES.items():
-        if key.startswith(prefix):
-            return ours + key[len(prefix):]
+    for section, leaves in _SAME_LEAVES.items():
+        if key.startswith(section) and key[len(section):] in leaves:
+            return _OURS_PREFIX.get(section, section) + key[len(section):]
+    for verl_role, ours in ((_A, "actor."), ("critic.", "critic.")):
+        for sub, names in (("optim.", _OPTIM), ("megatron.", _MEGATRON)):
+            if key.startswith(verl_role + sub) and key[len(verl_role + sub):] in names:
+                return ours + sub + key[len(verl_role + sub):]
+    for section, ours in _DICTS.items():
+        if key.startswith(section) and len(key) > len(section):
+            return ours + key[len(section):]
     return None
 
 
@@ -102,24 +220,39 @@ def _gpu_count(arg: str, value: str) -> int:
     return n
 
 
-def translate(verl_overrides: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Our ``key=value`` overrides for a verl command line's (each naming its verl override in errors: a
-    ``1.5`` for an integer key names the verl key), and the (our key or constant -> verl value) pairs that
-    must agree once the config is loaded (``check_agreement``)."""
-    ours, agree, unsupported, gpus = [], {}, [], {}
-    for arg in verl_overrides:
+def _is_true(value: str) -> bool:
+    import yaml
+
+    try:
+        return yaml.safe_load(value) is True
+    except yaml.YAMLError:
+        return False
+
+
+def translate(verl_args: list[str]) -> Translation:
+    """Our overrides for a verl command line's arguments (each naming its verl argument in errors: a ``1.5``
+    for an integer key names the verl key), the second names to check once loaded (``check_agreement``),
+    and the accepted keys that change nothing. All unsupported keys are named in one ``ConfigError``."""
+    ours, implied, agree, no_effect, unsupported, gpus = [], [], {}, {}, [], {}
+    megatron = any(a.startswith("--config-name=") and "megatron" in a for a in verl_args)
+    for arg in verl_args:
         if "=" not in arg:
             raise ConfigError(f"bad verl override {arg!r}: expected key=value")
         key, value = arg.split("=", 1)
-        key = key.lstrip("+")  # hydra's "add a key" prefix
-        target = _ours(key)
+        key = key.lstrip("+")  # hydra's "add a key" prefixes (+ and ++)
         if key in _GPU_KEYS:
             gpus[key] = _gpu_count(arg, value)
         elif key in MUST_AGREE:
             agree[arg] = MUST_AGREE[key]
         elif key in NO_EFFECT:
-            continue
-        elif target is None:
+            no_effect[key] = NO_EFFECT[key]
+        elif key in _CHECKPOINTING and megatron:
+            no_effect[key] = "verl's megatron engine ignores it (override_transformer_config.recompute_* decide)"
+        elif key in _CHECKPOINTING:
+            if _is_true(value):  # first, so explicit override_transformer_config entries win
+                implied.extend(Override(f"{_CHECKPOINTING[key]}{k}={v}", f"verl override '{arg}'")
+                            for k, v in _RECOMPUTE.items())
+        elif (target := _ours(key)) is None:
             unsupported.append(key)
         else:
             if target in _LISTS and not value.lstrip().startswith("["):
@@ -128,21 +261,39 @@ def translate(verl_overrides: list[str]) -> tuple[list[str], dict[str, str]]:
                         for t in ((target,) if isinstance(target, str) else target))
     if unsupported:
         raise ConfigError(f"verl keys not supported by hybridflow: {', '.join(unsupported)} "
-                          "(see hybridflow/config/verl.py for the supported ones)")
+                          "(the supported ones: hybridflow/config/verl.py)")
     if gpus:  # one process per GPU, as verl places them
-        n = gpus.get("trainer.n_gpus_per_node", 1) * gpus.get("trainer.nnodes", 1)
+        n = gpus.get("trainer.n_gpus_per_node", 8) * gpus.get("trainer.nnodes", 1)
         ours += [f"resources.n_workers={n}", f"resources.critic_n_workers={n}", "resources.gpus_per_worker=1"]
-    return ours, agree
+    return Translation(implied + ours, agree, no_effect)
 
 
-def check_agreement(cfg, agree: dict[str, str]) -> None:
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(our arguments, the verl arguments after ``--verl-overrides``): everything after it is verl's, hydra's
+    ``--config-path=...``/``--config-name=...`` included, so a verl script's arguments pass unchanged."""
+    if "--verl-overrides" not in argv:
+        return list(argv), []
+    i = argv.index("--verl-overrides")
+    verl_args = []
+    for a in argv[i + 1:]:
+        if verl_args and verl_args[-1] in ("--config-path=", "--config-name="):  # hydra's "--config-name X"
+            verl_args[-1] += a
+        else:
+            verl_args.append(a + "=" if a in ("--config-path", "--config-name") else a)
+    return list(argv[:i]), verl_args
+
+
+def check_agreement(cfg, agree: dict) -> None:
     """Each verl second name must equal the value it names here (one-line error otherwise)."""
     import yaml
 
     for arg, target in agree.items():
         key, raw = arg.split("=", 1)
-        value = yaml.safe_load(raw)
-        if isinstance(target, str):
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        if isinstance(target, str) and "." in target:
             ours = cfg
             for part in target.split("."):
                 ours = getattr(ours, part)

@@ -1,10 +1,17 @@
-"""A local GSM8K copy (jsonl or parquet with ``question``/``answer``) -> the suite's prompt parquet.
+"""A local GSM8K copy (jsonl or parquet with ``question``/``answer``) -> a prompt parquet, in one of two
+formats:
 
-Prompts are built as verl's ``examples/data_preprocess/gsm8k.py`` builds them (same instruction, one
-user turn) and rendered with the tokenizer's chat template, since the suite feeds ``prompt`` verbatim.
+- ``hybridflow`` (default): ``prompt`` already rendered with the tokenizer's chat template (plain text),
+  ``answer``, ``data_source``, ``index``; prompts over --max-prompt-length tokens are dropped here.
+- ``verl``: exactly what verl's ``examples/data_preprocess/gsm8k.py`` writes: ``data_source``, ``prompt``
+  (one user message), ``ability``, ``reward_model: {style, ground_truth}``, ``extra_info: {split, index,
+  answer, question}``. The template is applied when the data is loaded (as verl does), so no tokenizer is
+  needed; given --tokenizer and --max-prompt-length, over-long prompts are dropped here too.
+
+Both build the prompt as verl does (the question, then the same instruction, as one user turn).
 
     python -m hybridflow.data.gsm8k --input train.jsonl --output-dir data/gsm8k \\
-        --tokenizer path/to/tokenizer --max-prompt-length 512 --split train
+        --tokenizer path/to/tokenizer --max-prompt-length 512 --split train [--format verl]
 """
 
 from __future__ import annotations
@@ -55,9 +62,22 @@ def read_rows(path: str | Path) -> list[dict]:
     return rows
 
 
+FORMATS = ("hybridflow", "verl")
+
+
+def chat_messages(question: str) -> list[dict]:
+    return [{"role": "user", "content": question + " " + INSTRUCTION}]
+
+
 def build_prompt(question: str, tokenizer) -> str:
-    messages = [{"role": "user", "content": question + " " + INSTRUCTION}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(chat_messages(question), add_generation_prompt=True, tokenize=False)
+
+
+def verl_row(question: str, answer_field: str, ground_truth: str, split: str, index: int) -> dict:
+    """One row as verl's ``examples/data_preprocess/gsm8k.py`` ``process_fn`` makes it."""
+    return {"data_source": DATA_SOURCE, "prompt": chat_messages(question), "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": ground_truth},
+            "extra_info": {"split": split, "index": index, "answer": answer_field, "question": question}}
 
 
 def _load_tokenizer(tokenizer):
@@ -71,21 +91,31 @@ def _load_tokenizer(tokenizer):
     return tokenizer
 
 
-def preprocess_gsm8k(input_path: str | Path, output_dir: str | Path, tokenizer, max_prompt_length: int,
-                     split: str = "train") -> PreprocessResult:
-    """Write ``output_dir/<split>.parquet`` (prompt, answer, data_source, index).
+def preprocess_gsm8k(input_path: str | Path, output_dir: str | Path, tokenizer=None,
+                     max_prompt_length: int | None = None, split: str = "train",
+                     fmt: str = "hybridflow") -> PreprocessResult:
+    """Write ``output_dir/<split>.parquet`` in format ``fmt`` (see the module docstring).
 
-    ``tokenizer`` is a tokenizer or its folder. ``index`` is the row number in the input, so rows
-    keep verl's ids even after over-long prompts are dropped.
+    ``tokenizer`` is a tokenizer or its folder (needed by the hybridflow format, and by the verl format
+    only to drop over-long prompts). The row number in the input is kept (``index``, or
+    ``extra_info.index`` in verl's format), so rows keep verl's ids even after over-long prompts are dropped.
     """
-    if max_prompt_length < 1:
-        raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
-    tokenizer = _load_tokenizer(tokenizer)
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    filtering = tokenizer is not None or max_prompt_length is not None
+    if fmt == "hybridflow" and not (tokenizer is not None and max_prompt_length is not None):
+        raise ValueError("the hybridflow format needs a tokenizer and max_prompt_length (it renders prompts)")
+    if filtering and (tokenizer is None or max_prompt_length is None):
+        raise ValueError("dropping over-long prompts needs both a tokenizer and max_prompt_length")
+    if filtering:
+        if max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+        tokenizer = _load_tokenizer(tokenizer)
     rows = read_rows(input_path)
     if not rows:
         raise ValueError(f"{input_path}: no rows")
 
-    prompts, answers, indices = [], [], []
+    answers = []
     for i, row in enumerate(rows):
         for key in ("question", "answer"):
             if not isinstance(row.get(key), str):
@@ -95,41 +125,53 @@ def preprocess_gsm8k(input_path: str | Path, output_dir: str | Path, tokenizer, 
             answers.append(extract_ground_truth(row["answer"]))
         except ValueError as e:
             raise ValueError(f"{input_path} row {i}: {e}") from None
-        prompts.append(build_prompt(row["question"], tokenizer))
-        indices.append(i)
 
-    # Counted exactly as PromptDataset counts them, so every kept prompt loads there.
-    lengths = [len(ids) for ids in tokenizer(prompts).input_ids]
-    keep = [j for j, n in enumerate(lengths) if n <= max_prompt_length]
-    dropped = len(rows) - len(keep)
-    logger.info("%s: dropped %d of %d prompts longer than max_prompt_length=%d tokens",
-                input_path, dropped, len(rows), max_prompt_length)
-    if not keep:
-        raise ValueError(f"{input_path}: every prompt is longer than max_prompt_length={max_prompt_length} "
-                         f"tokens (shortest: {min(lengths)})")
+    keep = list(range(len(rows)))
+    if filtering:
+        prompts = [build_prompt(row["question"], tokenizer) for row in rows]
+        # Counted exactly as PromptDataset counts them, so every kept prompt loads there.
+        lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=fmt == "hybridflow").input_ids]
+        keep = [j for j, n in enumerate(lengths) if n <= max_prompt_length]
+        logger.info("%s: dropped %d of %d prompts longer than max_prompt_length=%d tokens",
+                    input_path, len(rows) - len(keep), len(rows), max_prompt_length)
+        if not keep:
+            raise ValueError(f"{input_path}: every prompt is longer than max_prompt_length={max_prompt_length} "
+                             f"tokens (shortest: {min(lengths)})")
 
-    table = pa.table({
-        "prompt": [prompts[j] for j in keep],
-        "answer": [answers[j] for j in keep],
-        "data_source": [DATA_SOURCE] * len(keep),
-        "index": pa.array([indices[j] for j in keep], pa.int64()),
-    })
+    if fmt == "verl":
+        table = pa.Table.from_pylist([verl_row(rows[j]["question"], rows[j]["answer"], answers[j], split, j)
+                                      for j in keep])
+    else:
+        table = pa.table({
+            "prompt": [prompts[j] for j in keep],
+            "answer": [answers[j] for j in keep],
+            "data_source": [DATA_SOURCE] * len(keep),
+            "index": pa.array(keep, pa.int64()),
+        })
     path = Path(output_dir) / f"{split}.parquet"
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
-    return PreprocessResult(path, len(keep), dropped)
+    return PreprocessResult(path, len(keep), len(rows) - len(keep))
 
 
 def main(argv: list[str] | None = None) -> PreprocessResult:
     parser = argparse.ArgumentParser(prog="python -m hybridflow.data.gsm8k", description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="GSM8K .jsonl or .parquet with question/answer")
     parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--tokenizer", required=True, help="tokenizer folder (must have a chat template)")
-    parser.add_argument("--max-prompt-length", type=int, required=True)
+    parser.add_argument("--format", choices=FORMATS, default="hybridflow",
+                        help="hybridflow: prompts rendered here (needs --tokenizer, --max-prompt-length); "
+                             "verl: verl's chat-message parquet, rendered when loaded")
+    parser.add_argument("--tokenizer", help="tokenizer folder (must have a chat template)")
+    parser.add_argument("--max-prompt-length", type=int, help="drop prompts longer than this many tokens")
     parser.add_argument("--split", default="train", help="output file name: <split>.parquet")
     args = parser.parse_args(argv)
+    if args.format == "hybridflow" and (args.tokenizer is None or args.max_prompt_length is None):
+        parser.error("--format hybridflow needs --tokenizer and --max-prompt-length")
+    if (args.tokenizer is None) != (args.max_prompt_length is None):
+        parser.error("--tokenizer and --max-prompt-length go together")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    result = preprocess_gsm8k(args.input, args.output_dir, args.tokenizer, args.max_prompt_length, args.split)
+    result = preprocess_gsm8k(args.input, args.output_dir, args.tokenizer, args.max_prompt_length, args.split,
+                              fmt=args.format)
     print(f"wrote {result.path}: {result.kept} prompts ({result.dropped} over-long dropped)")
     return result
 

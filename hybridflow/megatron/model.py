@@ -49,11 +49,99 @@ def _use_hf_rope_frequencies(rope, hf_config) -> None:
         megatron_core.set_rope_inverse_frequencies(rope, hf_inverse_frequencies(hf_config, kind, rope.inv_freq.device))
 
 
+# TransformerConfig fields hybridflow sets itself, and where each comes from: an override of one is refused
+# (override_transformer_config), naming the key to use instead where there is one.
+_FROM_MODEL = "the model's config.json"
+DECIDED_FIELDS = {
+    **{name: _FROM_MODEL for name in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+        "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear",
+        "add_qkv_bias", "init_method_std")},
+    "tensor_model_parallel_size": "megatron.tensor_model_parallel_size",
+    "pipeline_model_parallel_size": "megatron.pipeline_model_parallel_size",
+    "sequence_parallel": "megatron.sequence_parallel",
+    **{name: "megatron.dtype" for name in ("params_dtype", "pipeline_dtype", "bf16", "fp16")},
+    # layouts hybridflow does not build
+    **{name: "hybridflow (not supported)" for name in (
+        "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+        "virtual_pipeline_model_parallel_size")},
+    # what the role's training loop and CPU support rely on (role.py, patches/megatron_core.py)
+    **{name: "hybridflow" for name in (
+        "variable_seq_lengths", "finalize_model_grads_func", "grad_scale_func", "use_cpu_initialization",
+        "batch_p2p_comm", "moe_token_dispatcher_type")},
+}
+
+
+def check_transformer_overrides(overrides: dict, key: str) -> dict:
+    """``overrides`` (a role's ``megatron.override_transformer_config``, found at ``key``) as TransformerConfig
+    keyword arguments: each name must be a TransformerConfig field that hybridflow does not set itself.
+    Raises a one-line ValueError naming the key; needs no process group (config validation calls it).
+    An ``attention_backend`` given by name becomes megatron's enum, as verl's
+    ``mapping_string_to_attn_backend`` does."""
+    import dataclasses
+
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+
+    if not isinstance(overrides, dict):
+        raise ValueError(f"{key} must be a mapping of TransformerConfig fields, got {type(overrides).__name__}")
+    fields = {f.name for f in dataclasses.fields(TransformerConfig) if f.init}
+    out = {}
+    for name, value in overrides.items():
+        if name not in fields:
+            raise ValueError(f"{key}.{name}: megatron-core's TransformerConfig has no field {name!r}")
+        if name in DECIDED_FIELDS:
+            raise ValueError(f"{key}.{name}: set by hybridflow from {DECIDED_FIELDS[name]}, not overridable")
+        if name == "attention_backend" and isinstance(value, str):
+            if value not in AttnBackend.__members__:
+                names = ", ".join(AttnBackend.__members__)
+                raise ValueError(f"{key}.attention_backend: {value!r} is not one of {names}")
+            value = AttnBackend[value]
+        out[name] = value
+    _check_recompute_modules(out, key)
+    return out
+
+
+def _check_recompute_modules(overrides: dict, key: str) -> None:
+    """Selective recompute of ``layernorm`` goes through megatron-core 0.16.1's CheckpointWithoutOutput,
+    which calls Transformer Engine's FP8GlobalStateManager whatever the precision (``fp8 is not None`` is
+    True for its default ``fp8=False``; tensor_parallel/random.py): without TE it fails at the first
+    forward. ``core_attn`` and ``mlp`` use ``tensor_parallel.checkpoint`` and run anywhere."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    modules = overrides.get("recompute_modules") or []
+    if overrides.get("recompute_granularity") == "selective" and "layernorm" in modules and not mrandom.HAVE_TE:
+        raise ValueError(f"{key}.recompute_modules: 'layernorm' needs Transformer Engine, which is not installed "
+                         "(megatron-core's CheckpointWithoutOutput calls it); core_attn and mlp work without it")
+
+
+def check_transformer_config(hf_config, megatron_cfg, key: str) -> None:
+    """Build the role's whole TransformerConfig once (no process group needed) so that megatron-core's own
+    checks of the overrides (``TransformerConfig.__post_init__``: e.g. full recompute without a
+    recompute_method) fail before any worker starts, in one line naming ``key`` (the role's
+    ``megatron.override_transformer_config``)."""
+    from hybridflow import device as devices
+
+    m = megatron_cfg
+    try:
+        transformer_config_from_hf(
+            hf_config, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+            sequence_parallel=m.sequence_parallel, params_dtype=devices.torch_dtype(m.dtype),
+            overrides=m.override_transformer_config, key=key)
+    except (ValueError, AssertionError, TypeError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(msg if msg.startswith(key) else f"{key}: {msg}") from None
+
+
 def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
-                               params_dtype: torch.dtype = torch.float32):
-    """The megatron TransformerConfig equivalent to a HF Qwen2/Llama config (no fused CUDA kernels on CPU)."""
+                               params_dtype: torch.dtype = torch.float32, overrides: dict | None = None,
+                               key: str = "megatron.override_transformer_config"):
+    """The megatron TransformerConfig equivalent to a HF Qwen2/Llama config (no fused CUDA kernels on CPU),
+    with ``overrides`` (``check_transformer_overrides``; e.g. activation recompute) set on top, as verl's
+    ``override_transformer_config``."""
     from megatron.core.transformer import TransformerConfig
 
+    extra = check_transformer_overrides(overrides or {}, key)
     archs = getattr(hf_config, "architectures", None) or []
     if archs and archs[0] not in SUPPORTED_ARCHS:
         raise ValueError(f"model architecture {archs[0]} is not supported (supported: {SUPPORTED_ARCHS})")
@@ -61,7 +149,7 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, sequence_
     on_gpu = device.has_gpu()
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
-    return TransformerConfig(
+    base = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -96,6 +184,7 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, sequence_
         persist_layer_norm=False,
         use_cpu_initialization=not on_gpu,
     )
+    return TransformerConfig(**{**base, **extra})
 
 
 def te_available() -> bool:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow import device
-from hybridflow.megatron import convert, parallel
+from hybridflow.megatron import convert, lr_schedule, parallel
 from hybridflow.megatron.model import build_gpt, transformer_config_from_hf
 from hybridflow.megatron.offload import Offloader, optimizer_tensors
 from hybridflow.patches import megatron_core
@@ -31,6 +31,7 @@ class OptimSettings:
     eps: float = 1e-8
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
+    schedule: lr_schedule.LRSchedule | None = None  # None: a constant ``lr`` (lr_schedule.resolve builds one)
 
 
 @dataclass(frozen=True)
@@ -43,21 +44,26 @@ class OffloadSettings:
 
 
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) where the vocab dim is split across the TP group (no grad)."""
-    from megatron.core import parallel_state as ps
+    """Entropy of softmax(logits) where the vocab dim is split across the TP group, differentiable (the
+    entropy bonus, verl's ``entropy_coeff``; under ``torch.no_grad`` it records nothing).
 
-    group = ps.get_tensor_model_parallel_group()
-    with torch.no_grad():
-        logits = logits.float()
-        m = logits.max(dim=-1).values
-        if ps.get_tensor_model_parallel_world_size() > 1:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - m[..., None]
-        e = shifted.exp()
-        stats = torch.stack([e.sum(-1), (e * shifted).sum(-1)])
-        if ps.get_tensor_model_parallel_world_size() > 1:
-            dist.all_reduce(stats, group=group)
-        return stats[0].log() - stats[1] / stats[0]
+    H = log S0 - S1 / S0 with S0 = sum exp(z - m), S1 = sum exp(z - m) (z - m): the two sums cross the TP
+    ranks through megatron's ``reduce_from_tensor_model_parallel_region`` (forward all-reduce, backward
+    identity), so each rank's gradient is that of its own vocab shard, as in megatron's
+    ``vocab_parallel_cross_entropy``. The shift m is the global max, detached: H does not depend on it.
+    megatron-core 0.16 has no entropy of its own; verl 0.9.1's is a hand-written autograd function
+    (utils/megatron/tensor_parallel.py) that saves memory by working in place."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    logits = logits.float()
+    m = logits.detach().max(dim=-1, keepdim=True).values
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted = logits - m
+    e = shifted.exp()
+    stats = tensor_parallel.reduce_from_tensor_model_parallel_region(torch.stack([e.sum(-1), (e * shifted).sum(-1)]))
+    return stats[0].log() - stats[1] / stats[0]
 
 
 def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -74,21 +80,22 @@ class MegatronRole:
 
     def __init__(self, hf_config, hf_state_dict: Mapping | None, *, value_head: bool = False,
                  optim: OptimSettings | None = None, dtype: torch.dtype = torch.float32,
-                 sequence_parallel: bool = False, offload: OffloadSettings = OffloadSettings()):
+                 sequence_parallel: bool = False, offload: OffloadSettings = OffloadSettings(),
+                 transformer_overrides: dict | None = None):
         from megatron.core import parallel_state as ps
 
         self.hf_config = hf_config
         self.value_head = value_head
         self.shard = parallel.current_shard()
         self.device = device.current()
-        self.tf_config = transformer_config_from_hf(
+        self.tf_config = transformer_config_from_hf(  # overrides: megatron.override_transformer_config
             hf_config, tp=self.shard.tp_size, pp=self.shard.pp_size, sequence_parallel=sequence_parallel,
-            params_dtype=dtype)
+            params_dtype=dtype, overrides=transformer_overrides)
         model = build_gpt(hf_config, self.tf_config, value_head=value_head, device=self.device,
                           pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
         if hf_state_dict is not None:  # None: weights come from a checkpoint (megatron.checkpoint.load_role)
             convert.load_into(model, convert.hf_to_megatron(hf_state_dict, hf_config, self.shard, value_head=value_head))
-        self.optimizer = None
+        self.optimizer = self.scheduler = None
         if optim is None:
             model.requires_grad_(False)
             self.model = model.eval()
@@ -112,6 +119,7 @@ class MegatronRole:
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        schedule = optim.schedule or lr_schedule.LRSchedule.constant(optim.lr)
         self.tf_config.finalize_model_grads_func = finalize_model_grads
         with megatron_core.cpu_scope():
             ddp = DistributedDataParallel(
@@ -122,7 +130,7 @@ class MegatronRole:
                 module=model)
             # 16-bit params get megatron's fp32 main params and grads in the optimizer.
             opt = get_megatron_optimizer(OptimizerConfig(
-                optimizer="adam", lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
+                optimizer="adam", lr=schedule.max_lr, min_lr=schedule.min_lr, weight_decay=optim.weight_decay,
                 adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
                 clip_grad=optim.clip_grad, use_distributed_optimizer=optim.use_distributed_optimizer,
                 params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
@@ -130,6 +138,8 @@ class MegatronRole:
         # The schedule scales each loss by the optimizer's loss scale (as Megatron-LM's training loop
         # wires it); without this fp16 gradients would be divided by a scale that was never applied.
         self.tf_config.grad_scale_func = opt.scale_loss
+        # Sets each param group's lr and weight decay from now on (the decay skips biases and norms).
+        self.scheduler = lr_schedule.build_scheduler(opt, schedule, optim.weight_decay)
         return ddp, opt
 
     # --- memory phases ----------------------------------------------------------------------------
@@ -176,14 +186,22 @@ class MegatronRole:
         Each micro-batch moves to the device right before its forward. No padding mask is passed: rows
         are laid out so that the causal mask alone is exact (workers/row_layout.py), which is all that TE's
         flash/cuDNN attention applies on GPU. Only CPU shared-prompt rows pass a mask, their packed one
-        (megatron's local attention applies it; ``shares_prompts`` is off on GPU)."""
+        (megatron's local attention applies it; ``shares_prompts`` is off on GPU). Token-budget micro-batches
+        (row_layout.token_micro_batches) are one packed row each: on CPU with their mask, on GPU with
+        ``cu_seqlens`` for TE's packed-sequence attention (``packed_seq_params``).
+
+        Shapes may differ between micro-batches: ``variable_seq_lengths`` (model.transformer_config_from_hf)
+        makes megatron's pipeline send each activation's shape before it (p2p_communication
+        ``_communicate_shapes``), so the first micro-batch's sizes given below only fill the schedule's
+        arguments."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iter, model):
             mb = device.to_device(next(data_iter))
-            packed = mb.get("packed_mask")  # shared-prompt rows (row_layout.shared_prompt_rows)
+            packed = mb.get("packed_mask")  # shared-prompt or token-budget rows on CPU (row_layout)
             with megatron_core.rope_at_positions(self.module, mb["position_ids"]) if packed is not None else contextlib.nullcontext():
-                out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=packed)
+                out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=packed,
+                            **_packed_sequences(mb))
             return out, partial(loss_fn, mb)
 
         with megatron_core.cpu_scope():
@@ -205,10 +223,18 @@ class MegatronRole:
     def train(self, steps: Iterable[tuple[list[dict], Callable]]) -> list[dict]:
         """One optimizer step per (micro-batches, ``loss_fn(mb, output) -> (loss, metrics)``) of ``steps``,
         all inside one residency: params, grads and optimizer state come to the device once per call,
-        however many mini-batches and epochs it runs (as verl loads them once per update)."""
+        however many mini-batches and epochs it runs (as verl loads them once per update). The learning-rate
+        schedule then advances one step: once per update call, as verl's (megatron/lr_schedule.py)."""
         self.model.train()
         with self.resident(training=True):
-            return [self._train_step(mbs, loss_fn) for mbs, loss_fn in steps]
+            metrics = [self._train_step(mbs, loss_fn) for mbs, loss_fn in steps]
+        self.scheduler.step(1)
+        return metrics
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step applies."""
+        return lr_schedule.current_lr(self.optimizer)
 
     def _train_step(self, micro_batches: list[dict], loss_fn: Callable) -> dict:
         self.model.zero_grad_buffer()
@@ -219,6 +245,7 @@ class MegatronRole:
         metrics = mean_by_key(outputs)
         metrics["grad_norm"] = grad_norm
         metrics["update_skipped"] = float(not ok)
+        metrics["lr"] = self.lr  # what this step applied
         return metrics
 
     # --- export -----------------------------------------------------------------------------------
@@ -299,3 +326,18 @@ def _layer_chunks(local: dict) -> list[list[str]]:
         else:
             tail.append(name)
     return [c for c in (head, *(layers[k] for k in sorted(layers)), tail) if c]
+
+
+def _packed_sequences(mb: dict) -> dict:
+    """``packed_seq_params`` for a GPU token-budget micro-batch (row_layout.token_micro_batches with
+    ``thd``): its rows end to end in one [1, T] row, split by ``cu_seqlens``. TE's attention takes them as
+    THD (qkv_format) and megatron restarts rotary positions per sequence (rope_utils
+    ``_apply_rotary_pos_emb_thd``); no padding inside, so the padded boundaries are the same."""
+    if "cu_seqlens" not in mb:
+        return {}
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu, longest = mb["cu_seqlens"], int(mb["max_seqlen"])
+    return {"packed_seq_params": PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+        max_seqlen_q=longest, max_seqlen_kv=longest)}

@@ -42,3 +42,37 @@ def save_random_model(model_cls, config, out_dir: str | Path, tokenizer, seed: i
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     return model
+
+
+# Qwen's ChatML turns, without Qwen2.5's default system prompt (it would not fit a tiny context).
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+CHAT_ALPHABET = "0123456789+-*=:?,.!'()/$# \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def build_chat_tokenizer(out_dir: str | Path, alphabet: str = CHAT_ALPHABET):
+    """A char-level tokenizer with Qwen's ChatML chat template: ``<|im_start|>``/``<|im_end|>`` are special
+    tokens of their own and ``<|im_end|>`` ends a turn (the eos token, as in Qwen's instruct models). The
+    alphabet holds the newline the template puts after each role and turn. Loaded back by AutoTokenizer from
+    a Qwen2 model folder, transformers 5 builds a Qwen2Tokenizer whose byte-level pre-tokenizer drops this
+    char-level vocabulary's whitespace (the newlines too), as it does for the quickstart's tokenizer; the
+    special tokens and every other character stay."""
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(out_dir, alphabet)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(CHATML_TOKENS)})
+    tokenizer.eos_token = CHATML_TOKENS[1]
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+def build_tiny_qwen2_chat(out_dir: str | Path, **model_kw):
+    """A random-init tiny Qwen2 folder whose tokenizer renders chats (``build_chat_tokenizer``); returns
+    (model, tokenizer). ``model_kw``: ``build_tiny_qwen2``'s sizes."""
+    tokenizer = build_chat_tokenizer(out_dir)
+    return build_tiny_qwen2(out_dir, tokenizer, **model_kw), tokenizer

@@ -4,7 +4,8 @@ Without CUDA (``enable_cpu``, ``cpu_scope``): megatron-core allocates with ``dev
 device, calls ``Tensor.cuda()``, compares ``p.type()`` with 'torch.cuda.FloatTensor' and keeps CUDA RNG
 states. A TorchFunctionMode scoped to megatron calls rewrites CUDA devices to CPU (torch function modes
 are thread-local: a global one would leak into, or miss, other threads), and the RNG tracker keeps its
-named states on the CPU generator. All of it is inert when a GPU is visible.
+named states on the CPU generator; activation recompute saves and replays those, with no CUDA generator
+state, and re-runs its forwards inside that mode. All of it is inert when a GPU is visible.
 
 Everywhere: a sequence-parallel torch norm, HF's scaled-RoPE frequencies, rotary positions for packed
 rows, and an optimizer step that never applies a non-finite update.
@@ -35,6 +36,18 @@ MANUAL_SEED = declare(
     "megatron.cpu_model_parallel_seed", "megatron-core", MCORE, f"{_RANDOM}:model_parallel_cuda_manual_seed",
     "stood in for, not replaced, on CPU: the same tracker names and seed offsets, on the CPU generator "
     "(megatron's own seeds only the CUDA generators)")
+CUDA_RNG_GET = declare(
+    "megatron.cpu_get_cuda_rng_state", "megatron-core", MCORE, f"{_RANDOM}:_get_cuda_rng_state",
+    "CPU: activation recompute (tensor_parallel.checkpoint, CheckpointWithoutOutput) saves the CUDA "
+    "generator's state beside the CPU one; without CUDA there is none: an empty placeholder")
+CUDA_RNG_SET = declare(
+    "megatron.cpu_set_cuda_rng_state", "megatron-core", MCORE, f"{_RANDOM}:_set_cuda_rng_state",
+    "CPU: a no-op for that placeholder (megatron's would queue a CUDA call that never runs, one per "
+    "recomputed layer, for good)")
+RECOMPUTE_SCOPE = declare(
+    "megatron.cpu_recompute_in_device_scope", "megatron-core", MCORE, f"{_RANDOM}:_fork_rng",
+    "CPU: activation recompute re-runs layers' forwards inside the backward, where the device-rewriting "
+    "mode below is not active (they allocate on 'cuda'); both recompute paths run them inside this fork")
 DEVICE_SCOPE = declare(
     "megatron.cpu_device_rewrite", "megatron-core", MCORE, "torch.overrides:TorchFunctionMode",
     "CPU: inside megatron calls, tensor factories and .to()/.cuda() with a CUDA device (or an int) make "
@@ -132,7 +145,25 @@ def enable_cpu() -> None:
         RNG_TRACKER.replace(CpuRNGStatesTracker())
         RNG_TRACKER_READY.replace(True)
         RNG_TRACKER_INIT.replace(lambda *a, **k: None)
+        # Recompute restores the CPU generator and the tracker's states (both on the CPU generator here)
+        # itself; only the CUDA generator's part has nothing to hold.
+        CUDA_RNG_GET.replace(_no_cuda_rng_state)
+        CUDA_RNG_SET.replace(lambda *a, **k: None)
+        fork = RECOMPUTE_SCOPE.require()
+
+        @contextlib.contextmanager
+        def fork_in_cpu_scope():
+            with fork(), _cuda_to_cpu()():
+                yield
+
+        RECOMPUTE_SCOPE.replace(fork_in_cpu_scope)
         _cpu_enabled = True
+
+
+def _no_cuda_rng_state(*_, **__):
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8)
 
 
 def model_parallel_seed(seed: int) -> None:

@@ -3,11 +3,27 @@
 Pure Python, no processes. Ranks are numbered as megatron-core numbers them (order tp-dp-pp, tp fastest):
 ``rank = tp + t * (dp + d * pp)``.
 
-Inside each training data-parallel replica (t*p ranks), generation TP groups take ranks at a stride of
-t/t_g (and stages at a stride of p/p_g), and micro-DP groups take consecutive ranks: the d_g = t*p/(t_g*p_g)
-members of a micro-DP group hold the training shards that make up one generation shard, so each rank's
-generation shard already contains its own training shard and one all-gather inside the micro-DP group
-finishes the transition.
+t_g divides t (the paper's case). Inside each training data-parallel replica (t*p ranks), generation TP
+groups take ranks at a stride of t/t_g (and stages at a stride of p/p_g), and micro-DP groups take
+consecutive ranks: the d_g = t*p/(t_g*p_g) members of a micro-DP group hold the training shards that make
+up one generation shard, so each rank's generation shard already contains its own training shard and one
+all-gather inside the micro-DP group finishes the transition. Bytes received per rank:
+(d_g - 1) shards of M/(t*p) = (t*p - t_g*p_g) / (t_g*p_g*t*p) * M (the paper's formula).
+
+t_g a multiple of t (m = t_g/t generation shards per training TP shard). The micro-DP group is the
+pipeline gather alone (the p/p_g stages of one training TP rank that one generation stage spans); after
+it every rank holds its training TP shard of the whole generation stage, and its generation shard is a
+slice of that, cut locally (vllm_layout.slice_shard): no TP all-gather. For that, the planner puts in
+each generation TP group, at generation TP ranks j*m .. j*m+m-1, m ranks holding training TP shard j:
+the ranks of TP shard j (indexed q = dp + d * (pp mod p/p_g)) form groups of m consecutive q, so a
+generation TP group spans training DP ranks (and, with p > 1, stages) that hold the same shard. With
+p_g = 1 the groups are blocks of t_g consecutive ranks. Bytes received per rank: the pipeline gather's
+(p/p_g - 1) shards of M/(t*p), i.e. the formula above with t_g replaced by t; zero when p = p_g. Its
+buffers then hold the rank's training TP shard of the generation stage, M/(t*p_g), more than the M/t_g it
+keeps. (Sending each receiver only its slice would cut the bytes to (p/p_g - 1)/(t_g*p) * M: a broadcast
+of slice r when all members of a pipeline group cut the same slice r, which this numbering gives when m
+divides d, else an all-to-all; not done.) The whole world must divide into generation groups:
+world % (t_g*p_g) == 0.
 
 ``python -m hybridflow.tools.reshard_plan`` prints a plan or the paper's Table-2 style comparison.
 """
@@ -52,26 +68,40 @@ class HybridPlan:
     """Groups and per-rank sends/receives for one train -> generation transition."""
 
     def __init__(self, train: Layout, p_g: int, t_g: int):
-        if train.t % t_g or train.p % p_g:
-            raise ValueError(f"generation layout (p_g={p_g}, t_g={t_g}) must divide the training "
-                             f"layout (p={train.p}, t={train.t})")
+        if train.p % p_g or (train.t % t_g and t_g % train.t):
+            raise ValueError(f"generation layout (p_g={p_g}, t_g={t_g}) must divide the training layout "
+                             f"(p={train.p}, t={train.t}), or t_g be a multiple of t")
+        if train.world % (t_g * p_g):
+            raise ValueError(f"{train.world} ranks do not form generation groups of t_g*p_g = {t_g * p_g}")
         self.train, self.p_g, self.t_g = train, p_g, t_g
-        self.tp_block, self.pp_block = train.t // t_g, train.p // p_g  # training shards per gen shard
-        self.d_g = self.tp_block * self.pp_block  # micro-DP size = generation replicas per train replica
+        self.tp_block, self.pp_block = max(1, train.t // t_g), train.p // p_g  # training shards per gen shard
+        self.tp_split = max(1, t_g // train.t)  # generation shards cut from one training TP shard
+        # micro-DP size; with t_g <= t it is also the number of generation replicas per training replica
+        self.d_g = self.tp_block * self.pp_block
         self.ranks = [self._plan(r) for r in range(train.world)]
 
     def _plan(self, rank: int) -> RankPlan:
-        tr = self.train
+        tr, bt, bp, m = self.train, self.tp_block, self.pp_block, self.tp_split
         tp, dp, pp = tr.coords(rank)
-        k, sg = tp // self.tp_block, pp // self.pp_block
-        offset = (tp % self.tp_block) + self.tp_block * (pp % self.pp_block)  # position in micro-DP group
-        micro = tuple(sorted(tr.rank(k * self.tp_block + j, dp, sg * self.pp_block + s)
-                             for s in range(self.pp_block) for j in range(self.tp_block)))
-        j0, s0 = offset % self.tp_block, offset // self.tp_block
-        group = tuple(tr.rank(kk * self.tp_block + j0, dp, ss * self.pp_block + s0)
-                      for ss in range(self.p_g) for kk in range(self.t_g))
+        sg = pp // bp
+        offset = (tp % bt) + bt * (pp % bp)  # position in micro-DP group
+        micro = tuple(sorted(tr.rank(tp - tp % bt + j, dp, sg * bp + s) for s in range(bp) for j in range(bt)))
+        if m == 1:
+            k = tp // bt
+            j0, s0 = offset % bt, offset // bt
+            group = tuple(tr.rank(kk * bt + j0, dp, ss * bp + s0) for ss in range(self.p_g) for kk in range(self.t_g))
+            replica = dp * self.d_g + offset
+        else:
+            replica, r = divmod(dp + tr.d * (pp % bp), m)  # q = dp + d * (pp mod p/p_g), in groups of m
+            k = tp * m + r
+
+            def member(ss: int, kk: int) -> int:  # the rank at generation (stage ss, TP rank kk)
+                q = replica * m + kk % m
+                return tr.rank(kk // m, q % tr.d, ss * bp + q // tr.d)
+
+            group = tuple(member(ss, kk) for ss in range(self.p_g) for kk in range(self.t_g))
         receives = tuple((r, *(lambda c: (c[0], c[2]))(tr.coords(r))) for r in micro if r != rank)
-        return RankPlan(rank, (tp, dp, pp), k, sg, dp * self.d_g + offset, micro, group, receives)
+        return RankPlan(rank, (tp, dp, pp), k, sg, replica, micro, group, receives)
 
     @property
     def replicas(self) -> list[tuple[int, ...]]:
@@ -103,9 +133,12 @@ class HybridPlan:
         return Fraction(n - 1, n)
 
     def hybrid_peak(self) -> Fraction:
+        """The generation shard each rank holds."""
         return Fraction(1, self.t_g * self.p_g)
 
     def formula_bytes(self) -> Fraction:
-        """The paper's (t*p - t_g*p_g) / (t_g*p_g*t*p); equals hybrid_bytes_received()."""
+        """The paper's (t*p - t_g*p_g) / (t_g*p_g*t*p), with t_g capped at t (a larger t_g is cut locally
+        from the pipeline-gathered training shard); equals hybrid_bytes_received()."""
         t, p = self.train.t, self.train.p
-        return Fraction(t * p - self.t_g * self.p_g, self.t_g * self.p_g * t * p)
+        t_g = min(self.t_g, t)
+        return Fraction(t * p - t_g * self.p_g, t_g * self.p_g * t * p)

@@ -5,6 +5,9 @@ receives exactly the (d_g - 1) training shards that complete its generation shar
 its generation shard (M / t_g). ``gather_all`` (verl today): every tensor is all-gathered across TP and
 broadcast across PP on every rank, which then keeps only its own slice.
 
+With t_g a multiple of t, the micro-DP group is the pipeline gather alone (nothing moves at p = 1) and
+``hybrid`` cuts the rank's generation shard out of its training shard, one layer at a time.
+
 Both yield this rank's vLLM tensor-parallel shard in vLLM's parameter layout and record bytes moved and
 peak extra parameter bytes. Generation pipeline parallelism is planned (plan.py) but executed only for
 p_g = 1 (vLLM on CPU has no pipeline stages).
@@ -164,7 +167,12 @@ class Resharder:
                     last["lm_head.weight"] = torch.cat([m["output_layer.weight"] for m in members])
                 pieces.append(last)
             for piece in pieces:
-                transient = max(transient, sum(_nbytes(t) for t in piece.values()))
+                held = sum(_nbytes(t) for t in piece.values())
+                if self.plan.tp_split > 1:  # t_g a multiple of t: cut this rank's slice of training shard k // m
+                    sliced = vllm_layout.slice_shard(piece, self.cfg, self.me.gen_tp_rank, self.plan.t_g, tr.t)
+                    held += sum(_nbytes(t) for n, t in sliced.items() if t._base is None and t is not piece[n])
+                    piece = sliced
+                transient = max(transient, held)
                 stats.peak_extra_bytes = base + transient
                 yield from piece.items()
 

@@ -1,9 +1,11 @@
 """vLLM's tensor-parallel parameter layout for Qwen2/Llama, built from megatron or HF tensors.
 
 vLLM shard k of t_g holds: ``qkv_proj`` = [q heads of k; k heads of k; v heads of k] (fused), ``gate_up_proj``
-= [gate rows of k; up rows of k], ``o_proj``/``down_proj`` = input columns of k, embedding/lm_head = vocab rows
-of k, norms whole. Megatron TP shards of size t/t_g that make up vLLM shard k are consecutive (ranks at the
-same position of a micro-DP group), so the conversion is local: no communication.
+= [gate rows of k; up rows of k], ``o_proj``/``down_proj`` = input columns of k (row-parallel),
+embedding/lm_head = vocab rows of k, norms whole. KV heads: ng/t_g per rank, or, where t_g >= ng, one head
+replicated on t_g/ng consecutive ranks (kv_heads). With t_g <= t, the megatron TP shards of size t/t_g that make
+up vLLM shard k are consecutive (ranks at the same position of a micro-DP group); with t_g a multiple of t,
+vLLM shard k is a slice of megatron shard k // (t_g/t) (slice_shard). Either way the conversion is local.
 """
 
 from __future__ import annotations
@@ -26,10 +28,23 @@ def _shard_cfg(cfg, parts: int):
     return _C
 
 
+def kv_heads(cfg, k: int, t_g: int) -> tuple[int, int]:
+    """(first KV head, count) on vLLM's TP rank k of t_g. QKVParallelLinear gives each rank ng/t_g heads;
+    where t_g >= ng, one head replicated on t_g/ng ranks (num_kv_head_replicas), rank k loading head
+    k // replicas (its weight_loader: ``shard_rank = tp_rank // num_kv_head_replicas``)."""
+    _, ng, _ = _heads(cfg)
+    if t_g >= ng:
+        return k // (t_g // ng), 1
+    return k * (ng // t_g), ng // t_g
+
+
 def check_supported(cfg, t_g: int) -> None:
     nh, ng, _ = _heads(cfg)
-    if ng % t_g or nh % t_g:
-        raise ValueError(f"generation TP {t_g} must divide attention heads ({nh}) and KV heads ({ng})")
+    if nh % t_g or (ng % t_g and t_g % ng):
+        raise ValueError(f"generation TP {t_g} must divide attention heads ({nh}), and divide or be a multiple "
+                         f"of KV heads ({ng})")
+    if cfg.intermediate_size % t_g:  # a t_g above the training TP is not yet held to it by megatron
+        raise ValueError(f"generation TP {t_g} must divide intermediate_size ({cfg.intermediate_size})")
     # vLLM pads the vocab to a multiple of 64 (VocabParallelEmbedding / ParallelLMHead: pad_vocab_size,
     # DEFAULT_VOCAB_PADDING_SIZE) and gives rank k rows [k*P/t_g, (k+1)*P/t_g) of the padded size P, cut
     # at the real vocab (_get_indices). Those are the even split of the vocab that megatron's shards
@@ -59,9 +74,35 @@ def layer_from_megatron_shards(shards: list[dict], prefix: str, cfg, t: int) -> 
     return out
 
 
+def slice_shard(shard: dict, cfg, k: int, t_g: int, t: int) -> dict:
+    """vLLM shard k of t_g (a multiple of t) cut from vLLM shard k // (t_g/t) of t (``{vLLM name: tensor}``,
+    any subset of one layer's or the embedding's tensors): views where the slice is one block, new
+    tensors for the fused qkv_proj and gate_up_proj."""
+    m = t_g // t
+    j, r = divmod(k, m)
+    nh, ng, hd = _heads(cfg)
+    first, count = kv_heads(cfg, k, t_g)
+    kv = slice((first - j * ng // t) * hd, (first - j * ng // t + count) * hd)  # within shard j's kv heads
+    out = {}
+    for name, x in shard.items():
+        if ".qkv_proj." in name:
+            q, kt, vt = torch.split(x, [nh * hd // t, ng * hd // t, ng * hd // t])
+            out[name] = torch.cat([torch.chunk(q, m)[r], kt[kv], vt[kv]])
+        elif ".gate_up_proj." in name:
+            out[name] = torch.cat([torch.chunk(half, m)[r] for half in torch.chunk(x, 2)])
+        elif "o_proj" in name or "down_proj" in name:
+            out[name] = torch.chunk(x, m, dim=1)[r]
+        elif "embed_tokens" in name or "lm_head" in name:
+            out[name] = torch.chunk(x, m)[r]
+        else:
+            out[name] = x
+    return out
+
+
 def hf_to_vllm_shard(hf: dict, cfg, k: int, t_g: int) -> dict:
     """Reference conversion: vLLM shard k of t_g straight from a full HF state dict (single rank)."""
     nh, ng, hd = _heads(cfg)
+    first, count = kv_heads(cfg, k, t_g)
     out = {}
 
     def rows(t, n):  # shard k of n equal row blocks
@@ -71,7 +112,8 @@ def hf_to_vllm_shard(hf: dict, cfg, k: int, t_g: int) -> dict:
         if ".self_attn.q_proj." in name:
             base = name.replace("q_proj", "qkv_proj")
             kt, vt = hf[name.replace("q_proj", "k_proj")], hf[name.replace("q_proj", "v_proj")]
-            out[base] = torch.cat([rows(t, t_g), rows(kt, t_g), rows(vt, t_g)])
+            kv = slice(first * hd, (first + count) * hd)
+            out[base] = torch.cat([rows(t, t_g), kt[kv], vt[kv]])
         elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or "mlp.up_proj" in name:
             continue
         elif "mlp.gate_proj" in name:
@@ -87,7 +129,7 @@ def hf_to_vllm_shard(hf: dict, cfg, k: int, t_g: int) -> dict:
 
 
 def _staged(t: torch.Tensor, dim: int, k: int, t_g: int) -> torch.Tensor:
-    """A full-shape tensor holding shard ``t`` at block k along ``dim``: vLLM's weight loaders take
+    """A full-shape tensor holding shard ``t`` at block k of t_g along ``dim``: vLLM's weight loaders take
     checkpoint-shaped tensors and narrow out block k themselves. Only block k is ever read, so the
     rest stays uninitialised; one such tensor exists at a time (the consumer drops it)."""
     if t_g == 1:
@@ -107,18 +149,21 @@ def to_checkpoint_names(items, cfg, k: int = 0, t_g: int = 1, stats=None):
     transition's reported peak includes. Where vLLM takes its own layout (GPU), the shard goes to it as is
     and nothing is staged (``VLLMRollout.takes_shards``)."""
     nh, ng, hd = _heads(cfg)
-    q_rows, kv_rows = nh * hd // t_g, ng * hd // t_g
+    first, count = kv_heads(cfg, k, t_g)
+    q_rows, kv_rows = nh * hd // t_g, count * hd
 
-    def staged(t, dim):
-        full = _staged(t, dim, k, t_g)
+    def staged(t, dim, block=k, blocks=t_g):
+        full = _staged(t, dim, block, blocks)
         if stats is not None and full is not t:
             stats.staging_bytes = max(stats.staging_bytes, full.numel() * full.element_size())
         return full
 
     for name, t in items:
         if ".qkv_proj." in name:
-            for part, piece in zip("qkv", torch.split(t, [q_rows, kv_rows, kv_rows])):
-                yield name.replace("qkv_proj", f"{part}_proj"), staged(piece, 0)
+            q, kt, vt = torch.split(t, [q_rows, kv_rows, kv_rows])
+            yield name.replace("qkv_proj", "q_proj"), staged(q, 0)
+            for part, piece in (("k", kt), ("v", vt)):  # block of the rank's KV heads (replicated: shared)
+                yield name.replace("qkv_proj", f"{part}_proj"), staged(piece, 0, first // count, ng // count)
         elif ".gate_up_proj." in name:
             for part, piece in zip(("gate_proj", "up_proj"), torch.chunk(t, 2)):
                 yield name.replace("gate_up_proj", part), staged(piece, 0)

@@ -116,15 +116,19 @@ class RewardFunctionError(RuntimeError):
 
 
 class CustomScorer:
-    """A user reward function as a suite scorer ``(response_text, ground_truth) -> float``, called with
-    ``data_source``; ``score_all`` scores a batch with at most ``timeout_s`` per call (None: no limit).
-    Pickles when ``fn`` does."""
+    """A user reward function as a suite scorer. Each row is scored as verl's reward loop scores it: with
+    the row's data source (its ``source_key`` column, data.reward_fn_key; ``data_source`` for rows without
+    one), ground truth and ``extra_info`` (see ``verl_extra_info``). ``score_all`` scores a batch with at most
+    ``timeout_s`` per call (None: no limit). Pickles when ``fn`` does."""
 
-    def __init__(self, fn: Callable, data_source: str = "custom", timeout_s: float | None = None):
-        self.fn, self.data_source, self.timeout_s = fn, data_source, timeout_s
+    def __init__(self, fn: Callable, data_source: str = "custom", timeout_s: float | None = None,
+                 source_key: str = "data_source"):
+        self.fn, self.data_source, self.timeout_s, self.source_key = fn, data_source, timeout_s, source_key
 
-    def __call__(self, response: str, ground_truth: str) -> float:
-        result = self.fn(self.data_source, response, ground_truth, extra_info=None)
+    def __call__(self, response: str, ground_truth: Any, data_source: str | None = None,
+                 extra_info: Any = None) -> float:
+        result = self.fn(self.data_source if data_source is None else data_source, response, ground_truth,
+                         extra_info=extra_info)
         if isinstance(result, dict):
             if "score" not in result:
                 raise BadRewardValue(f"{_describe(self.fn)} returned a dict without a 'score' key "
@@ -138,8 +142,10 @@ class CustomScorer:
             raise BadRewardValue(f"{_describe(self.fn)} returned {result!r}; expected a finite number")
         return float(result)
 
-    def score_all(self, responses: list[str], ground_truths: list[str]) -> list[float]:
-        """Every row's score, in order, or a ``RewardFunctionError`` for the first row that fails.
+    def score_all(self, responses: list[str], ground_truths: list, sources: list | None = None,
+                  extra_infos: list | None = None) -> list[float]:
+        """Every row's score, in order, or a ``RewardFunctionError`` for the first row that fails;
+        ``sources`` and ``extra_infos`` per row (None: ``data_source`` and no extra_info for every row).
 
         The calls run on a helper thread while this one waits: a call that never returns is abandoned after
         ``timeout_s`` (a thread cannot be killed; it stays blocked as a daemon, which does not keep the
@@ -152,12 +158,16 @@ class CustomScorer:
         current = (0, time.monotonic())  # (row being scored, when its call began): swapped whole
         done = threading.Event()
 
+        sources = [None] * len(responses) if sources is None else sources
+        extra_infos = [None] * len(responses) if extra_infos is None else extra_infos
+
         def score_rows() -> None:
             nonlocal current
             try:
-                for row, (response, truth) in enumerate(zip(responses, ground_truths)):
+                for row, (response, truth, source, extra) in enumerate(zip(responses, ground_truths, sources,
+                                                                          extra_infos)):
                     current = (row, time.monotonic())
-                    scores.append(self(response, truth))
+                    scores.append(self(response, truth, source, extra))
             except BaseException as e:  # SystemExit and KeyboardInterrupt too: the function's, not ours
                 failure.append(e)
             finally:
@@ -185,7 +195,20 @@ class CustomScorer:
         return f"{_describe(self.fn)} raised {type(error).__name__}{detail}"
 
 
-def adapt_to_scorer(fn: Callable, data_source: str = "custom", timeout_s: float | None = None) -> CustomScorer:
-    """A suite scorer ``(response_text, ground_truth) -> float`` calling ``fn`` with ``data_source``;
-    ``timeout_s``: custom_reward_function.timeout_s."""
-    return CustomScorer(fn, data_source, timeout_s)
+def adapt_to_scorer(fn: Callable, data_source: str = "custom", timeout_s: float | None = None,
+                    source_key: str = "data_source") -> CustomScorer:
+    """A suite scorer calling ``fn`` with each row's source (column ``source_key``, data.reward_fn_key;
+    ``data_source`` where a row has none); ``timeout_s``: custom_reward_function.timeout_s."""
+    return CustomScorer(fn, data_source, timeout_s, source_key)
+
+
+def verl_extra_info(extra: Any) -> Any:
+    """What verl's single-turn reward loop passes as ``extra_info`` for a row whose data holds ``extra``
+    (``experimental/reward_loop/reward_manager/naive.py``): a copy of the row's extra_info ({} when it has
+    none) with ``num_turns`` (2: the prompt and the response, ``SingleTurnAgentLoop``'s count) and
+    ``rollout_reward_scores`` ({}). A non-dict value is passed unchanged."""
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        return extra
+    return {**extra, "num_turns": 2, "rollout_reward_scores": {}}

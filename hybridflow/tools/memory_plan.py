@@ -221,8 +221,12 @@ def plan(cfg, shape: Shape, gpu_mem_gib: float, *, rm_shape: Shape | None = None
     transition = ctx + [("vLLM weights (awake)" if asleep else "vLLM (awake, whole budget)", vllm_weights if asleep else budget)]
     if asleep and graphs:
         transition.append(("vLLM CUDA-graph pool", graphs))
-    transition += [("actor params (loaded for the sync)", actor.items["params"]),
-                   ("resharding: gathered generation shard", P * by_a / t_g),
+    t, p = cfg.actor.megatron.tensor_model_parallel_size, cfg.actor.megatron.pipeline_model_parallel_size
+    if t_g % t == 0 and t_g > t:  # each shard is cut from the rank's own: only the pipeline gather's buffers
+        gathered = ("resharding: pipeline-gathered training shard", P * by_a / t if p > 1 else 0)
+    else:
+        gathered = ("resharding: gathered generation shard", P * by_a / t_g)
+    transition += [("actor params (loaded for the sync)", actor.items["params"]), gathered,
                    (f"resharding: {piece[0]}", piece[1])]
     transition += resident(skip={("actor", "params")})
 

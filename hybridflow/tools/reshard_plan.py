@@ -2,7 +2,8 @@
 
 ``python -m hybridflow.tools.reshard_plan --train p,t,d --gen p_g,t_g --params 7e9 --dtype bf16`` prints the
 generation groups, micro-DP groups and bytes per rank; ``--table`` compares naive, gather-all and hybrid
-transitions for paper-scale layouts.
+transitions for paper-scale layouts. t_g may be a divisor of t or a multiple of it (then each generation
+shard is cut from its rank's training shard: only the pipeline gather moves bytes, none at p = 1).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def describe(plan: HybridPlan, model_bytes: float) -> str:
     lines = [f"train (p={tr.p}, t={tr.t}, d={tr.d}) -> generation (p_g={plan.p_g}, t_g={plan.t_g}), "
              f"d_g={plan.d_g} micro-DP ranks, {len(plan.replicas)} generation replicas, "
              f"M={_gib(model_bytes).strip()}"]
+    if plan.tp_split > 1:
+        lines.append(f"t_g = {plan.tp_split} x t: each generation shard is 1/{plan.tp_split} of its rank's "
+                     "training TP shard after the pipeline gather, cut locally (no TP all-gather)")
     lines.append("generation replicas (TP x PP groups): " + " ".join(str(list(g)) for g in plan.replicas))
     micro = sorted({rp.micro_dp_group for rp in plan.ranks})
     lines.append("micro-DP groups (all-gather inside):   " + " ".join(str(list(g)) for g in micro))
@@ -41,6 +45,7 @@ def describe(plan: HybridPlan, model_bytes: float) -> str:
 PAPER_LAYOUTS = [  # (params, GPUs, train (p,t,d), gen (p_g,t_g)) in the spirit of the paper's settings
     (7e9, 16, (1, 4, 4), (1, 2)), (7e9, 16, (2, 4, 2), (1, 2)), (13e9, 32, (2, 4, 4), (1, 4)),
     (13e9, 64, (4, 4, 4), (1, 4)), (70e9, 64, (4, 8, 2), (1, 8)), (70e9, 128, (8, 8, 2), (2, 8)),
+    (7e9, 16, (1, 2, 8), (1, 4)),  # generation TP above training TP: cut locally, nothing moves
 ]
 
 

@@ -83,7 +83,7 @@ def newest_whole(output_dir: str) -> Path | None:
         damaged.append((path, damage))
     if damaged:
         bad, why = damaged[0]
-        raise ConfigError(f"trainer.resume=auto: every checkpoint in {root(output_dir)} is damaged; the newest, "
+        raise ConfigError(f"trainer.resume_mode=auto: every checkpoint in {root(output_dir)} is damaged; the newest, "
                           f"{bad}: {why}")
     return None
 

@@ -8,24 +8,32 @@ import torch
 from hybridflow.algorithms import compute_advantage, kl_penalty, masked_mean
 from hybridflow.protocol import Batch
 from hybridflow.rewards import on_last_token, score_batch
-from hybridflow.rewards.custom import CustomScorer, RewardFunctionError
+from hybridflow.rewards.custom import CustomScorer, RewardFunctionError, verl_extra_info
+from hybridflow.rewards.routing import SourceRouter
 
 
 def score_responses(batch: Batch, tokenizer, scorer) -> Batch:
-    """Decode responses, score them against ``answer`` with ``scorer(response, answer)``; adds
-    ``scores`` and ``token_level_scores``. A user reward function that fails is a one-line
-    ``RewardFunctionError`` naming the row (its prompt and response)."""
+    """Decode responses and score them against their ground truth (the ``answer`` column); adds ``scores``,
+    ``token_level_scores`` and ``response_text``. ``scorer``: a ``SourceRouter`` or ``CustomScorer`` (each row
+    with its source, read from the scorer's ``source_key`` column, and its extra_info), or a plain
+    ``(response, answer) -> float``. A user reward function that fails is a one-line ``RewardFunctionError``
+    naming the row (its prompt and response)."""
     mask = batch.tensors["response_mask"]
     texts = [tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
              for r, m in zip(batch.tensors["responses"], mask)]
-    if isinstance(scorer, CustomScorer):
+    answers = list(batch.non_tensors["answer"])
+    if isinstance(scorer, (CustomScorer, SourceRouter)):
+        sources = batch.non_tensors.get(scorer.source_key)
+        extra_column = batch.non_tensors.get("extra_info")
+        extras = [verl_extra_info(e) for e in (extra_column if extra_column is not None else [None] * len(texts))]
         try:
-            scores = torch.tensor(scorer.score_all(texts, [str(a) for a in batch.non_tensors["answer"]]))
+            scores = torch.tensor(scorer.score_all(texts, answers, None if sources is None else list(sources), extras),
+                                  dtype=torch.float32)
         except RewardFunctionError as e:
             raise RewardFunctionError(f"{e} on {_describe_row(batch, tokenizer, texts, e.row)}", e.row) from e
         token_scores = on_last_token(scores, mask)
     else:
-        scores, token_scores = score_batch(scorer, texts, batch.non_tensors["answer"], mask)
+        scores, token_scores = score_batch(scorer, texts, answers, mask)
     return batch.union(Batch.from_dict(tensors={"scores": scores, "token_level_scores": token_scores},
                                        non_tensors={"response_text": np.array(texts, dtype=object)}))
 

@@ -14,22 +14,47 @@ from hybridflow.trainer import preflight
 
 
 def parse_args(argv=None):
+    """Our arguments; everything after ``--verl-overrides`` is a verl command line's (``args.verl``)."""
+    from hybridflow.config.verl import split_argv
+
+    ours, verl_args = split_argv(list(sys.argv[1:] if argv is None else argv))
     ap = argparse.ArgumentParser(prog="hybridflow", description=__doc__.splitlines()[0])
     ap.add_argument("--config", action="append", required=True, help="YAML file(s); later ones override")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    ap.add_argument("--verl-overrides", nargs="+", default=[], metavar="VERL_KEY=VALUE",
-                    help="a verl command line's overrides (actor_rollout_ref.*, data.*, ...), applied last")
-    return ap.parse_args(argv)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="resolve and check the config, print every value and its source, and stop")
+    ap.add_argument("--verl-overrides", nargs=argparse.REMAINDER, metavar="VERL_ARG",
+                    help="last: a verl command line's arguments (actor_rollout_ref.*, data.*, --config-name=..., "
+                         "...), unchanged")
+    args = ap.parse_args(ours)
+    args.verl = verl_args
+    return args
 
 
-def load(argv=None) -> ExperimentConfig:
+def load(argv=None, sources: dict | None = None, no_effect: dict | None = None) -> ExperimentConfig:
+    """The config of a command line; ``sources`` and ``no_effect`` (when given) receive where each value
+    came from and the verl keys accepted without effect (with the reason)."""
     from hybridflow.config.verl import check_agreement, translate
 
     args = parse_args(argv)
-    from_verl, agree = translate(args.verl_overrides)
-    cfg = load_config(ExperimentConfig, args.config, [*args.overrides, *from_verl])
-    check_agreement(cfg, agree)
+    verl = translate(args.verl)
+    cfg = load_config(ExperimentConfig, args.config, [*args.overrides, *verl.overrides], sources=sources)
+    check_agreement(cfg, verl.agree)
+    if no_effect is not None:
+        no_effect.update(verl.no_effect)
     return cfg
+
+
+def dry_run(argv) -> str:
+    """The resolved config with the source of every value, then the verl keys that change nothing here."""
+    from hybridflow.config.show import render
+
+    sources, no_effect = {}, {}
+    cfg = load(argv, sources, no_effect)
+    preflight.check_config(cfg)
+    lines = [render(cfg, sources)]
+    lines += [f"# accepted without effect: {key} ({why})" for key, why in no_effect.items()]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -50,6 +75,9 @@ def _main(argv) -> int:
     from hybridflow.versions import check_stack
 
     try:
+        if parse_args(argv).dry_run:
+            print(dry_run(argv))
+            return 0
         cfg = load(argv)
         # Before the quickstart preparation (an SFT warm start) and before Ray: a wrong vLLM, TE or
         # transformers fails here in one line, not at the first weight sync.

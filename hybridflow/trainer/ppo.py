@@ -7,7 +7,8 @@ import torch
 from hybridflow.algorithms import make_kl_controller
 from hybridflow.data.dataset import PromptDataset
 from hybridflow.protocol import Batch
-from hybridflow.rewards import get_scorer, on_last_token
+from hybridflow.rewards import SourceRouter, on_last_token
+from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, as_group_ids, rollout_metrics,
                                           score_responses)
 from hybridflow.trainer.metrics import Timer
@@ -16,14 +17,16 @@ from hybridflow.util import mean_by_key
 
 
 def training_scorer(cfg):
-    """The (response, answer) -> float scorer for training rollouts: the user's custom reward
-    function when configured, else the rule scorer ``reward.name``."""
-    c = cfg.custom_reward_function
+    """The scorer of training rollouts and validation (as verl uses one compute_score for both): the
+    user's custom reward function when configured (given each row's data source, ground truth and
+    extra_info), else each row's rule scorer by its data source (``SourceRouter``; rows without one use
+    ``reward.name``)."""
+    c, key = cfg.custom_reward_function, cfg.data.reward_fn_key
     if c.path is None:
-        return get_scorer(cfg.reward.name)
+        return SourceRouter(cfg.reward.name, key)
     from hybridflow.rewards.custom import adapt_to_scorer, load_custom_reward_function
 
-    return adapt_to_scorer(load_custom_reward_function(c.path, c.name), timeout_s=c.timeout_s)
+    return adapt_to_scorer(load_custom_reward_function(c.path, c.name), timeout_s=c.timeout_s, source_key=key)
 
 
 class PPODriver:
@@ -34,11 +37,13 @@ class PPODriver:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.actor_rollout, self.critic, self.reward_model = workers.actor_rollout, workers.critic, workers.reward_model
         d = cfg.data
-        kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, max_prompt_length=d.max_prompt_length)
-        self.train_data = PromptDataset(d.train_files, tokenizer, **kw)
-        self.val_data = PromptDataset(d.val_files, tokenizer, **kw) if d.val_files else None
-        self.rule_scorer = get_scorer(cfg.reward.name)  # validation accuracy, and training reward by default
-        self.train_scorer = training_scorer(cfg)
+        self.train_data = PromptDataset.from_config(d.train_files, tokenizer, d)
+        self.val_data = PromptDataset.from_config(d.val_files, tokenizer, d) if d.val_files else None
+        self.train_scorer = training_scorer(cfg)  # training reward and validation accuracy
+        if isinstance(self.train_scorer, SourceRouter):  # sources no scorer takes fail here, not at a step
+            for data in (self.train_data, self.val_data):
+                if data is not None:
+                    self.train_scorer.check_dataset(data)
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
         self.actor_rollout.sync_weights()  # vLLM starts with dummy weights: deliver the actor's
@@ -55,6 +60,7 @@ class PPODriver:
             batch = self.reward(batch)
             if algo.adv_estimator == "remax":
                 batch = batch.union(self.greedy_baseline(prompts))
+        batch = balance_batch(batch, cfg, self.actor_rollout.dispatch_infos()[0]["dp_size"], metrics)
         if not self.update_is_on_policy:
             with t("old_log_prob"):
                 batch = batch.union(self.actor_rollout.compute_log_prob(batch))
@@ -124,7 +130,7 @@ class PPODriver:
             prompts = self.val_data.batch(rows)
             prompts, pad = prompts.pad_to_divisor(self._dp_size())
             prompts.meta["temperature"] = 0.0
-            out = score_responses(self.actor_rollout.generate(prompts).unpad(pad), self.tokenizer, self.rule_scorer)
+            out = score_responses(self.actor_rollout.generate(prompts).unpad(pad), self.tokenizer, self.train_scorer)
             scores.append(out.tensors["scores"])
             for i in range(min(n_samples - len(samples), len(out))):
                 prompt = out.tensors["prompts"][i][out.tensors["attention_mask"][i, :out.tensors["prompts"].shape[1]].bool()]

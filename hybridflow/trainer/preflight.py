@@ -29,13 +29,47 @@ class Checked:
 
 def check_run(cfg: ExperimentConfig) -> Checked:
     """All checks of a run, in the order a user would fix them."""
+    check_config(cfg)
     model, tokenizer, n_train = check_files(cfg)
+    check_roles(cfg, model, n_train)
     check_resources(cfg)
     check_step_fits(cfg, model)
     check_ray(cfg)
     checked = Checked(model, tokenizer, n_train, resume_checkpoint(cfg, model))
     check_trackers(cfg)
     return checked
+
+
+def check_config(cfg: ExperimentConfig) -> None:
+    """What the config alone decides beyond the schema's own checks (the dry run stops after these): the
+    pass-through dicts' entries name fields megatron-core and vLLM have and hybridflow does not set itself."""
+    from hybridflow.megatron.model import check_transformer_overrides
+    from hybridflow.rollout.vllm_rollout import check_engine_kwargs
+
+    try:
+        for role in ("actor", "critic"):
+            check_transformer_overrides(getattr(cfg, role).megatron.override_transformer_config,
+                                        f"{role}.megatron.override_transformer_config")
+        check_engine_kwargs(cfg.rollout.engine_kwargs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_roles(cfg: ExperimentConfig, model, n_train: int) -> None:
+    """Each trained role's whole megatron TransformerConfig builds (megatron's own checks of the overrides),
+    and its LR schedule over the run's steps is one megatron's scheduler accepts."""
+    from hybridflow.megatron import lr_schedule
+    from hybridflow.megatron.model import check_transformer_config
+    from hybridflow.trainer.session import total_steps
+
+    steps = total_steps(cfg, n_train)
+    try:
+        for role in ("actor", "critic") if cfg.use_critic else ("actor",):
+            section = getattr(cfg, role)
+            check_transformer_config(model, section.megatron, f"{role}.megatron.override_transformer_config")
+            lr_schedule.resolve(section.optim, steps, f"{role}.optim")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_files(cfg: ExperimentConfig):
@@ -53,13 +87,17 @@ def check_files(cfg: ExperimentConfig):
         raise ConfigError(f"reward_model.path: not a model folder: {cfg.reward_model.path}")
     check_output_dir(cfg.trainer.output_dir, save_hf=cfg.trainer.save_hf_at_end)
     from hybridflow.data.dataset import PromptDataset
+    from hybridflow.rewards.routing import SourceRouter
 
+    # a custom reward function scores every source; else each row's source must have a rule scorer
+    router = SourceRouter(cfg.reward.name, d.reward_fn_key) if cfg.custom_reward_function.path is None else None
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         if not files:
             continue
         try:
-            data = PromptDataset(files, tokenizer, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                                 max_prompt_length=d.max_prompt_length)
+            data = PromptDataset.from_config(files, tokenizer, d)
+            if router is not None:
+                router.check_dataset(data)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{key}: {e}") from None
         for file, rows in data.unrepresentable.items():  # training goes on: these prompts lose characters
@@ -208,29 +246,30 @@ def check_prepare_target(cfg: ExperimentConfig) -> None:
 
 
 def resume_checkpoint(cfg: ExperimentConfig, model) -> Path | None:
-    """The checkpoint this run continues from (``trainer.resume``), or None for a fresh run; a fresh run
-    never overwrites another run's metrics in the same output_dir."""
+    """The checkpoint this run continues from (``trainer.resume_mode``, verl's: auto | disable | resume_path
+    with ``resume_from_path``), or None for a fresh run; a fresh run never overwrites another run's metrics
+    in the same output_dir (verl would append to them: a deliberate difference)."""
     t = cfg.trainer
     metrics = Path(t.output_dir) / "metrics.jsonl"
     ran_before = metrics.is_file() and metrics.stat().st_size > 0
-    if t.resume == "disable":
+    if t.resume_mode == "disable":
         if ran_before or checkpoint.complete_checkpoints(t.output_dir):
             raise ConfigError(f"trainer.output_dir: {t.output_dir} already holds a run; continue it with "
-                              "trainer.resume=auto, choose another output_dir, or delete its metrics.jsonl and "
+                              "trainer.resume_mode=auto, choose another output_dir, or delete its metrics.jsonl and "
                               "checkpoints/ to start over there")
         return None
-    if t.resume == "auto":
+    if t.resume_mode == "auto":
         path = checkpoint.newest_whole(t.output_dir)  # a damaged newest one is passed over with a warning
         if path is None and ran_before:
             raise ConfigError(f"trainer.output_dir: {t.output_dir} holds a run with no complete checkpoint to "
                               "resume; choose another output_dir, or delete its metrics.jsonl to start over there")
     else:
-        path = Path(t.resume)
+        path = Path(t.resume_from_path)
         if not checkpoint.is_complete(path):
-            raise ConfigError(f"trainer.resume: {t.resume} is not a complete checkpoint "
+            raise ConfigError(f"trainer.resume_from_path: {t.resume_from_path} is not a complete checkpoint "
                               f"(no {checkpoint.STATE_FILE}; expected .../checkpoints/step_<k>)")
         if (damage := checkpoint.find_damage(path)) is not None:
-            raise ConfigError(f"trainer.resume: checkpoint {t.resume} is damaged: {damage}")
+            raise ConfigError(f"trainer.resume_from_path: checkpoint {t.resume_from_path} is damaged: {damage}")
     if path is not None:
         check_checkpoint_fits(cfg, model, path)
     return path
@@ -244,10 +283,10 @@ def check_checkpoint_fits(cfg: ExperimentConfig, model, path: Path) -> None:
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
                 "intermediate_size"):
         if getattr(saved, key) != getattr(model, key):
-            raise ConfigError(f"trainer.resume: {path} holds a model with {key}={getattr(saved, key)}, "
+            raise ConfigError(f"trainer.resume_from_path: {path} holds a model with {key}={getattr(saved, key)}, "
                               f"model.path ({cfg.model.path}) has {getattr(model, key)}")
     if cfg.use_critic and not (path / "critic").is_dir():
-        raise ConfigError(f"trainer.resume: {path} has no critic, but this config trains one")
+        raise ConfigError(f"resume: {path} has no critic, but this config trains one")
 
 
 def check_resources(cfg: ExperimentConfig) -> None:

@@ -60,8 +60,8 @@ class Trainer:
                 prepare_quickstart(cfg)
             checked = preflight.check_run(cfg)
         self.model_config, self.tokenizer, self.resume_from = checked.model, checked.tokenizer, checked.resume_from
-        epochs = cfg.trainer.total_epochs  # verl's way: passes over the training prompts
-        self.total_steps = cfg.trainer.total_steps if epochs is None else epochs * (checked.n_train // cfg.data.batch_size)
+        # The resolved count goes into the config the workers get (their LR schedules span it).
+        self.total_steps = cfg.trainer.total_steps = total_steps(cfg, checked.n_train)
         self._resume_state = checkpoint.read_state(self.resume_from) if self.resume_from else None
         self.step_count = self._resume_state["step"] if self._resume_state else 0
         self.stops = StopRequests()
@@ -158,7 +158,7 @@ class Trainer:
                 metrics, n_tokens = self.ppo.step(next(self._data), k, self.timer)
             skipped = check_finite(metrics, k, self.cfg.trainer.on_nonfinite, self.last_checkpoint)
             self.step_count = k
-            if k % cfg.val_every == 0 or k == self.total_steps:
+            if due(cfg.val_every, k, self.total_steps):
                 with self.timer("val"):
                     metrics.update(self.validate())
             metrics.update(self.timer.pop())
@@ -167,7 +167,7 @@ class Trainer:
             if first_in_process:
                 metrics["time/to_first_step_s"] = self._to_first_step_s
             self.tracker.log(k, metrics)
-            if (cfg.save_every > 0 and k % cfg.save_every == 0) or k == self.total_steps:
+            if due(cfg.save_every, k, self.total_steps):
                 self.save_checkpoint()
         return metrics
 
@@ -277,6 +277,20 @@ class Trainer:
             raise RunFailed(f"{stage}{error.summary}; last good checkpoint: {self.last_checkpoint or 'none'}") from error
         except RewardFunctionError as error:
             raise RunFailed(f"{error}; last good checkpoint: {self.last_checkpoint or 'none'}") from error
+
+
+def total_steps(cfg: ExperimentConfig, n_train: int) -> int:
+    """verl's rule: trainer.total_steps (total_training_steps) wins when set; else total_epochs passes over
+    the training prompts, each of n_train // batch_size steps (the last partial batch is dropped, as verl's
+    loader does)."""
+    t = cfg.trainer
+    return t.total_steps if t.total_steps is not None else t.total_epochs * (n_train // cfg.data.batch_size)
+
+
+def due(every: int, step: int, last_step: int) -> bool:
+    """Whether a periodic action (verl's test_freq / save_freq) runs after ``step``: every ``every`` steps and
+    at the last one; never when ``every <= 0``."""
+    return every > 0 and (step % every == 0 or step == last_step)
 
 
 def check_finite(metrics: dict, step: int, policy: str, last_checkpoint: Path | None) -> bool:

@@ -16,7 +16,7 @@ class Preempted(Exception):
     def __init__(self, signum: int, step: int, checkpoint):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint {checkpoint}; "
-                         f"rerun the same command to resume (trainer.resume=auto)")
+                         f"rerun the same command to resume (trainer.resume_mode=auto)")
 
 
 class StopRequests:
@@ -31,7 +31,10 @@ class StopRequests:
             return  # Python delivers signals to the main thread only; an embedding program handles them
         for sig in SIGNALS:
             signal.signal(sig, self._handle)
-        signal.signal(signal.SIGINT, _interrupt)
+        # Background jobs of a non-interactive shell start with SIGINT ignored: installed explicitly. It
+        # raises KeyboardInterrupt (main() exits 130), not SystemExit: a SystemExit raised inside a blocking
+        # Ray call (ray.wait's signal check, _raylet.pyx check_signals) comes back as Ray's own sys.exit(1).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _handle(self, signum, _frame) -> None:
         if self.signum is not None:
@@ -42,7 +45,3 @@ class StopRequests:
     def requested(self) -> bool:
         return self.signum is not None
 
-
-def _interrupt(signum, _frame):
-    # Background jobs of a non-interactive shell start with SIGINT ignored: installed explicitly.
-    raise SystemExit(128 + signum)

@@ -20,7 +20,7 @@ from hybridflow.protocol import Batch
 from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
 from hybridflow.workers import role_ops
 from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoint, offload_settings, optim_settings,
-                                       save_role_checkpoint)
+                                       ref_offload_settings, save_role_checkpoint)
 
 
 def responses_to_batch(prompts: Batch, responses: list[list[int]], max_len: int, pad_id: int,
@@ -53,11 +53,14 @@ class ActorRolloutRefWorker(Worker):
         hf_config, state = init_megatron_worker(self, mp, cfg.trainer.seed, cfg.model.path,
                                                  cfg.trainer.dist_timeout_s)
         dtype = device.torch_dtype(mp.dtype)
-        self.actor = MegatronRole(hf_config, state, optim=optim_settings(cfg.actor.optim, mp), dtype=dtype,
-                                  sequence_parallel=mp.sequence_parallel, offload=offload_settings(mp))
-        # The reference lives in the actor's processes: it follows the actor's param_offload.
+        self.actor = MegatronRole(hf_config, state, optim=optim_settings(cfg.actor.optim, mp, cfg.trainer.total_steps,
+                                                                         "actor.optim"),
+                                  dtype=dtype, sequence_parallel=mp.sequence_parallel, offload=offload_settings(mp),
+                                  transformer_overrides=mp.override_transformer_config)
+        # The reference lives in the actor's processes, with the actor's layout and its own param offload.
         self.ref = MegatronRole(hf_config, state, dtype=dtype, sequence_parallel=mp.sequence_parallel,
-                                offload=offload_settings(mp, params_only=True)) if with_ref else None
+                                offload=ref_offload_settings(cfg.actor),
+                                transformer_overrides=mp.override_transformer_config) if with_ref else None
         del state
         from transformers import AutoTokenizer
 
@@ -76,6 +79,8 @@ class ActorRolloutRefWorker(Worker):
             tensor_parallel_size=r.tensor_model_parallel_size, kv_cache_gib=r.kv_cache_gib, dtype=r.dtype,
             gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
             free_cache_engine=r.free_cache_engine, max_num_batched_tokens=r.max_num_batched_tokens,
+            max_num_seqs=r.max_num_seqs, enable_chunked_prefill=r.enable_chunked_prefill,
+            engine_kwargs=r.engine_kwargs,
             # ranks of one generation TP group must sample identically: seed per replica
             seed=cfg.trainer.seed + self.rollout_layout.ranks[self.rank].replica,
             generation_groups=self.rollout_layout.replicas)
@@ -135,13 +140,12 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        out = role_ops.log_probs(self.actor, batch, self.cfg.actor.log_prob_micro_batch_size_per_gpu, with_entropy=True)
+        out = role_ops.log_probs(self.actor, batch, role_ops.log_prob_batching(self.cfg.actor), with_entropy=True)
         return role_ops.last_stage_batch(old_log_probs=out["log_probs"], entropy=out["entropy"])
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        a = self.cfg.actor
-        out = role_ops.log_probs(self.ref, batch, a.ref_log_prob_micro_batch_size_per_gpu or a.log_prob_micro_batch_size_per_gpu)
+        out = role_ops.log_probs(self.ref, batch, role_ops.log_prob_batching(self.cfg.actor, ref=True))
         return role_ops.last_stage_batch(ref_log_prob=out["log_probs"])
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)

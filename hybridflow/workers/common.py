@@ -37,22 +37,34 @@ def megatron_process_env(megatron_cfg, on_gpu: bool) -> dict[str, str]:
     return {"CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")}
 
 
-def optim_settings(optim, megatron_cfg):
-    """The engine's optimizer settings from a role's ``optim`` and ``megatron`` config sections."""
+def optim_settings(optim, megatron_cfg, total_steps: int, key: str = "optim"):
+    """The engine's optimizer settings from a role's ``optim`` and ``megatron`` config sections, with the
+    learning-rate schedule over the run's ``total_steps`` PPO steps (``key``: the optim section's name in
+    errors, e.g. ``actor.optim``)."""
+    from hybridflow.megatron import lr_schedule
     from hybridflow.megatron.role import OptimSettings
 
     return OptimSettings(lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
-                         clip_grad=optim.clip_grad, use_distributed_optimizer=megatron_cfg.use_distributed_optimizer)
+                         clip_grad=optim.clip_grad, use_distributed_optimizer=megatron_cfg.use_distributed_optimizer,
+                         schedule=lr_schedule.resolve(optim, total_steps, key))
 
 
-def offload_settings(megatron_cfg, params_only: bool = False):
+def offload_settings(megatron_cfg):
     """The engine's offload settings from a role's ``megatron`` config section."""
     from hybridflow.megatron.role import OffloadSettings
 
     m = megatron_cfg
-    if params_only:
-        return OffloadSettings(params=m.param_offload)
     return OffloadSettings(params=m.param_offload, grads=m.grad_offload, optimizer=m.optimizer_offload)
+
+
+def ref_offload_settings(actor_cfg):
+    """The reference role's offload settings: only parameters (it has no grads or optimizer), as
+    ``actor.ref_param_offload`` says (verl's actor_rollout_ref.ref.megatron.param_offload); None: as the
+    actor's ``megatron.param_offload`` (schema's ``resolve_defaults`` normally fills it in)."""
+    from hybridflow.megatron.role import OffloadSettings
+
+    wanted = actor_cfg.ref_param_offload
+    return OffloadSettings(params=actor_cfg.megatron.param_offload if wanted is None else wanted)
 
 
 def init_megatron_worker(worker, megatron_cfg, seed: int, model_path: str, timeout_s: float) -> tuple:

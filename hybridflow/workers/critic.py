@@ -19,9 +19,10 @@ class CriticWorker(Worker):
         mp = cfg.critic.megatron
         hf_config, state = init_megatron_worker(self, mp, cfg.trainer.seed, cfg.model.path,
                                                  cfg.trainer.dist_timeout_s)
-        self.critic = MegatronRole(hf_config, state, value_head=True, optim=optim_settings(cfg.critic.optim, mp),
+        self.critic = MegatronRole(hf_config, state, value_head=True,
+                                   optim=optim_settings(cfg.critic.optim, mp, cfg.trainer.total_steps, "critic.optim"),
                                    dtype=device.torch_dtype(mp.dtype), sequence_parallel=mp.sequence_parallel,
-                                   offload=offload_settings(mp))
+                                   offload=offload_settings(mp), transformer_overrides=mp.override_transformer_config)
 
     def dispatch_info(self, mesh: str = "train") -> dict:  # noqa: ARG002 (the critic has one mesh)
         return parallel.dispatch_info()
@@ -29,7 +30,7 @@ class CriticWorker(Worker):
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def compute_values(self, batch: Batch) -> Batch:
         return role_ops.last_stage_batch(
-            values=role_ops.values(self.critic, batch, self.cfg.critic.log_prob_micro_batch_size_per_gpu))
+            values=role_ops.values(self.critic, batch, role_ops.value_batching(self.cfg.critic)))
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def update_critic(self, batch: Batch) -> dict:

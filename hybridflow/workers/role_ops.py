@@ -12,9 +12,11 @@ import torch.distributed as dist
 from hybridflow import device
 from hybridflow.algorithms import (GlobalBatch, aggregate_loss, compute_policy_loss_vanilla, kl_penalty, masked_mean,
                                    value_loss)
+from hybridflow.megatron.model import te_available
 from hybridflow.megatron.role import MegatronRole, token_log_probs, vocab_parallel_entropy
 from hybridflow.protocol import Batch
 from hybridflow.workers import row_layout
+from hybridflow.workers.row_layout import TokenBudget
 from hybridflow.util import mean_by_key
 
 def _picked(per_position: torch.Tensor, mb: dict) -> torch.Tensor:
@@ -53,28 +55,70 @@ def _concat(outputs: list[dict], key: str):
     return torch.cat([o[key] for o in outputs]) if outputs else None
 
 
-def _micro_batches(role: MegatronRole, batch: Batch, size: int, extra_keys=()) -> list[dict]:
-    return row_layout.micro_batches(batch, size, extra_keys, role.shard.tp_size if role.tf_config.sequence_parallel else 1,
-                         share_prompts=role.shares_prompts)
+def _micro_batches(role: MegatronRole, batch: Batch, micro: int | TokenBudget,
+                   extra_keys=()) -> tuple[list[dict], torch.Tensor | None]:
+    """The role's micro-batches of ``micro`` rows, or packed by a token budget; and the batch row of each
+    concatenated output row (None: the batch's own order)."""
+    seq_multiple = role.shard.tp_size if role.tf_config.sequence_parallel else 1
+    if isinstance(micro, TokenBudget):
+        # GPU with TE: packed-sequence attention (causal per row, no shared prompts); else an explicit mask
+        thd = device.has_gpu() and te_available()
+        return row_layout.token_micro_batches(batch, micro, extra_keys, seq_multiple,
+                                              share_prompts=role.shares_prompts and not thd, thd=thd)
+    return row_layout.micro_batches(batch, micro, extra_keys, seq_multiple, share_prompts=role.shares_prompts), None
 
 
-def log_probs(role: MegatronRole, batch: Batch, micro_batch_size: int, with_entropy: bool = False) -> dict:
-    """{'log_probs': [b, R], 'entropy': [b, R]} of the response tokens (None off the last stage)."""
+def _gathered(outs: list[dict], key: str, order: torch.Tensor | None):
+    out = _concat(outs, key)
+    return out if out is None or order is None else row_layout.restore(out, order)
+
+
+def log_prob_batching(actor_cfg, ref: bool = False) -> int | TokenBudget:
+    """Micro-batching of the actor's (with ``ref`` the reference's) log-prob forwards: a token budget with
+    verl's log_prob_use_dynamic_bsz (log_prob_max_token_len_per_gpu), else rows per micro-batch."""
+    a = actor_cfg
+    dynamic = a.use_dynamic_bsz if a.log_prob_use_dynamic_bsz is None else a.log_prob_use_dynamic_bsz
+    if dynamic:
+        key = "log_prob_max_token_len_per_gpu" if a.log_prob_max_token_len_per_gpu else "ppo_max_token_len_per_gpu"
+        return TokenBudget(getattr(a, key), f"actor.{key}")
+    if ref and a.ref_log_prob_micro_batch_size_per_gpu:
+        return a.ref_log_prob_micro_batch_size_per_gpu
+    return a.log_prob_micro_batch_size_per_gpu
+
+
+def value_batching(critic_cfg) -> int | TokenBudget:
+    """Micro-batching of the critic's value forwards (critic.forward_max_token_len_per_gpu with dynamic bsz)."""
+    c = critic_cfg
+    if c.use_dynamic_bsz:
+        key = "forward_max_token_len_per_gpu" if c.forward_max_token_len_per_gpu else "ppo_max_token_len_per_gpu"
+        return TokenBudget(getattr(c, key), f"critic.{key}")
+    return c.log_prob_micro_batch_size_per_gpu
+
+
+def _update_batching(role_cfg, name: str) -> int | TokenBudget:
+    if role_cfg.use_dynamic_bsz:
+        return TokenBudget(role_cfg.ppo_max_token_len_per_gpu, f"{name}.ppo_max_token_len_per_gpu")
+    return role_cfg.ppo_micro_batch_size_per_gpu
+
+
+def log_probs(role: MegatronRole, batch: Batch, micro: int | TokenBudget, with_entropy: bool = False) -> dict:
+    """{'log_probs': [b, R], 'entropy': [b, R]} of the response tokens (None off the last stage);
+    ``micro``: rows per micro-batch, or a token budget (``log_prob_batching``)."""
     def output_fn(mb, logits):
         out = {"log_probs": response_log_probs(logits, mb)}
         if with_entropy:
             out["entropy"] = response_entropy(logits, mb)
         return out
 
-    outs = role.forward(_micro_batches(role, batch, micro_batch_size), output_fn)
-    return {k: _concat(outs, k) for k in (("log_probs", "entropy") if with_entropy else ("log_probs",))}
+    mbs, order = _micro_batches(role, batch, micro)
+    outs = role.forward(mbs, output_fn)
+    return {k: _gathered(outs, k, order) for k in (("log_probs", "entropy") if with_entropy else ("log_probs",))}
 
 
-def values(role: MegatronRole, batch: Batch, micro_batch_size: int):
+def values(role: MegatronRole, batch: Batch, micro: int | TokenBudget):
     """Critic values [b, R] at the positions that predict each response token."""
-    outs = role.forward(_micro_batches(role, batch, micro_batch_size),
-                        lambda mb, v: {"values": response_values(v, mb)})
-    return _concat(outs, "values")
+    mbs, order = _micro_batches(role, batch, micro)
+    return _gathered(role.forward(mbs, lambda mb, v: {"values": response_values(v, mb)}), "values", order)
 
 
 def global_batch(mask: torch.Tensor, loss_scale_factor: float | None = None) -> GlobalBatch:
@@ -91,7 +135,7 @@ def global_batch(mask: torch.Tensor, loss_scale_factor: float | None = None) -> 
     return GlobalBatch(tokens, seqs, loss_scale_factor)
 
 
-def _train(role, batch, *, mini_batch_size, micro_batch_size, epochs, keys, loss_fn, loss_scale_factor) -> dict:
+def _train(role, batch, *, name, mini_batch_size, micro, epochs, keys, loss_fn, loss_scale_factor) -> dict:
     """Optimizer steps over mini-batches, all in one residency of the role (``MegatronRole.train``).
     ``loss_fn(mb, output, whole)`` returns a micro-batch's share of the mini-batch loss (normalized by
     ``whole``, the mini-batch's global counts) and its metrics.
@@ -99,13 +143,22 @@ def _train(role, batch, *, mini_batch_size, micro_batch_size, epochs, keys, loss
     megatron's schedule divides every micro-batch loss by the number of micro-batches and its DDP averages
     gradients over data-parallel ranks; both are undone here, so the gradient is exactly that of the
     mini-batch loss however the mini-batch is split into micro-batches and ranks. Losses in the metrics
-    are scaled the same way: their mean over micro-batches and ranks is the mini-batch loss."""
+    are scaled the same way: their mean over micro-batches and ranks is the mini-batch loss. With a token
+    budget (``micro``) the number of micro-batches varies between mini-batches and data-parallel ranks:
+    each rank's own count is undone, and megatron's DDP reduces gradients once, after all of them.
+
+    ``perf/<name>_update/*``: the tokens of this rank's rows (attention mask) and the tokens its forwards
+    computed (padding included, a shared prompt once), over the whole update."""
     from megatron.core import parallel_state as ps
+
+    tokens = {"real_tokens": 0, "computed_tokens": 0}
 
     def steps():  # built as the role asks for them, inside its residency
         for _ in range(epochs):
             for mini in batch.split(mini_batch_size):
-                mbs = _micro_batches(role, mini, micro_batch_size, keys)
+                mbs, _ = _micro_batches(role, mini, micro, keys)
+                tokens["real_tokens"] += int(mini.tensors["attention_mask"].sum())
+                tokens["computed_tokens"] += row_layout.computed_tokens(mbs)
                 whole = global_batch(mini.tensors["response_mask"], loss_scale_factor)
                 scale = len(mbs) * ps.get_data_parallel_world_size()
 
@@ -117,12 +170,17 @@ def _train(role, batch, *, mini_batch_size, micro_batch_size, epochs, keys, loss
 
                 yield mbs, scaled
 
-    return mean_by_key(role.train(steps()))  # update_skipped: the fraction of steps megatron's loss scaler skipped
+    metrics = mean_by_key(role.train(steps()))  # update_skipped: the fraction of steps whose update was skipped
+    metrics.update({f"perf/{name}_update/{k}": float(v) for k, v in tokens.items()})
+    metrics[f"perf/{name}_update/computed_per_real_token"] = tokens["computed_tokens"] / max(tokens["real_tokens"], 1)
+    return metrics
 
 
 def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rollout_n: int = 1) -> dict:
-    """PPO clipped policy loss (+ optional KL-to-reference loss) over mini-batches of this DP shard; a
-    mini-batch is ``ppo_mini_batch_size`` prompts with their ``rollout_n`` responses each (verl's meaning)."""
+    """PPO clipped policy loss (- entropy_coeff x entropy, + optional KL-to-reference loss) over mini-batches of
+    this DP shard; a mini-batch is ``ppo_mini_batch_size`` prompts with their ``rollout_n`` responses each
+    (verl's meaning). The entropy bonus is verl 0.9.1's (workers/utils/losses.py ``ppo_loss``): the entropy
+    of the response tokens, with its gradient, aggregated with ``loss_agg_mode`` over the mini-batch."""
     a = actor_cfg
     # Without old log-probs the update is on-policy (PPODriver.update_is_on_policy): its own log-probs,
     # detached, are the old ones (ratio 1, the same gradient), and it reports the entropy the skipped
@@ -140,8 +198,16 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
             clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
             global_batch=whole)
         metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
+        entropy = None
+        if a.entropy_coeff:
+            entropy = response_entropy(logits, mb)
+            entropy_loss = aggregate_loss(entropy, mask, a.loss_agg_mode, whole)
+            loss = loss - a.entropy_coeff * entropy_loss
+            metrics["actor/entropy_loss"] = entropy_loss.detach()
         if on_policy:
-            metrics["actor/entropy"] = masked_mean(response_entropy(logits, mb), mask)
+            with torch.no_grad():
+                metrics["actor/entropy"] = masked_mean(response_entropy(logits, mb) if entropy is None else entropy,
+                                                       mask)
         if a.use_kl_loss:
             kl = aggregate_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode,
                                 whole)
@@ -149,10 +215,11 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
             metrics["actor/kl_loss"] = kl.detach()
         return loss, metrics
 
-    metrics = _train(role, batch, mini_batch_size=a.ppo_mini_batch_size * rollout_n // dp_size,
-                     micro_batch_size=a.ppo_micro_batch_size_per_gpu, epochs=a.ppo_epochs, keys=keys, loss_fn=loss_fn,
+    metrics = _train(role, batch, name="actor", mini_batch_size=a.ppo_mini_batch_size * rollout_n // dp_size,
+                     micro=_update_batching(a, "actor"), epochs=a.ppo_epochs, keys=keys, loss_fn=loss_fn,
                      loss_scale_factor=a.loss_scale_factor)
     metrics["actor/grad_norm"] = metrics.pop("grad_norm")
+    metrics["actor/lr"] = metrics.pop("lr")
     metrics["actor/update_skipped"] = metrics.pop("update_skipped")
     return metrics
 
@@ -168,10 +235,11 @@ def update_value(role: MegatronRole, batch: Batch, critic_cfg, dp_size: int, rol
                                     global_batch=whole)
         return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": clipfrac.detach()}
 
-    metrics = _train(role, batch, mini_batch_size=c.ppo_mini_batch_size * rollout_n // dp_size,
-                     micro_batch_size=c.ppo_micro_batch_size_per_gpu, epochs=c.ppo_epochs,
+    metrics = _train(role, batch, name="critic", mini_batch_size=c.ppo_mini_batch_size * rollout_n // dp_size,
+                     micro=_update_batching(c, "critic"), epochs=c.ppo_epochs,
                      keys=["values", "returns", "response_mask"], loss_fn=loss_fn,
                      loss_scale_factor=c.loss_scale_factor)
     metrics["critic/grad_norm"] = metrics.pop("grad_norm")
+    metrics["critic/lr"] = metrics.pop("lr")
     metrics["critic/update_skipped"] = metrics.pop("update_skipped")
     return metrics

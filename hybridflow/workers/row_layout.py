@@ -2,18 +2,35 @@
 
 Rows arrive as left-padded prompts followed by right-padded responses. Fused GPU attention (TE's
 flash/cuDNN kernels) applies the causal mask only, so rows are rotated so that no real token ever sees a
-pad; on the CPU path, rows of a GRPO group can share one packed prompt instead. Every role (policy,
-reference, value) lays its micro-batches out here, and reads its per-response-token outputs back through
-the ``sample_row`` / ``response_index`` / ``response_valid`` keys this module writes.
+pad; on the CPU path, rows of a GRPO group can share one packed prompt instead. With a token budget
+(dynamic batch size) the rows of a micro-batch are packed end to end into one row: on CPU with a
+block-diagonal mask, on GPU through TE's packed-sequence (THD) attention. Every role (policy, reference,
+value) lays its micro-batches out here, and reads its per-response-token outputs back through the
+``sample_row`` / ``response_index`` / ``response_valid`` keys this module writes.
 """
 
 from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
 
 import torch
 
 from hybridflow.protocol import Batch
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """Dynamic batch size: micro-batches of at most ``max_tokens`` tokens on a rank instead of a row count
+    (verl's ``use_dynamic_bsz`` with ``*_max_token_len_per_gpu``, which counts each row's attention mask; a
+    prompt shared by a group's rows counts once here, as it is computed once); ``key`` is that config key,
+    named when a row does not fit."""
+
+    max_tokens: int
+    key: str
 
 
 def micro_batches(batch: Batch, size: int, extra_keys=(), seq_multiple: int = 1,
@@ -40,6 +57,131 @@ def micro_batches(batch: Batch, size: int, extra_keys=(), seq_multiple: int = 1,
         d = shared_prompt_rows(mb, P, seq_multiple) if share_prompts else None
         out.append({**(d or _rotated_rows(mb, P, R, seq_multiple)), **{k: mb.tensors[k] for k in extra_keys}})
     return out
+
+
+def token_micro_batches(batch: Batch, budget: TokenBudget, extra_keys=(), seq_multiple: int = 1,
+                        share_prompts: bool = False, thd: bool = False) -> tuple[list[dict], torch.Tensor]:
+    """Micro-batches of at most ``budget.max_tokens`` tokens each, every one a single packed row [1, S]: its
+    rows' tokens end to end, no padding computed (but the < ``seq_multiple`` tokens sequence parallel needs
+    at the end). Returns the micro-batches and ``order`` [b]: the batch row of each output
+    row when the micro-batches' per-row outputs are concatenated (``restore`` puts them back).
+
+    Rows are grouped into units, a unit's tokens staying together: a row (prompt + response); with
+    ``share_prompts`` a run of consecutive rows with the same prompt (a GRPO group), which costs its prompt
+    once plus its responses, cut into pieces where it alone exceeds the budget. The fewest micro-batches
+    whose Karmarkar-Karp balanced token sums fit the budget are formed (verl 0.9.1's
+    ``rearrange_micro_batches``; it balances an attention-weighted workload and orders micro-batches for
+    pipeline bubbles, we balance tokens and keep the rows' order). Micro-batch counts may differ between
+    data-parallel ranks: each micro-batch's loss is normalized by the whole mini-batch
+    (role_ops._train), and megatron reduces gradients once per step, after all micro-batches.
+
+    Attention stays within a row (a unit's responses see its prompt): with ``thd`` (GPU, TE) through
+    ``cu_seqlens`` [units + 1 (+ 1 for the trailing pad)] for megatron's ``PackedSeqParams``, which restarts
+    rotary positions per sequence (no prompt sharing there: it needs a non-causal block structure); else
+    (CPU: megatron's local attention asserts ``packed_seq_params is None`` and honours an explicit mask)
+    through ``packed_mask`` and explicit ``position_ids`` (the role applies them with
+    ``rope_at_positions``). The local attention computes the whole [S, S] score matrix, so on CPU the cost
+    of attention grows with the square of the budget.
+    """
+    if thd and share_prompts:
+        raise ValueError("packed-sequence (THD) attention is causal per sequence: it cannot share prompts")
+    P, _ = prompt_and_response_width(batch)
+    mask = batch.tensors["attention_mask"].bool()
+    lengths = mask.sum(1)
+    longest = int(lengths.max())
+    if longest > budget.max_tokens:
+        row = int(lengths.argmax())
+        raise ValueError(f"{budget.key} ({budget.max_tokens}) is less than the longest row ({longest} tokens, "
+                         f"row {row}): it must hold at least one prompt + response")
+    units = _units(batch, P, budget.max_tokens, share_prompts)
+    parts = token_partitions([cost for _, _, cost in units], budget.max_tokens)
+    selected = batch.select(tensor_keys=[*MODEL_INPUTS, *extra_keys])
+    out, order = [], []
+    for part in parts:
+        rows = [r for u in part for r in range(units[u][0], units[u][1])]
+        local, at = [], 0
+        for u in part:
+            n = units[u][1] - units[u][0]
+            local.append((at, at + n))
+            at += n
+        mb = selected[rows]
+        d = _packed_rows(mb, P, [local], seq_multiple, cu_seqlens=thd)
+        out.append({**d, **{k: mb.tensors[k] for k in extra_keys}})
+        order.extend(rows)
+    return out, torch.tensor(order, dtype=torch.long)
+
+
+def restore(outputs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Per-row outputs concatenated in micro-batch order, back in the batch's row order."""
+    return outputs[torch.argsort(order)]
+
+
+def computed_tokens(mbs: list[dict]) -> int:
+    """Tokens the model computes for these micro-batches (padding included)."""
+    return sum(mb["input_ids"].numel() for mb in mbs)
+
+
+def _units(batch: Batch, P: int, max_tokens: int, share_prompts: bool) -> list[tuple[int, int, int]]:
+    """(first row, end row, tokens) of the batch's indivisible pieces, in row order."""
+    ids, mask = batch.tensors["input_ids"], batch.tensors["attention_mask"].bool()
+    prompt_len, response_len = mask[:, :P].sum(1).tolist(), mask[:, P:].sum(1).tolist()
+    if not share_prompts:
+        return [(i, i + 1, prompt_len[i] + response_len[i]) for i in range(len(batch))]
+    prompts = torch.where(mask[:, :P], ids[:, :P], -1)
+    units, first, cost = [], 0, prompt_len[0] + response_len[0]
+    for i in range(1, len(batch)):
+        if torch.equal(prompts[i], prompts[first]) and cost + response_len[i] <= max_tokens:
+            cost += response_len[i]
+            continue
+        units.append((first, i, cost))
+        first, cost = i, prompt_len[i] + response_len[i]
+    return units + [(first, len(batch), cost)]
+
+
+def token_partitions(costs: list[int], max_tokens: int) -> list[list[int]]:
+    """The fewest groups of ``costs``' indices, balanced by Karmarkar-Karp, whose sums are each at most
+    ``max_tokens`` (every cost must fit); indices ascending in each group, groups ordered by their first."""
+    if max(costs) > max_tokens:
+        raise ValueError(f"an item of {max(costs)} tokens exceeds the budget of {max_tokens}")
+    k = min(len(costs), max(1, math.ceil(sum(costs) / max_tokens)))
+    while True:  # the ceiling is a lower bound: items are indivisible
+        parts = [p for p in balanced_partitions(costs, k) if p]
+        if all(sum(costs[i] for i in p) <= max_tokens for p in parts):
+            return sorted(parts)
+        k += 1  # terminates: at k == len(costs) every group holds one item
+
+
+def balanced_partitions(weights: list[int], k: int, equal_size: bool = False) -> list[list[int]]:
+    """Indices of ``weights`` split into ``k`` groups of near-equal sums by the largest differencing method
+    (Karmarkar-Karp, as verl 0.9.1's ``get_seqlen_balanced_partitions``): repeatedly merge the two partial
+    k-way partitions with the largest spread, pairing the heaviest group of one with the lightest of the
+    other. ``equal_size``: every group gets ``len(weights) / k`` items (must divide). Indices ascending in
+    each group."""
+    if equal_size and len(weights) % k:
+        raise ValueError(f"{len(weights)} items do not split into {k} equal groups")
+    if len(weights) < k:
+        raise ValueError(f"{len(weights)} items cannot fill {k} groups")
+    ranked = sorted(range(len(weights)), key=lambda i: (weights[i], i))
+    if equal_size:  # k items of neighbouring weight start as one partition: merges keep sizes equal
+        seeds = [ranked[s:s + k] for s in range(0, len(ranked), k)]
+    else:
+        seeds = [[i] for i in ranked]
+    heap = []
+    for n, seed in enumerate(seeds):
+        groups = sorted(([weights[i], [i]] for i in seed), key=lambda g: -g[0])
+        heapq.heappush(heap, _state(groups + [[0, []] for _ in range(k - len(seed))], n))
+    n = len(seeds)
+    while len(heap) > 1:
+        a, b = heapq.heappop(heap)[-1], heapq.heappop(heap)[-1]
+        merged = [[ga[0] + gb[0], ga[1] + gb[1]] for ga, gb in zip(a, reversed(b))]
+        heapq.heappush(heap, _state(sorted(merged, key=lambda g: -g[0]), n))
+        n += 1
+    return [sorted(g[1]) for g in heap[0][-1]]
+
+
+def _state(groups: list, n: int) -> tuple:
+    # heap order: the largest spread first, then the heaviest group; n keeps ties deterministic
+    return (-(groups[0][0] - groups[-1][0]), -groups[0][0], n, groups)
 
 
 def _rotated_rows(mb: Batch, P: int, R: int, seq_multiple: int) -> dict:
@@ -71,37 +213,66 @@ def shared_prompt_rows(mb: Batch, P: int, seq_multiple: int = 1) -> dict | None:
     starts = [0] + [i for i in range(1, len(mb)) if not torch.equal(prompts[i], prompts[i - 1])]
     if len(starts) == len(mb):
         return None
-    groups = list(zip(starts, starts[1:] + [len(mb)]))
-    rows, segments, positions, index = [], [], [], torch.zeros(len(mb), mask.shape[1] - P, dtype=torch.long)
-    for first, end in groups:
-        prompt = ids[first, :P][mask[first, :P]]
-        tokens, seg, pos = [prompt], [torch.zeros(len(prompt), dtype=torch.long)], [torch.arange(len(prompt))]
-        at = len(prompt)
-        for i in range(first, end):
-            resp = ids[i, P:][mask[i, P:]]
-            tokens.append(resp)
-            seg.append(torch.full((len(resp),), i - first + 1))
-            pos.append(len(prompt) + torch.arange(len(resp)))
-            # the prompt's last token predicts the first response token; each response token the next
-            index[i, 0] = len(prompt) - 1
-            index[i, 1:len(resp)] = at + torch.arange(max(len(resp) - 1, 0))
-            at += len(resp)
+    return _packed_rows(mb, P, [[g] for g in zip(starts, starts[1:] + [len(mb)])], seq_multiple)
+
+
+def _packed_rows(mb: Batch, P: int, layout: list[list[tuple[int, int]]], seq_multiple: int,
+                 cu_seqlens: bool = False) -> dict:
+    """Packed rows of ``mb``: ``layout[r]`` lists the units of packed row r, each a range of consecutive
+    rows of ``mb`` sharing its first row's prompt, laid out [prompt, response, response, ...]. Tokens see
+    earlier tokens of their own unit's prompt and their own response only (``packed_mask`` [rows, 1, S, S],
+    True = masked), at the positions of the unpacked row (``position_ids``). With ``cu_seqlens`` (one
+    packed row, single-row units) the units' boundaries are returned instead of the mask."""
+    ids, mask = mb.tensors["input_ids"], mb.tensors["attention_mask"].bool()
+    index = torch.zeros(len(mb), mask.shape[1] - P, dtype=torch.long)
+    sample_row = torch.zeros(len(mb), dtype=torch.long)
+    rows, units, segments, positions, bounds = [], [], [], [], [0]
+    for r, row_units in enumerate(layout):
+        tokens, unit, seg, pos, at = [], [], [], [], 0
+        for u, (first, end) in enumerate(row_units):
+            prompt = ids[first, :P][mask[first, :P]]
+            base = at
+            tokens.append(prompt)
+            seg.append(torch.zeros(len(prompt), dtype=torch.long))
+            pos.append(torch.arange(len(prompt)))
+            at += len(prompt)
+            for i in range(first, end):
+                resp = ids[i, P:][mask[i, P:]]
+                tokens.append(resp)
+                seg.append(torch.full((len(resp),), i - first + 1))
+                pos.append(len(prompt) + torch.arange(len(resp)))
+                # the prompt's last token predicts the first response token; each response token the next
+                index[i, 0] = base + len(prompt) - 1
+                index[i, 1:len(resp)] = at + torch.arange(max(len(resp) - 1, 0))
+                sample_row[i] = r
+                at += len(resp)
+            unit.append(torch.full((at - base,), u))
+            bounds.append(at)
         rows.append(torch.cat(tokens))
+        units.append(torch.cat(unit))
         segments.append(torch.cat(seg))
         positions.append(torch.cat(pos))
     length = max(len(r) for r in rows)
     length += -length % seq_multiple
-    pad = lambda ts, v: torch.stack([torch.nn.functional.pad(t, (0, length - len(t)), value=v) for t in ts])  # noqa: E731
-    seg = pad(segments, -1)  # -1: padding
+    pad = lambda ts, v: torch.stack([torch.nn.functional.pad(t, (0, length - len(t)), value=v)  # noqa: E731
+                                     for t in ts])
+    d = {"input_ids": pad(rows, 0), "position_ids": pad(positions, 0), "sample_row": sample_row,
+         "response_index": index, "response_labels": ids[:, P:], "response_valid": mask[:, P:].long()}
+    if cu_seqlens:
+        assert len(layout) == 1 and all(end - first == 1 for first, end in layout[0])
+        if length > bounds[-1]:  # the sequence-parallel padding: a sequence of its own, seen by nothing real
+            bounds.append(length)
+        d["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
+        d["max_seqlen"] = max(b - a for a, b in zip(bounds, bounds[1:]))
+        return d
+    unit, seg = pad(units, -1), pad(segments, -1)  # -1: padding
+    same_unit = (unit[:, :, None] == unit[:, None, :]) & (unit[:, :, None] >= 0)
     q, k = seg[:, :, None], seg[:, None, :]
     causal = torch.ones(length, length, dtype=torch.bool).tril()
-    allowed = causal & (((k == 0) & (q >= 0)) | (k == q))
+    allowed = causal & same_unit & ((k == 0) | (k == q))
     allowed |= torch.eye(length, dtype=torch.bool)  # padding attends to itself: no empty softmax row
-    return {
-        "input_ids": pad(rows, 0), "position_ids": pad(positions, 0), "packed_mask": ~allowed[:, None],
-        "sample_row": torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([e - f for f, e in groups])),
-        "response_index": index, "response_labels": ids[:, P:], "response_valid": mask[:, P:].long(),
-    }
+    d["packed_mask"] = ~allowed[:, None]
+    return d
 
 
 def prompt_and_response_width(batch: Batch) -> tuple[int, int]:

@@ -77,3 +77,61 @@ def test_resume_at_same_and_other_layout(models, dtype):
         assert_close(other["metrics"][key], straight["metrics"][key], what=f"TP2 -> TP1: {key}")
     for role in ("actor", "critic"):
         assert_close(other[role], straight[role], what=f"TP2 -> TP1: {role}")
+
+
+# --- the learning-rate schedule resumes exactly -----------------------------------------------------------
+
+SCHEDULE_STEPS, SAVED_AFTER = 3, 1  # updates in all; the checkpoint is taken mid-warmup
+
+
+def _schedule():
+    from hybridflow.config.schema import Optim
+    from hybridflow.megatron import lr_schedule
+
+    # warmup 1e-4 -> 1e-3 over 2 updates, then cosine down to 1e-4 (min_lr_ratio) by update 4
+    optim = Optim(lr=1e-3, lr_warmup_steps=2, lr_warmup_init=1e-4, lr_decay_style="cosine", min_lr_ratio=0.1)
+    return lr_schedule.resolve(optim, total_steps=4)
+
+
+def _schedule_rank_fn(rank, world, hf_dir, ckpt_dir, save):
+    """save: SCHEDULE_STEPS updates with a checkpoint after SAVED_AFTER; else: load it, then the rest."""
+    from hybridflow.megatron import parallel
+    from hybridflow.megatron.checkpoint import load_role, save_role
+    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.workers import role_ops
+    from hybridflow.workers.common import load_hf_folder
+
+    parallel.init_model_parallel(world, 1, seed=1)
+    cfg, state = load_hf_folder(hf_dir)
+    batch = uneven_batch()
+    actor_cfg, _ = _settings()
+    optim = OptimSettings(lr=1e-3, schedule=_schedule(), use_distributed_optimizer=True)
+    actor = MegatronRole(cfg, state, dtype=torch.float32, optim=optim)
+    lrs, metrics = [], []
+    for step in range(SCHEDULE_STEPS):
+        if step == SAVED_AFTER:
+            (save_role if save else load_role)(actor, ckpt_dir)
+        if step < SAVED_AFTER and not save:
+            continue
+        lrs.append(actor.lr)
+        metrics.append(role_ops.update_policy(actor, batch, actor_cfg, dp_size=1))
+    return {"lrs": lrs, "metrics": metrics, "after": actor.lr, "actor": actor.hf_state_dict()}
+
+
+def test_lr_schedule_resumes_exactly_mid_warmup(models):
+    import math
+
+    args = (str(models / "policy"), str(models / "ckpt_schedule"))
+    straight = run_ranks(_schedule_rank_fn, 2, *args, True)[0]
+    resumed = run_ranks(_schedule_rank_fn, 2, *args, False)[0]
+    s = _schedule()
+    cosine = s.min_lr + (s.max_lr - s.min_lr) * 0.5 * (1 + math.cos(math.pi * (3 - 2) / (4 - 2)))
+    want = [1e-4, 1e-4 + (1e-3 - 1e-4) / 2, 1e-3, cosine]  # the closed form at updates 0..3
+    for got, expected in zip(straight["lrs"] + [straight["after"]], want):
+        assert got == pytest.approx(expected, rel=1e-12), (straight["lrs"], want)
+    # k updates + save + load + N-k updates == N updates: the lr, the metrics and the weights, bit for bit
+    assert resumed["lrs"] == straight["lrs"][SAVED_AFTER:] and resumed["after"] == straight["after"]
+    assert resumed["metrics"] == straight["metrics"][SAVED_AFTER:]
+    assert [m["actor/lr"] for m in resumed["metrics"]] == straight["lrs"][SAVED_AFTER:]  # the lr each update applied
+    for k, v in straight["actor"].items():
+        assert torch.equal(v, resumed["actor"][k]), f"actor {k} differs after the resumed updates"

@@ -48,7 +48,8 @@ def _settings():
     from hybridflow.config.schema import Actor, Critic, Optim
 
     actor = Actor(optim=Optim(lr=1e-3), ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=2, clip_ratio_low=0.2)
-    critic = Critic(optim=Optim(lr=1e-3), ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=2)
+    critic = Critic(optim=Optim(lr=1e-3), ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=2, ppo_epochs=1,
+                    use_dynamic_bsz=False)
     return actor, critic
 
 
@@ -75,7 +76,7 @@ def _rank_fn(rank, world, hf_dir, tp, pp):
     shard = rollout_batch().chunk(dp)[dp_rank]
 
     out = {"dp_rank": dp_rank, "collect": parallel.dispatch_info()["collect"]}
-    lp = role_ops.log_probs(actor, shard, micro_batch_size=2, with_entropy=True)
+    lp = role_ops.log_probs(actor, shard, 2, with_entropy=True)
     out.update(log_probs=lp["log_probs"], entropy=lp["entropy"], values=role_ops.values(critic, shard, 2))
     out["actor_metrics"] = role_ops.update_policy(actor, shard, actor_cfg, dp)
     out["critic_metrics"] = role_ops.update_value(critic, shard, critic_cfg, dp)

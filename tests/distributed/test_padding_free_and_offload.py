@@ -68,7 +68,8 @@ def _settings():
     from hybridflow.config.schema import Actor, Critic
 
     actor = Actor(ppo_mini_batch_size=3, ppo_micro_batch_size_per_gpu=1)
-    critic = Critic(ppo_mini_batch_size=3, ppo_micro_batch_size_per_gpu=1)
+    # the critic's keys that default to the actor's (ExperimentConfig.resolve_defaults), given here
+    critic = Critic(ppo_mini_batch_size=3, ppo_micro_batch_size_per_gpu=1, ppo_epochs=1, use_dynamic_bsz=False)
     return actor, critic
 
 
@@ -88,8 +89,8 @@ def _rank_fn(rank, world, hf_dir, critic_dir):
         name = str(dtype).split(".")[1]
         policy = MegatronRole(cfg, state, dtype=dtype)
         value = MegatronRole(cfg, critic_state, value_head=True, dtype=dtype)
-        got = role_ops.log_probs(policy, batch, micro_batch_size=4, with_entropy=True)
-        got["values"] = role_ops.values(value, batch, micro_batch_size=4)
+        got = role_ops.log_probs(policy, batch, 4, with_entropy=True)
+        got["values"] = role_ops.values(value, batch, 4)
         want = {**_masked_reference(policy, batch), **_masked_reference(value, batch)}
         out[f"padding_{name}"] = {k: (got[k], want[k]) for k in want}
 
@@ -144,7 +145,7 @@ def _cache_releases_per_compute(role, batch) -> list[int]:
     per_call = []
     for _ in range(2):
         before = len(calls)
-        role_ops.values(role, batch, micro_batch_size=2)
+        role_ops.values(role, batch, 2)
         per_call.append(len(calls) - before)
     return per_call
 
@@ -216,3 +217,20 @@ def test_offload_moves_state_once_per_update_and_never_copies_grads(results, dty
 
 def test_a_role_releases_cached_device_memory_after_each_compute(results):
     assert results["cache_releases"] == [1, 1]
+
+
+@pytest.mark.parametrize("actor_offload, ref_offload, want", [
+    (False, None, False), (True, None, True),  # unset: as the actor's megatron.param_offload
+    (False, True, True), (True, False, False),  # set: the reference's own (verl's ref.megatron.param_offload)
+])
+def test_reference_offload_is_its_own_key(actor_offload, ref_offload, want):
+    from hybridflow.config.schema import ExperimentConfig
+    from hybridflow.megatron.role import OffloadSettings
+    from hybridflow.workers.common import ref_offload_settings
+
+    cfg = ExperimentConfig()
+    cfg.actor.megatron.param_offload = cfg.actor.megatron.grad_offload = cfg.actor.megatron.optimizer_offload = actor_offload
+    cfg.actor.ref_param_offload = ref_offload
+    assert ref_offload_settings(cfg.actor) == OffloadSettings(params=want)  # params only: it has no grads or optimizer
+    cfg.resolve_defaults()
+    assert cfg.actor.ref_param_offload is want and ref_offload_settings(cfg.actor) == OffloadSettings(params=want)

@@ -1,6 +1,7 @@
 """The 3D-HybridEngine transition on real gloo ranks: every rank's vLLM-layout generation shard is
 bit-identical to a single-rank HF->vLLM conversion, contains the rank's own training shard (zero
-redundancy), and the bytes each rank receives are exactly what the plan says (and the paper's formula)."""
+redundancy; with t_g a multiple of t it is a slice of it), and the bytes each rank receives are exactly
+what the plan says (and the paper's formula: none at all when t_g is a multiple of t and p = 1)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,30 @@ from hybridflow.spawn import run_ranks
 pytestmark = pytest.mark.distributed
 
 CASES = [((1, 2, 1), 1), ((1, 2, 2), 1), ((1, 4, 1), 2), ((2, 2, 1), 1), ((2, 2, 1), 2), ((2, 1, 2), 1),
-         ((1, 2, 2), 2)]  # ((p, t, d), t_g)
+         ((1, 2, 2), 2),
+         # t_g a multiple of t: sliced locally (2 KV heads at t_g = 4: vLLM replicates each on 2 ranks),
+         # and with p = 2 after the pipeline gather
+         ((1, 1, 2), 2), ((1, 2, 2), 4), ((2, 1, 2), 2)]  # ((p, t, d), t_g)
+KV_HEADS = {((1, 2, 2), 4): 2}  # else 4
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
+def hf_dirs(tmp_path_factory):
+    """A tiny Qwen2 folder per number of KV heads, built on first use."""
     from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
     from hybridflow.models.char_tokenizer import build_char_tokenizer
 
-    root = tmp_path_factory.mktemp("reshard")
-    build_tiny_qwen2(root, build_char_tokenizer(root), hidden_size=128, num_layers=2, num_kv_heads=4,
-                     vocab_multiple=128, seed=7)
-    return str(root)
+    built = {}
+
+    def get(kv_heads: int) -> str:
+        if kv_heads not in built:
+            root = tmp_path_factory.mktemp(f"reshard_kv{kv_heads}")
+            build_tiny_qwen2(root, build_char_tokenizer(root), hidden_size=128, num_layers=2,
+                             num_kv_heads=kv_heads, vocab_multiple=128, seed=7)
+            built[kv_heads] = str(root)
+        return built[kv_heads]
+
+    return get
 
 
 class _TENamed:
@@ -66,13 +79,14 @@ def _rank_fn(rank, world, hf_dir, p, t, t_g):
 
 
 @pytest.mark.parametrize("layout,t_g", CASES, ids=[f"p{p}t{t}d{d}_to_tg{g}" for (p, t, d), g in CASES])
-def test_transition(hf_dir, layout, t_g):
+def test_transition(hf_dirs, layout, t_g):
     from hybridflow.megatron.convert import tp_split_dim
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.resharding.vllm_layout import hf_to_vllm_shard
     from hybridflow.workers.common import load_hf_folder
 
     p, t, d = layout
+    hf_dir = hf_dirs(KV_HEADS.get((layout, t_g), 4))
     cfg, hf = load_hf_folder(hf_dir)
     results = run_ranks(_rank_fn, p * t * d, hf_dir, p, t, t_g)
     plan = HybridPlan(Layout(p, t, d), 1, t_g)
@@ -97,15 +111,20 @@ def test_transition(hf_dir, layout, t_g):
             same_offset = lay.coords(other)[0] % plan.tp_block == lay.coords(me.rank)[0] % plan.tp_block
             # TP-split tensors from every member; replicated norms from the other stages' same-offset member
             planned += sum(v.numel() * 4 for k, v in o.items() if tp_split_dim(k) is not None or same_offset)
+        assert hybrid.bytes_received == planned
+        if plan.tp_split > 1 and p == 1:  # generation TP a multiple of training TP: nothing moves
+            assert hybrid.bytes_received == hybrid.bytes_sent == 0
         # ... which is the paper's (t*p - t_g*p_g)/(t_g*p_g*t*p) * M up to the TP-replicated norms.
         formula = float(plan.formula_bytes()) * model_bytes
         assert abs(hybrid.bytes_received - formula) <= 0.01 * model_bytes
         gather_all = res["gather_all"][1]
-        # With t_g = 1 both schemes move (t*p - 1)/(t*p) * M; with t_g > 1 hybrid moves less.
+        # With t_g = 1 (or t = 1: the pipeline gather alone) both schemes move (t*p - 1)/(t*p) * M; with
+        # t_g > 1 hybrid moves less.
         assert hybrid.bytes_received <= gather_all.bytes_received
-        if t_g > 1:
+        if t_g > 1 and t > 1:
             assert hybrid.bytes_received < gather_all.bytes_received
-        # Zero redundancy: the rank's own training shard lies inside its generation shard.
+        # Zero redundancy: the rank's own training shard lies inside its generation shard (t_g <= t), or
+        # the generation shard is a slice of it (t_g a multiple of t).
         shard = res["hybrid"][0]
         tp_rank = Layout(p, t, d).coords(res["rank"])[0]
         for name, own in res["local"].items():
@@ -116,6 +135,9 @@ def test_transition(hf_dir, layout, t_g):
                 suffix = "self_attn.o_proj.weight" if "linear_proj" in name else "mlp.down_proj.weight"
                 gen, dim = shard[f"model.layers.{layer}.{suffix}"], 1
             else:
+                continue
+            if plan.tp_split > 1:
+                assert torch.equal(torch.chunk(own, plan.tp_split, dim=dim)[me.gen_tp_rank % plan.tp_split], gen), name
                 continue
             pos = tp_rank % plan.tp_block
             assert torch.equal(torch.chunk(gen, plan.tp_block, dim=dim)[pos], own), name

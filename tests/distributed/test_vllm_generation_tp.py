@@ -1,5 +1,7 @@
 """vLLM with generation TP 2 over 4 training ranks: the planner's strided generation groups become vLLM's
-TP groups, the hybrid transition fills them, and greedy output equals HF greedy on the same weights."""
+TP groups, the hybrid transition fills them, and greedy output equals HF greedy on the same weights. And
+generation TP 2 from training TP 1 x DP 2: one engine over both DP ranks, each cutting its half locally
+(no bytes move), greedy equal to HF's after a sync of the initial weights and after one of an update."""
 
 from __future__ import annotations
 
@@ -98,3 +100,105 @@ def test_strided_generation_tp_matches_hf(tmp_path, p, t):
     import os
 
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(results[0]["shm"])]
+
+
+def _hf_greedy(hf_dir: str, state: dict, eos: int, pad: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return [model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=eos,
+                               pad_token_id=pad)[0, len(prompt):].tolist() for prompt in PROMPTS]
+
+
+def _dp_rank_fn(rank, world, hf_dir):
+    from hybridflow.megatron import parallel
+    from hybridflow.megatron.role import MegatronRole, OptimSettings, token_log_probs
+    from hybridflow.resharding.plan import HybridPlan, Layout
+    from hybridflow.resharding.transition import Resharder, TransitionStats
+    from hybridflow.resharding.vllm_layout import to_checkpoint_names
+    from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
+    from hybridflow.workers.common import load_hf_folder
+
+    parallel.init_model_parallel(1, 1, seed=1)  # TP 1 x DP 2
+    cfg, state = load_hf_folder(hf_dir)
+    role = MegatronRole(cfg, state, optim=OptimSettings(lr=1e-3))
+    with torch.no_grad():  # identical on both DP ranks, as data parallelism keeps them
+        g = torch.Generator().manual_seed(100)
+        for param in role.module.parameters():
+            param.mul_(1 + 0.3 * torch.rand(param.shape, generator=g))
+        role.module.output_layer.weight.mul_(30)  # peaked logits: greedy has no near-ties
+    plan = HybridPlan(Layout(1, 1, 2), 1, 2)
+    me = plan.ranks[rank]
+    rollout = VLLMRollout(hf_dir, max_model_len=32, tensor_parallel_size=2, seed=plan.ranks[rank].replica,
+                          generation_groups=plan.replicas, max_num_seqs=4, enable_chunked_prefill=True,
+                          engine_kwargs={"max_logprobs": 3, "swap_space": None})
+    engine = rollout.llm.llm_engine.vllm_config
+    options = (engine.scheduler_config.max_num_seqs, engine.scheduler_config.enable_chunked_prefill,
+               engine.model_config.max_logprobs)
+    resharder = Resharder(role.module, cfg, plan, "hybrid")
+    out = {"group": me.gen_group, "k": me.gen_tp_rank, "options": options, "syncs": []}
+
+    def sync_and_generate():
+        stats = TransitionStats("hybrid")
+        rollout.update_weights(to_checkpoint_names(resharder.stream(stats), cfg, k=me.gen_tp_rank, t_g=2,
+                                                   stats=stats))
+        tokens = rollout.generate(PROMPTS, SamplingSettings(temperature=0, max_new_tokens=6))
+        hf = {k: v.clone() for k, v in role.hf_state_dict().items()}  # on rank 0 only
+        local = {k: v.clone() for k, v in role.module.state_dict().items() if not k.endswith("_extra_state")}
+        out["syncs"].append(dict(tokens=tokens, bytes=(stats.bytes_received, stats.bytes_sent), hf=hf, local=local))
+
+    sync_and_generate()
+    # One update on different data per DP rank: the gradient all-reduce keeps the replicas equal.
+    ids = torch.randint(3, 40, (2, 10), generator=torch.Generator().manual_seed(rank))
+    mb = dict(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(10).expand(2, 10),
+              labels=torch.roll(ids, -1, 1))
+
+    def loss_fn(mb, o):
+        loss = -token_log_probs(o, mb["labels"]).mean()
+        return loss, {"loss": loss.detach()}
+
+    role.train([([mb], loss_fn)])
+    sync_and_generate()
+    # The GPU path hands vLLM the shard as is (VLLMRollout.takes_shards): it has vLLM's own parameters'
+    # names and shapes, the replicated KV head included.
+    out["shard"] = {name: tuple(t.shape) for name, t in resharder.stream(TransitionStats("hybrid"))}
+    out["vllm_params"] = _vllm_parameter_shapes(rollout)
+    rollout.close()
+    return out
+
+
+def test_generation_tp_above_training_tp_matches_hf_after_each_sync(tmp_path):
+    """Training TP 1 x DP 2 -> generation TP 2, with one KV head (vLLM replicates it on both ranks)."""
+    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer(tmp_path)
+    build_tiny_qwen2(tmp_path, tok, hidden_size=128, num_layers=2, num_kv_heads=1, vocab_multiple=128, seed=3)
+    results = run_ranks(_dp_rank_fn, 2, str(tmp_path))
+    assert [r["group"] for r in results] == [(0, 1), (0, 1)] and [r["k"] for r in results] == [0, 1]
+    assert all(r["options"] == (4, True, 3) for r in results), [r["options"] for r in results]
+    first, second = results[0]["syncs"]
+    assert not all(torch.equal(first["hf"][k], second["hf"][k]) for k in first["hf"]), "the update changed nothing"
+    for i, sync in enumerate(results[0]["syncs"]):
+        other = results[1]["syncs"][i]
+        assert all(torch.equal(v, other["local"][k]) for k, v in sync["local"].items()), "DP replicas diverged"
+        expected = _hf_greedy(str(tmp_path), sync["hf"], tok.eos_token_id, tok.pad_token_id)
+        for r in results:
+            assert r["syncs"][i]["tokens"] == expected, f"sync {i}: vLLM greedy != HF greedy"
+            assert r["syncs"][i]["bytes"] == (0, 0), f"sync {i}: the transition moved bytes"
+    for r in results:
+        assert r["shard"] == r["vllm_params"], sorted(set(r["shard"].items()) ^ set(r["vllm_params"].items()))[:4]
+
+
+def test_engine_kwargs_refusals():
+    from hybridflow.rollout.vllm_rollout import check_engine_kwargs
+
+    assert check_engine_kwargs({"max_logprobs": 3, "swap_space": None}) == {"max_logprobs": 3}
+    assert check_engine_kwargs(None) == {}
+    for key, message in [("tensor_parallel_size", "from rollout.tensor_model_parallel_size"),
+                         ("max_num_seqs", "from rollout.max_num_seqs"), ("load_format", "set by hybridflow itself"),
+                         ("not_an_arg", "not a vllm.LLM argument"), ("vllm", "directly under rollout.engine_kwargs")]:
+        with pytest.raises(ValueError, match=f"^rollout.engine_kwargs.{key}: .*{message}"):
+            check_engine_kwargs({key: 1})

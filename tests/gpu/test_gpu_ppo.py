@@ -41,6 +41,8 @@ LAYOUTS = {  # name -> (GPUs = resources.n_workers, overrides)
                       "critic.megatron.pipeline_model_parallel_size=2"]),
     # one vLLM engine over both GPUs; d_g = 1: no transfer at all. The critic stays TP 1 x DP 2.
     "rollout_tp2": (2, [*TP2, "rollout.tensor_model_parallel_size=2"]),
+    # generation TP above training TP: each engine's shard is cut from what its DP rank holds; nothing moves
+    "rollout_tp2_from_dp2": (2, ["rollout.tensor_model_parallel_size=2"]),
 }
 ALGORITHMS = {
     "ppo": [],  # GAE with a critic; KL to the reference in the reward
@@ -51,6 +53,10 @@ OFFLOAD = [f"{role}.megatron.{kind}_offload=true" for role in ("actor", "critic"
            for kind in ("param", "grad", "optimizer")]
 CASES = [pytest.param(layout, algo, [], id=f"{layout}-{algo}") for layout in LAYOUTS for algo in ALGORITHMS]
 CASES.insert(2, pytest.param("single", "ppo", OFFLOAD, id="single-ppo-offload"))
+# token-budget micro-batches: one packed row each, through TE's packed-sequence (THD) attention
+DYNAMIC_BSZ = ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096", "critic.ppo_max_token_len_per_gpu=4096"]
+CASES.append(pytest.param("single", "ppo", DYNAMIC_BSZ, id="single-ppo-dynamic_bsz"))
+CASES.append(pytest.param("actor_tp2", "grpo", DYNAMIC_BSZ, id="actor_tp2-grpo-dynamic_bsz"))
 
 
 def gpu_config(assets, tmp_path, n_workers: int, *overrides):

@@ -74,7 +74,7 @@ def straight(assets, tmp_path_factory, ray_cluster):
 def test_resume_is_exact(case, straight, assets, tmp_path):
     out, rows, extra = straight[case]
     cfg = make_cfg(assets, tmp_path, *RUN, *extra, "reward.name=arithmetic",
-                   f"trainer.resume={out}/checkpoints/step_{K}")
+                   "trainer.resume_mode=resume_path", f"trainer.resume_from_path={out}/checkpoints/step_{K}")
     resumed = fit(cfg)
     assert [r["step"] for r in resumed] == list(range(K + 1, N + 1)), "a resumed run starts after its checkpoint"
     got, want = comparable(resumed, K), comparable(rows, K)
@@ -87,7 +87,7 @@ def test_resume_is_exact(case, straight, assets, tmp_path):
 def test_resume_at_another_layout(straight, assets, tmp_path):
     out, rows, _ = straight["tp2"]
     cfg = make_cfg(assets, tmp_path, *RUN, *TP1_DP2, "reward.name=arithmetic", "trainer.total_steps=3",
-                   f"trainer.resume={out}/checkpoints/step_{K}")
+                   "trainer.resume_mode=resume_path", f"trainer.resume_from_path={out}/checkpoints/step_{K}")
     first = fit(cfg)[0]
     want = next(r for r in rows if r["step"] == K + 1)
     assert first["step"] == K + 1

@@ -75,7 +75,8 @@ def test_one_run_per_folder_and_sigint_ends_with_130(assets, tmp_path):
     it started keeps running or stays behind in its TMPDIR (the workers' scratch lies in Ray's temp dir)."""
     out, scratch = tmp_path / "run", tmp_path / "tmpdir"
     scratch.mkdir()
-    first = launch(assets, out, "trainer.total_steps=50", "trainer.val_every=100", env={"TMPDIR": str(scratch)})
+    # long enough to outlast the second launch (a step of the test model takes ~0.15 s)
+    first = launch(assets, out, "trainer.total_steps=2000", "trainer.val_every=-1", env={"TMPDIR": str(scratch)})
     try:
         wait_for(lambda: 1 in logged_steps(out), 180, "the first step", first)
         tree = process_tree(first.pid)

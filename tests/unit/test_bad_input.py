@@ -169,7 +169,7 @@ CASES = {
     "export folder is a file": (lambda g, t: [f"trainer.output_dir={_file_at(t / 'run' / 'actor_hf').parent}"],
                                 "actor_hf is a file; the run writes a folder there"),
     # sizes and counts
-    "val_every zero": (lambda g, t: ["trainer.val_every=0"], "trainer: val_every must be >= 1, got 0"),
+    "total_epochs zero": (lambda g, t: ["trainer.total_epochs=0"], "trainer: total_epochs must be >= 1, got 0"),
     "total_steps zero": (lambda g, t: ["trainer.total_steps=0"], "trainer: total_steps must be >= 1, got 0"),
     "negative seed": (lambda g, t: ["trainer.seed=-1"], "trainer: seed must be in [0, 2**32) (vLLM seeds numpy with it), got -1"),
     "seed beyond 64 bits": (lambda g, t: [f"trainer.seed={2**64}"], f"trainer: seed must be in [0, 2**32) (vLLM seeds numpy with it), got {2**64}"),
@@ -238,8 +238,8 @@ CASES = {
     "pp does not divide layers": (lambda g, t: ["actor.megatron.pipeline_model_parallel_size=2", "resources.n_workers=2",
                                                 "critic.megatron.pipeline_model_parallel_size=2"],
                                   "actor.megatron.pipeline_model_parallel_size (2) does not divide the model's 1 layers"),
-    "verl key unsupported": (lambda g, t: ["--verl-overrides", "actor_rollout_ref.actor.strategy=fsdp"],
-                             "verl keys not supported by hybridflow: actor_rollout_ref.actor.strategy"),
+    "verl key unsupported": (lambda g, t: ["--verl-overrides", "actor_rollout_ref.actor.checkpoint.async_save=True"],
+                             "verl keys not supported by hybridflow: actor_rollout_ref.actor.checkpoint.async_save"),
     # resources (checked against the machine before Ray starts)
     "more CPUs than the cluster": (lambda g, t: ["resources.cpus_per_worker=4"],
                                    "resources: the worker pools need 4 CPUs (n_workers x cpus_per_worker), the embedded Ray cluster has 2"),
@@ -257,10 +257,10 @@ CASES = {
                                                "bytes (<temp_dir>/session_2000-01-01_00-00-00_000000_4194304/sockets/plasma_store), "
                                                "over the 107-byte limit of Unix sockets; keep the absolute path within 43 bytes"),
     # runs, checkpoints and trackers
-    "output_dir holds a run, resume disabled": (lambda g, t: [*_old_run(t), "trainer.resume=disable"],
-                                                "already holds a run; continue it with trainer.resume=auto"),
+    "output_dir holds a run, resume disabled": (lambda g, t: [*_old_run(t), "trainer.resume_mode=disable"],
+                                                "already holds a run; continue it with trainer.resume_mode=auto"),
     "output_dir holds a run without checkpoint": (lambda g, t: _old_run(t), "holds a run with no complete checkpoint to resume"),
-    "resume from a non-checkpoint": (lambda g, t: [f"trainer.resume={g}/data"], "data is not a complete checkpoint (no trainer_state.json"),
+    "resume from a non-checkpoint": (lambda g, t: ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={g}/data"], "data is not a complete checkpoint (no trainer_state.json"),
     "unknown logger": (lambda g, t: ["trainer.logger=[console,mlflow]"], "trainer: logger: unknown ['mlflow']"),
     "unknown nonfinite policy": (lambda g, t: ["trainer.on_nonfinite=ignore"], "key 'trainer.on_nonfinite' expects one of"),
     "prepare with a mistyped model.path": (lambda g, t: ["prepare.enable=true", f"model.path={t}/elsewhere/sft_mdoel"],

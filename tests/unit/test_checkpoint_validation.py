@@ -75,10 +75,10 @@ def test_explicit_resume_from_a_damaged_checkpoint_is_one_line(case, root, tmp_p
     step = _damaged_run(root, tmp_path, case) / "checkpoints" / "step_2"
     what = DAMAGE[case][1]
     assert what in checkpoint.find_damage(step)
-    assert main(train_args(root, tmp_path / "new", *NO_CRITIC, f"trainer.resume={step}")) == 2
+    assert main(train_args(root, tmp_path / "new", *NO_CRITIC, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step}")) == 2
     assert not ray.is_initialized()  # nothing started
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"config error: trainer.resume: checkpoint {step} is damaged: "), err
+    assert err.count("\n") == 1 and err.startswith(f"config error: trainer.resume_from_path: checkpoint {step} is damaged: "), err
     assert what in err, err
 
 
@@ -107,7 +107,7 @@ def test_auto_resume_with_every_checkpoint_damaged_is_one_line(root, tmp_path, c
     assert main(train_args(root, run, *NO_CRITIC)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert err.startswith(f"config error: trainer.resume=auto: every checkpoint in {run}/checkpoints is damaged; "
+    assert err.startswith(f"config error: trainer.resume_mode=auto: every checkpoint in {run}/checkpoints is damaged; "
                           f"the newest, {run}/checkpoints/step_2: actor/"), err
 
 

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
+
+import pytest
 
 import yaml
 
@@ -27,6 +30,24 @@ def test_base_yaml_only_overrides_defaults_and_says_why():
             assert "#" in line, f"{BASE}: an override without its reason: {line.strip()!r}"
 
 
+def _set_keys(path: Path) -> list[tuple[str, object]]:
+    data = yaml.safe_load(path.read_text())
+    data.pop("defaults", None)
+    return flat_items(data)
+
+
+@pytest.mark.parametrize("path", sorted(Path("configs").glob("*.yaml")), ids=str)
+def test_no_config_restates_what_it_inherits(path):
+    """Every value a file sets differs from what it would inherit (its defaults files, then the schema,
+    with keys that default to another key's value resolved): a restated value is drift waiting to happen."""
+    parents = [path.parent / p for p in (yaml.safe_load(path.read_text()).get("defaults") or [])]
+    inherited = load_config(ExperimentConfig, parents) if parents else ExperimentConfig()
+    inherited.resolve_defaults()
+    values = dict(flat_items(config_to_dict(inherited)))
+    restated = [k for k, v in _set_keys(path) if k in values and values[k] == v]
+    assert not restated, f"{path} restates what it inherits: {restated}"
+
+
 def test_show_names_default_file_and_override(capsys):
     text = show(["configs/quickstart_grpo_cpu.yaml"], ["actor.optim.lr=3e-4"])
     lines = {line.split(" = ")[0]: line for line in text.splitlines()}
@@ -46,4 +67,6 @@ def test_dump_is_the_schema_defaults(tmp_path, capsys):
     assert main(["dump"]) == 0
     path = tmp_path / "defaults.yaml"
     path.write_text(capsys.readouterr().out)
-    assert config_to_dict(load_config(ExperimentConfig, [str(path)])) == config_to_dict(ExperimentConfig())
+    defaults = ExperimentConfig()
+    defaults.resolve_defaults()  # loading fills the keys that default to another key's value
+    assert config_to_dict(load_config(ExperimentConfig, [str(path)])) == config_to_dict(defaults)

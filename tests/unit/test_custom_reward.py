@@ -172,7 +172,9 @@ def test_data_source_passed_through():
 
     adapt_to_scorer(record)("resp", "gt")
     adapt_to_scorer(record, data_source="openai/gsm8k")("resp", "gt")
-    assert seen == [("custom", "resp", "gt", None), ("openai/gsm8k", "resp", "gt", None)]
+    adapt_to_scorer(record)("resp", "gt", "lighteval/MATH", {"index": 1})  # a row's own source wins
+    assert seen == [("custom", "resp", "gt", None), ("openai/gsm8k", "resp", "gt", None),
+                    ("lighteval/MATH", "resp", "gt", {"index": 1})]
 
 
 # --- failures while scoring a batch: one line naming the function, the row and the value ---------------
@@ -276,3 +278,33 @@ def test_score_responses_names_the_failing_row_by_prompt_and_response(tmp_path):
     assert str(e.value) == (f"custom reward function 'compute_score' from {path} raised ZeroDivisionError: float "
                             "division by zero on row 1 of 2 of the batch (data_source 'arith', prompt 'Q: 3-3= A:', "
                             "response '0')")
+
+
+def test_score_responses_gives_each_row_its_source_ground_truth_and_extra_info(tmp_path):
+    """As verl's reward loop calls it: the row's data.reward_fn_key value, the ground truth as stored (not
+    made a string), and the row's extra_info plus num_turns and rollout_reward_scores."""
+    import numpy as np
+
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.trainer.experience import score_responses
+
+    tokenizer = build_char_tokenizer(tmp_path / "tok")
+    seen = []
+
+    def record(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append((data_source, solution_str, ground_truth, extra_info))
+        return 1.0
+
+    batch = _rollout_batch(tokenizer, ["Q: 1+2= A:", "Q: 3-3= A:"], ["3", "0"], ["3", "0"])
+    batch.non_tensors["answer"] = np.array([3, [0, 1]], dtype=object)
+    batch.non_tensors["task"] = np.array(["openai/gsm8k", None], dtype=object)
+    batch.non_tensors["extra_info"] = np.array([{"index": 7, "split": "train"}, None], dtype=object)
+    score_responses(batch, tokenizer, adapt_to_scorer(record, timeout_s=60, source_key="task"))
+    turn = {"num_turns": 2, "rollout_reward_scores": {}}
+    assert seen == [("openai/gsm8k", "3", 3, {"index": 7, "split": "train", **turn}),
+                    ("custom", "0", [0, 1], turn)]  # a row without a source: the scorer's data_source
+    assert batch.non_tensors["extra_info"][0] == {"index": 7, "split": "train"}  # the data is not changed
+
+    seen.clear()
+    score_responses(batch, tokenizer, adapt_to_scorer(record, timeout_s=60))  # the default key: data_source
+    assert [s[0] for s in seen] == ["arith", "arith"]

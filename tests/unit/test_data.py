@@ -72,3 +72,10 @@ def test_responses_to_batch_layout():
     assert out.tensors["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     assert out.tensors["input_ids"].tolist() == [[0, 5, 6, 3, 1, 0, 0], [7, 8, 9, 2, 2, 2, 2]]
     assert out.tensors["position_ids"][0].tolist() == [0, 0, 1, 2, 3, 3, 3]
+
+
+def test_answer_column_is_the_default_ground_truth(tokenizer, tmp_path):
+    train, _ = write_arithmetic_parquet(tmp_path, max_operand=9, n_val=10, seed=0)
+    ds = PromptDataset([str(train)], tokenizer, prompt_key="prompt", max_prompt_length=16)  # answer_key None
+    assert list(ds.columns["answer"]) == pq.read_table(train)["answer"].to_pylist()
+    assert ds.filtered == {str(train): 0} and ds.where(3) == f"{train} row 3"

@@ -129,3 +129,54 @@ def test_cli(tmp_path, tok_dir, capsys):
                    "--max-prompt-length", "300", "--split", "train"])
     assert (result.kept, result.dropped) == (4, 1)
     assert f"wrote {tmp_path / 'train.parquet'}: 4 prompts (1 over-long dropped)" in capsys.readouterr().out
+
+
+# --- verl's format: the rows verl's examples/data_preprocess/gsm8k.py writes ----------------------------
+
+def verl_process_fn(example, idx, split):
+    """verl's make_map_fn(split)'s process_fn, as written there."""
+    question_raw = example.pop("question")
+    question = question_raw + " " + 'Let\'s think step by step and output the final answer after "####".'
+    answer_raw = example.pop("answer")
+    solution = answer_raw.split("#### ")[1].split("\n")[0].replace(",", "")  # its regex match, here simpler
+    return {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": question}], "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": solution},
+            "extra_info": {"split": split, "index": idx, "answer": answer_raw, "question": question_raw}}
+
+
+def test_verl_format_is_verls(tmp_path, tokenizer):
+    rows = read_rows(FIXTURE)
+    result = preprocess_gsm8k(FIXTURE, tmp_path, fmt="verl", split="test")  # no tokenizer needed
+    assert (result.path, result.kept, result.dropped) == (tmp_path / "test.parquet", 5, 0)
+    table = pq.read_table(result.path)
+    assert table.column_names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+    assert table.to_pylist() == [verl_process_fn(dict(r), i, "test") for i, r in enumerate(rows)]
+
+    # rendered when loaded: the same tokens as the hybridflow format's pre-rendered prompt
+    ds = PromptDataset([str(result.path)], tokenizer, prompt_key="prompt", max_prompt_length=1000)
+    assert list(ds.columns["answer"]) == ANSWERS
+    rendered = [expected_prompt(r["question"]) for r in rows]
+    assert ds.prompt_ids == tokenizer(rendered, add_special_tokens=False).input_ids
+    filtered = PromptDataset([str(result.path)], tokenizer, prompt_key="prompt", max_prompt_length=300,
+                             filter_overlong_prompts=True)
+    assert filtered.filtered == {str(result.path): 1}  # as preprocessing's own filter drops LONG_ROW
+
+
+def test_verl_format_with_the_filter_keeps_verls_ids(tmp_path, tokenizer):
+    result = preprocess_gsm8k(FIXTURE, tmp_path, tokenizer, 300, fmt="verl")
+    assert (result.kept, result.dropped) == (4, 1)
+    kept = pq.read_table(result.path).to_pylist()
+    assert [r["extra_info"]["index"] for r in kept] == [i for i in range(5) if i != LONG_ROW]
+    with pytest.raises(ValueError, match="needs both a tokenizer and max_prompt_length"):
+        preprocess_gsm8k(FIXTURE, tmp_path, tokenizer, fmt="verl")
+    with pytest.raises(ValueError, match="the hybridflow format needs a tokenizer and max_prompt_length"):
+        preprocess_gsm8k(FIXTURE, tmp_path)
+
+
+def test_cli_verl_format(tmp_path, capsys):
+    result = main(["--input", str(FIXTURE), "--output-dir", str(tmp_path), "--format", "verl"])
+    assert (result.kept, result.dropped) == (5, 0)
+    assert f"wrote {tmp_path / 'train.parquet'}: 5 prompts (0 over-long dropped)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--input", str(FIXTURE), "--output-dir", str(tmp_path)])  # the hybridflow format renders: a tokenizer
+    assert "--format hybridflow needs --tokenizer and --max-prompt-length" in capsys.readouterr().err

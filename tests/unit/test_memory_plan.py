@@ -30,7 +30,8 @@ actor:
   ppo_mini_batch_size: 4
   ppo_micro_batch_size_per_gpu: 2
   log_prob_micro_batch_size_per_gpu: 2
-critic: {ppo_mini_batch_size: 4, ppo_micro_batch_size_per_gpu: 2, log_prob_micro_batch_size_per_gpu: 2}
+critic: {megatron: {use_distributed_optimizer: false}, ppo_mini_batch_size: 4, ppo_micro_batch_size_per_gpu: 2,
+         log_prob_micro_batch_size_per_gpu: 2}
 rollout: {gpu_memory_utilization: 0.5}
 algorithm: {adv_estimator: grpo, use_kl_in_reward: false}
 resources: {n_workers: 2, critic_n_workers: 2}

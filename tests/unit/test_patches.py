@@ -23,6 +23,7 @@ EXPECTED = {
     "torch.cuda.current_device", "torch.cuda.synchronize", "torch.cuda.empty_cache",
     "megatron.cpu_rng_tracker_class", "megatron.cpu_rng_tracker", "megatron.cpu_rng_tracker_initialized",
     "megatron.cpu_initialize_rng_tracker", "megatron.cpu_model_parallel_seed", "megatron.cpu_device_rewrite",
+    "megatron.cpu_get_cuda_rng_state", "megatron.cpu_set_cuda_rng_state", "megatron.cpu_recompute_in_device_scope",
     "megatron.sequence_parallel_torch_norm", "megatron.rope_inverse_frequencies", "megatron.rope_at_positions",
     "megatron.optimizer_step_skips_nonfinite",
     "vllm.init_model_parallel_group", "vllm.cpu_shm_group_name", "vllm.cpu_worker_set_num_threads",

@@ -1,75 +1,276 @@
-"""A verl 0.9.1 command line maps onto hybridflow's config: the GSM8K PPO quickstart of verl's docs loads;
-keys that mean something else here are named in one line."""
+"""A verl 0.9.1 command line maps onto hybridflow's config: verl's own example scripts resolve unchanged
+through the dry run with verl's meanings; every key that carries a verl name has verl's default or a listed,
+reasoned difference; whatever is unsupported is named in one line, before anything starts."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+from pathlib import Path
+
 import pytest
+import yaml
 
-from hybridflow.config import ConfigError
-from hybridflow.config.verl import translate
-from hybridflow.trainer.main import load
+from hybridflow.config import ConfigError, config_to_dict, flat_items
+from hybridflow.config.schema import ExperimentConfig
+from hybridflow.config.verl import DIFFERENCES, MUST_AGREE, NO_EFFECT, RENAMED, split_argv, translate, _ours
+from hybridflow.trainer.main import dry_run, load
 
-# verl's docs (docs/start/quickstart.rst): PPO on GSM8K with Qwen2.5-0.5B-Instruct, as users run it.
-VERL_GSM8K_PPO = """
-data.train_files=data/gsm8k/train.parquet data.val_files=data/gsm8k/test.parquet data.train_batch_size=256
-data.max_prompt_length=512 data.max_response_length=512 actor_rollout_ref.model.path=models/Qwen2.5-0.5B-Instruct
-actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size=64
-actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 actor_rollout_ref.rollout.name=vllm
-actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 actor_rollout_ref.rollout.tensor_model_parallel_size=1
-actor_rollout_ref.rollout.gpu_memory_utilization=0.4 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4
-critic.optim.lr=1e-5 critic.model.path=models/Qwen2.5-0.5B-Instruct critic.ppo_micro_batch_size_per_gpu=4
-algorithm.kl_ctrl.kl_coef=0.001 trainer.logger=console trainer.val_before_train=False trainer.n_gpus_per_node=1
-trainer.nnodes=1 trainer.save_freq=10 trainer.test_freq=10 trainer.total_epochs=15
-""".split()
+EXAMPLES = Path(__file__).parent.parent / "fixtures" / "verl_examples"
+VERL_DEFAULTS = Path(__file__).parent.parent / "fixtures" / "verl" / "ppo_megatron_trainer_0.9.1.yaml"
+BASE = ["--config", "configs/ppo_megatron.yaml"]
 
 
-def test_verl_gsm8k_ppo_command_line_loads():
-    cfg = load(["--config", "configs/ppo_megatron.yaml", "--verl-overrides", *VERL_GSM8K_PPO])
-    assert cfg.data.train_files == ["data/gsm8k/train.parquet"] and cfg.data.batch_size == 256
-    assert cfg.model.path == "models/Qwen2.5-0.5B-Instruct"
-    assert (cfg.actor.optim.lr, cfg.critic.optim.lr) == (1e-6, 1e-5)
-    # verl's meanings: mini-batch in prompts, micro-batches per GPU
-    assert (cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size_per_gpu) == (64, 4)
-    assert cfg.actor.log_prob_micro_batch_size_per_gpu == 8 and cfg.actor.ref_log_prob_micro_batch_size_per_gpu == 4
-    assert cfg.critic.ppo_micro_batch_size_per_gpu == 4 and cfg.algorithm.kl_ctrl.kl_coef == 0.001
-    assert (cfg.resources.n_workers, cfg.resources.gpus_per_worker) == (1, 1)
-    assert (cfg.trainer.val_every, cfg.trainer.total_epochs) == (10, 15)
-    assert (cfg.trainer.logger, cfg.trainer.val_before_train, cfg.trainer.save_every) == (["console"], False, 10)
+def script_args(script: Path) -> list[str]:
+    """The arguments a verl example script passes to ``python3 -m verl.trainer.main_ppo``: the script runs in
+    bash as written, with ``python3`` a function that prints them."""
+    out = subprocess.run(["bash", "-c", 'python3() { printf "%s\\0" "$@"; }; HOME=/home/user; source "$0"', script],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=script.parent, check=True).stdout
+    args = [a for a in out.decode().split("\0") if a]
+    assert args[:2] == ["-m", "verl.trainer.main_ppo"], args[:3]
+    return args[2:]
+
+
+def resolve(args: list[str]) -> ExperimentConfig:
+    return load([*BASE, "--verl-overrides", *args])
+
+
+# A handful of mapped values per script: (our key, value).
+EXPECTED = {
+    "grpo_trainer_run_qwen2-7b.sh": {
+        "algorithm.adv_estimator": "grpo", "data.batch_size": 1024, "actor.ppo_mini_batch_size": 256,
+        "actor.ppo_micro_batch_size_per_gpu": 40, "rollout.n": 5, "rollout.tensor_model_parallel_size": 2,
+        "actor.ref_param_offload": True, "actor.megatron.param_offload": False, "trainer.val_every": 5,
+        "trainer.save_every": 20, "trainer.total_epochs": 15, "trainer.total_steps": None,
+        "resources.n_workers": 8, "data.filter_overlong_prompts": True, "use_critic": False,
+        "actor.megatron.override_transformer_config": {"recompute_granularity": "full", "recompute_method": "uniform",
+                                                       "recompute_num_layers": 1}},
+    "grpo_trainer_run_qwen2-7b_math.sh": {
+        "data.train_files": ["/home/user/data/gsm8k/train.parquet", "/home/user/data/math/train.parquet"],
+        "actor.use_kl_loss": True, "actor.kl_loss_type": "low_var_kl", "algorithm.use_kl_in_reward": False},
+    "grpo_trainer_run_qwen2-7b_math_megatron.sh": {
+        "actor.megatron.tensor_model_parallel_size": 2, "actor.megatron.pipeline_model_parallel_size": 2,
+        "actor.ppo_micro_batch_size_per_gpu": 4, "rollout.tensor_model_parallel_size": 2,
+        "actor.megatron.sequence_parallel": True, "actor.megatron.use_distributed_optimizer": True,
+        "data.max_prompt_length": 1024, "trainer.logger": ["console", "wandb"]},
+    "grpo_trainer_run_qwen2-7b_seq_balance_math_megatron.sh": {
+        "actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 12000,
+        "actor.log_prob_use_dynamic_bsz": True, "actor.megatron.param_offload": True, "actor.ref_param_offload": True},
+    "grpo_trainer_run_qwen2_5-7b_math_megatron_diff_tp.sh": {  # generation TP 4 above training TP 2
+        "rollout.tensor_model_parallel_size": 4, "actor.megatron.tensor_model_parallel_size": 2,
+        "model.path": "Qwen/Qwen2.5-7B-Instruct"},
+    "grpo_trainer_run_qwen3-8b.sh": {"model.path": "Qwen/Qwen3-8B", "rollout.gpu_memory_utilization": 0.6},
+    "grpo_trainer_run_seed_oss_36b.sh": {
+        "data.batch_size": 64, "actor.ppo_mini_batch_size": 8, "rollout.n": 2, "actor.use_dynamic_bsz": True,
+        "actor.log_prob_use_dynamic_bsz": True, "trainer.val_before_train": False},
+    "grpo_trainer_run_mistral13b_skyworkrm_hhrlhf.sh": {
+        "reward_model.enable": True, "reward_model.path": "Skywork/Skywork-Reward-Llama-3.1-8B",
+        "trainer.val_every": -1, "rollout.tensor_model_parallel_size": 4, "trainer.total_epochs": 5},
+    "ppo_trainer_run_gemma.sh": {
+        "algorithm.adv_estimator": "gae", "use_critic": True, "critic.optim.lr": 1e-5, "resources.n_workers": 2,
+        "critic.ppo_mini_batch_size": 128, "critic.ppo_micro_batch_size_per_gpu": 4},
+    "ppo_trainer_run_qwen2-7b_math_gsm8k_megatron.sh": {
+        "rollout.tensor_model_parallel_size": 4, "critic.megatron.tensor_model_parallel_size": 1,  # verl's too
+        "trainer.total_epochs": 100, "critic.ppo_mini_batch_size": 256},
+    "ppo_trainer_run_qwen2-7b_rm.sh": {
+        "reward_model.path": "/home/user/models/FsfairX-LLaMA3-RM-v0.1", "critic.ppo_micro_batch_size_per_gpu": 32,
+        "model.path": "/home/user/models/Qwen2-7B-Instruct"},
+    "ppo_trainer_run_qwen2-7b_rm_seq_balance.sh": {
+        "data.batch_size": 4096, "actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 24000,
+        "actor.log_prob_max_token_len_per_gpu": 24000, "critic.use_dynamic_bsz": True,
+        "critic.ppo_max_token_len_per_gpu": 98304, "critic.forward_max_token_len_per_gpu": 98304},
+    "ppo_trainer_run_qwen2-7b_seq_balance.sh": {
+        "critic.use_dynamic_bsz": True,  # the actor's: verl's ${oc.select:...actor.use_dynamic_bsz}
+        "critic.megatron.override_transformer_config": {"recompute_granularity": "full", "recompute_method": "uniform",
+                                                        "recompute_num_layers": 1}},
+    "ppo_trainer_run_qwen2.5-32b.sh": {"resources.n_workers": 32, "resources.critic_n_workers": 32,
+                                       "rollout.tensor_model_parallel_size": 4},
+}
+
+
+def value(cfg, key):
+    if key == "use_critic":
+        return cfg.use_critic
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def test_every_stored_example_is_checked():
+    assert sorted(p.name for p in EXAMPLES.glob("*.sh")) == sorted(EXPECTED) and len(EXPECTED) >= 8
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_verl_example_script_resolves_unchanged(name):
+    args = script_args(EXAMPLES / name)
+    cfg = resolve(args)
+    got = {key: value(cfg, key) for key in EXPECTED[name]}
+    assert got == EXPECTED[name]
+    text = dry_run([*BASE, "--dry-run", "--verl-overrides", *args])  # the CLI's dry run prints it all
+    assert "actor.ppo_mini_batch_size = " in text and "# verl override 'actor_rollout_ref.actor.ppo_mini_batch_size=" in text
+
+
+def test_dry_run_command_prints_and_starts_nothing(capsys):
+    from hybridflow.trainer.main import main
+
+    args = script_args(EXAMPLES / "grpo_trainer_run_qwen2-7b_math_megatron.sh")
+    assert main(["--config", "configs/ppo_megatron.yaml", "--dry-run", "--verl-overrides", *args]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^data\.batch_size = 1024 +# verl override 'data\.train_batch_size=1024'$", out, re.M), out
+    assert "# accepted without effect: --config-name (picks verl's FSDP or megatron defaults file" in out
+    assert "# accepted without effect: data.return_raw_chat (" in out
+
+
+def test_config_show_takes_verl_overrides_too(capsys):
+    from hybridflow.config.show import main
+
+    assert main(["show", "--config", "configs/ppo_megatron.yaml", "--verl-overrides", "data.train_batch_size=64"]) == 0
+    assert re.search(r"^data\.batch_size = 64 +# verl override", capsys.readouterr().out, re.M)
+
+
+def _verl_default(tree: dict, key: str):
+    """verl 0.9.1's default of a dotted key, following its ``${oc.select:other,fallback}`` defaults."""
+    node = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return KeyError
+        node = node[part]
+    if isinstance(node, str) and (m := re.fullmatch(r"\$\{oc\.select:([\w.]+),(.*)\}", node)):
+        found = _verl_default(tree, m.group(1))
+        return yaml.safe_load(m.group(2)) if found is KeyError else found
+    if isinstance(node, str) and node.startswith("${"):
+        return KeyError  # other interpolations: not a plain default
+    return node
+
+
+def _mapped_keys() -> list[tuple[str, str]]:
+    """(verl key, our key) of every verl key that maps onto one of ours by name."""
+    tree = yaml.safe_load(VERL_DEFAULTS.read_text())
+    verl_keys = [k for k, _ in flat_items(tree)]
+    pairs = []
+    for verl_key in verl_keys:
+        ours = _ours(verl_key)
+        for target in (ours,) if isinstance(ours, str) else (ours or ()):
+            if not target.endswith(".") and "override_transformer_config." not in target:
+                pairs.append((verl_key, target))
+    pairs += [(k, v) for k, v in RENAMED.items() if k not in verl_keys and isinstance(v, str)]
+    return pairs
+
+
+def test_defaults_equal_verl_or_are_listed_differences():
+    tree = yaml.safe_load(VERL_DEFAULTS.read_text())
+    ours = ExperimentConfig()
+    ours.resolve_defaults()
+    our_values = dict(flat_items(config_to_dict(ours)))
+    pairs = _mapped_keys()
+    assert len(pairs) > 60, pairs  # the comparison covers the mapped keys, not a few
+    unlisted, differing = [], set()
+    for verl_key, key in pairs:
+        theirs = _verl_default(tree, verl_key)
+        if theirs is KeyError or key not in our_values:
+            continue
+        mine = our_values[key]
+        if mine != theirs:  # (1e-5 == 1.0e-05 and 1 == 1.0 compare equal)
+            differing.add(key)
+            if key not in DIFFERENCES:
+                unlisted.append(f"{key}={mine!r} (verl {verl_key}={theirs!r})")
+    assert not unlisted, f"defaults that differ from verl 0.9.1 without a reason in DIFFERENCES: {unlisted}"
+    stale = [key for key in DIFFERENCES if key not in differing]
+    assert not stale, f"listed in DIFFERENCES but equal to verl's default (or not mapped): {stale}"
+
+
+def test_translation_tables_have_reasons_and_no_overlap():
+    assert all(isinstance(why, str) and len(why) > 10 for why in NO_EFFECT.values())
+    assert not set(NO_EFFECT) & set(RENAMED) and not set(NO_EFFECT) & set(MUST_AGREE)
 
 
 def test_our_overrides_and_verl_overrides_combine():
-    cfg = load(["--config", "configs/ppo_megatron.yaml", "trainer.seed=7", "--verl-overrides",
-                "actor_rollout_ref.actor.clip_ratio=0.25", "data.train_batch_size=64"])
+    cfg = load([*BASE, "trainer.seed=7", "--verl-overrides", "actor_rollout_ref.actor.clip_ratio=0.25",
+                "data.train_batch_size=64"])
     assert cfg.trainer.seed == 7 and (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (0.25, 0.25)
 
 
+def test_verl_semantics_of_shared_names():
+    cfg = resolve(["trainer.total_training_steps=7", "trainer.total_epochs=3", "trainer.save_freq=-1",
+                   "trainer.test_freq=-1", "trainer.resume_mode=resume_path",
+                   "trainer.resume_from_path=outputs/x/checkpoints/step_3", "trainer.max_actor_ckpt_to_keep=3",
+                   "trainer.max_critic_ckpt_to_keep=3"])
+    t = cfg.trainer
+    assert (t.total_steps, t.total_epochs, t.save_every, t.val_every) == (7, 3, -1, -1)
+    assert (t.resume_mode, t.resume_from_path, t.max_checkpoints, t.save_hf_at_end) == (
+        "resume_path", "outputs/x/checkpoints/step_3", 3, False)  # save_freq -1: no checkpoint, no export
+    assert resolve([]).algorithm.use_kl_in_reward is False
+
+
+def test_fsdp_keys_map_onto_megatron():
+    cfg = resolve(["actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+                   "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True",
+                   "actor_rollout_ref.ref.fsdp_config.param_offload=False",
+                   "critic.model.fsdp_config.optimizer_offload=True", "critic.strategy=fsdp2"])
+    assert (cfg.actor.megatron.param_offload, cfg.actor.megatron.optimizer_offload) == (True, True)
+    assert cfg.actor.ref_param_offload is False and cfg.critic.megatron.optimizer_offload is True
+    assert cfg.actor.megatron.use_distributed_optimizer  # FSDP's sharded optimizer state
+
+
+def test_explicit_recompute_settings_win_over_gradient_checkpointing():
+    cfg = resolve(["+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective",
+                   "actor_rollout_ref.model.enable_gradient_checkpointing=True"])
+    assert cfg.actor.megatron.override_transformer_config["recompute_granularity"] == "selective"
+    assert resolve(["actor_rollout_ref.model.enable_gradient_checkpointing=False"]).actor.megatron.override_transformer_config == {}
+    megatron = resolve(["--config-name=ppo_megatron_trainer", "actor_rollout_ref.model.enable_gradient_checkpointing=True"])
+    assert megatron.actor.megatron.override_transformer_config == {}  # verl's megatron engine ignores the key
+
+
+def test_hydra_config_name_with_a_space_and_engine_kwargs():
+    ours, verl = split_argv(["--config", "a.yaml", "--verl-overrides", "--config-path", "config", "--config-name",
+                             "ppo_megatron_trainer", "+actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4"])
+    assert ours == ["--config", "a.yaml"]
+    assert verl[:2] == ["--config-path=config", "--config-name=ppo_megatron_trainer"]
+    assert translate(verl).overrides == ["rollout.engine_kwargs.swap_space=4"]
+
+
 @pytest.mark.parametrize("args, message", [
-    (["actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.use_dynamic_bsz=True"],
-     "verl keys not supported by hybridflow: actor_rollout_ref.actor.strategy, actor_rollout_ref.actor.use_dynamic_bsz"),
+    (["actor_rollout_ref.actor.use_torch_compile=True", "actor_rollout_ref.actor.megatron.bogus=1",
+      "actor_rollout_ref.actor.checkpoint.async_save=True", "data.image_key=images"],
+     "verl keys not supported by hybridflow: actor_rollout_ref.actor.megatron.bogus, "
+     "actor_rollout_ref.actor.checkpoint.async_save, data.image_key"),
     (["critic.model.path=models/other"], "verl override 'critic.model.path=models/other' must equal model.path"),
     (["actor_rollout_ref.rollout.name=sglang"], "'actor_rollout_ref.rollout.name=sglang' must equal rollout.name ('vllm')"),
     (["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"],
      "must equal actor.megatron.tensor_model_parallel_size (1)"),
     (["trainer.critic_warmup=5"], "'trainer.critic_warmup=5' must equal supported here (0)"),
-    (["actor_rollout_ref.actor.ppo_mini_batch_size=48"], "actor.ppo_mini_batch_size (48 prompts) must divide data.batch_size (32)"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], "must equal supported here ('vanilla')"),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=48", "data.train_batch_size=64"],
+     "actor.ppo_mini_batch_size (48 prompts) must divide data.batch_size (64)"),
     (["data.train_batch_size"], "bad verl override 'data.train_batch_size': expected key=value"),
+    (["data.truncation=sideways"], "data.truncation"),
+    (["trainer.resume_mode=resume_path"], "resume_mode 'resume_path' needs resume_from_path"),
     # values of the wrong type name the verl key they were given as
     (["data.train_batch_size=1.5"], "key 'data.batch_size' expects int, got float 1.5 (in verl override "
                                     "'data.train_batch_size=1.5')"),
-    (["actor_rollout_ref.actor.ppo_epochs=abc"], "key 'actor.ppo_epochs' expects int, got str 'abc' (in verl override "
-                                                 "'actor_rollout_ref.actor.ppo_epochs=abc')"),
     (["actor_rollout_ref.actor.clip_ratio=wide"], "key 'actor.clip_ratio_low' expects float, got str 'wide' (in verl "
                                                   "override 'actor_rollout_ref.actor.clip_ratio=wide')"),
     (["trainer.n_gpus_per_node=1.5"], "verl override 'trainer.n_gpus_per_node=1.5': expects a whole number >= 1, got '1.5'"),
-    (["trainer.nnodes=two"], "verl override 'trainer.nnodes=two': expects a whole number >= 1, got 'two'"),
     (["trainer.nnodes=0"], "verl override 'trainer.nnodes=0': expects a whole number >= 1, got '0'"),
 ])
 def test_unsupported_or_conflicting_verl_keys_are_one_line(args, message):
     with pytest.raises(ConfigError) as err:
-        load(["--config", "configs/ppo_megatron.yaml", "--verl-overrides", *args])
+        resolve(args)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-def test_no_effect_keys_are_accepted_and_gpu_counts_become_workers():
-    ours, _ = translate(["trainer.n_gpus_per_node=8", "trainer.nnodes=2"])
-    assert ours == ["resources.n_workers=16", "resources.critic_n_workers=16", "resources.gpus_per_worker=1"]
+def test_gpu_counts_become_workers():
+    assert translate(["trainer.n_gpus_per_node=8", "trainer.nnodes=2"]).overrides == [
+        "resources.n_workers=16", "resources.critic_n_workers=16", "resources.gpus_per_worker=1"]
+
+
+def test_readme_verl_command_line_resolves():
+    """The README's "Coming from verl" command line (verl's quickstart, unchanged) resolves."""
+    readme = (Path(__file__).parent.parent.parent / "README.md").read_text()
+    block = readme.split("hybridflow train --config configs/ppo_megatron.yaml --verl-overrides \\\n", 1)[1]
+    block = block.split("```", 1)[0].replace("$HOME", "/home/user")
+    args = block.replace("\\\n", " ").split()
+    cfg = resolve(args)
+    assert (cfg.data.batch_size, cfg.actor.ppo_mini_batch_size, cfg.critic.ppo_mini_batch_size) == (256, 64, 64)
+    assert (cfg.trainer.save_every, cfg.trainer.val_every, cfg.trainer.total_epochs) == (10, 10, 15)
+    assert cfg.model.path == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.resources.n_workers == 1

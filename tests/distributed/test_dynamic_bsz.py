@@ -1,0 +1,178 @@
+"""Dynamic batch size on real megatron ranks: micro-batches formed by a token budget, each one packed row
+(block-diagonal mask and explicit positions on CPU, with or without a GRPO group's prompt shared), give the
+log-probs, entropy, values, losses and gradients of the fixed micro-batch run, at DP 1/2 x TP 1/2 (sequence
+parallel) and PP 2, with data-parallel ranks running different numbers of micro-batches. And the entropy
+bonus: its gradient through the whole model equals Hugging Face's in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.spawn import run_ranks
+from tests.numerics import assert_close
+
+pytestmark = pytest.mark.distributed
+
+P, R = 9, 6
+GROUP = 2
+PROMPT_LENS = [4, 9, 2, 6, 3, 8, 1, 5]  # one per group of GROUP rows
+RESPONSE_LENS = [6, 1, 3, 0, 2, 6, 5, 5, 1, 4, 6, 2, 6, 6, 3, 1]
+BUDGET = 24  # tokens per micro-batch: rows are 1 to 15 tokens, a rank's 8 rows ~70
+MODES = {"fixed": (2, False), "dynamic": (BUDGET, False), "dynamic_shared": (BUDGET, True)}
+
+
+def grouped_batch():
+    from hybridflow.protocol import Batch
+
+    g = torch.Generator().manual_seed(7)
+    rows = len(RESPONSE_LENS)
+    ids = torch.randint(3, 40, (rows, P + R), generator=g)
+    mask = torch.zeros_like(ids)
+    for i in range(rows):
+        ids[i, :P] = ids[i // GROUP * GROUP, :P]  # the group's prompt
+        mask[i, P - PROMPT_LENS[i // GROUP]:P] = 1
+        mask[i, P:P + RESPONSE_LENS[i]] = 1
+    ids = ids * mask
+    rm = mask[:, P:]
+    adv = torch.randn(rows, R, generator=g) * rm
+    return Batch.from_dict(tensors=dict(
+        input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), responses=ids[:, P:],
+        response_mask=rm, advantages=adv, ref_log_prob=(-3 + torch.randn(rows, R, generator=g)) * rm,
+        values=torch.randn(rows, R, generator=g) * 0.1 * rm, returns=torch.randn(rows, R, generator=g) * rm))
+
+
+def _critic_state(state, cfg):
+    return {**state, "score.weight": torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(2)) * 0.5}
+
+
+def _rank_fn(rank, world, hf_dir, tp, pp):
+    from megatron.core import parallel_state as ps
+
+    from hybridflow.config.schema import Actor, Critic
+    from hybridflow.megatron import parallel
+    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.protocol import Batch
+    from hybridflow.workers import role_ops, row_layout
+    from hybridflow.workers.common import load_hf_folder
+
+    parallel.init_model_parallel(tp, pp, seed=1)
+    cfg, state = load_hf_folder(hf_dir)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    shard = grouped_batch().chunk(dp)[dp_rank]
+    rows = len(shard) * dp
+    out = {"dp_rank": dp_rank, "last": ps.is_pipeline_last_stage(), "tp_rank": ps.get_tensor_model_parallel_rank()}
+    for mode, (micro, shared) in MODES.items():
+        dynamic = micro == BUDGET
+        budget = row_layout.TokenBudget(BUDGET, "test") if dynamic else micro
+        kw = dict(sequence_parallel=tp > 1)
+        optim = OptimSettings(lr=1e-2, eps=1e-3, clip_grad=1e9)  # the gradient itself is compared
+        policy = MegatronRole(cfg, state, optim=optim, **kw)
+        critic = MegatronRole(cfg, _critic_state(state, cfg), value_head=True, optim=optim, **kw)
+        policy.shares_prompts = critic.shares_prompts = shared
+        lp = role_ops.log_probs(policy, shard, budget, with_entropy=True)
+        values = role_ops.values(critic, shard, budget)
+        # the fixed run's log-probs off by +-0.3 are every mode's old ones: ratios on both sides of the clip
+        # range (stages before the last compute no loss: zeros there)
+        old = out["fixed"]["lp"]["log_probs"] if dynamic else lp["log_probs"]
+        adv = shard.tensors["advantages"]
+        old = (torch.zeros_like(adv) if old is None else old) - 0.3 * adv.sign()
+        batch = Batch(tensors={**shard.tensors, "old_log_probs": old})
+        common = dict(ppo_mini_batch_size=rows, ppo_epochs=1, use_dynamic_bsz=dynamic, ppo_max_token_len_per_gpu=BUDGET,
+                      ppo_micro_batch_size_per_gpu=micro if not dynamic else 1)
+        actor_cfg = Actor(**common, use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.05)
+        critic_cfg = Critic(**common)
+        am = role_ops.update_policy(policy, batch, actor_cfg, dp)
+        cm = role_ops.update_value(critic, batch, critic_cfg, dp)
+        n_mbs = len(role_ops._micro_batches(policy, shard, budget)[0])
+        out[mode] = dict(
+            lp=lp, values=values, n_mbs=n_mbs, metrics={**am, **cm},
+            actor_grads={n: p.main_grad.detach().clone() for n, p in policy.module.named_parameters()},
+            critic_grads={n: p.main_grad.detach().clone() for n, p in critic.module.named_parameters()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+
+    root = tmp_path_factory.mktemp("dynbsz")
+    build_tiny_qwen2(root, build_char_tokenizer(root), hidden_size=64, num_layers=2, seed=11)
+    return str(root)
+
+
+LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 1)]  # (tp, pp, dp)
+
+
+@pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=[f"tp{t}_pp{p}_dp{d}" for t, p, d in LAYOUTS])
+def test_dynamic_bsz_equals_fixed_micro_batches(hf_dir, tp, pp, dp):
+    results = run_ranks(_rank_fn, tp * pp * dp, hf_dir, tp, pp)
+    counts = {}
+    for r in results:
+        fixed = r["fixed"]
+        for mode in ("dynamic", "dynamic_shared"):
+            got, where = r[mode], f"{mode} dp_rank {r['dp_rank']} tp_rank {r['tp_rank']}"
+            if r["last"]:
+                for key in ("log_probs", "entropy"):
+                    assert_close(got["lp"][key], fixed["lp"][key], what=f"{where}: {key}")
+                assert_close(got["values"], fixed["values"], what=f"{where}: values")
+                for key in ("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "critic/vf_loss"):
+                    assert_close(got["metrics"][key], fixed["metrics"][key], what=f"{where}: {key}")
+            # another attention layout (packed rows) and summation order, within fp32 rounding: measured at
+            # under 0.04 of this tolerance
+            assert_close(got["actor_grads"], fixed["actor_grads"], what=f"{where}: actor gradient")
+            assert_close(got["critic_grads"], fixed["critic_grads"], what=f"{where}: critic gradient")
+            counts.setdefault(mode, set()).add(got["n_mbs"])
+            m = got["metrics"]
+            assert m["perf/actor_update/computed_tokens"] <= m["perf/actor_update/real_tokens"] + 2 * got["n_mbs"]
+            if mode == "dynamic_shared":  # a group's prompt computed once
+                assert m["perf/actor_update/computed_tokens"] < m["perf/actor_update/real_tokens"]
+        assert fixed["metrics"]["perf/actor_update/computed_tokens"] > fixed["metrics"]["perf/actor_update/real_tokens"]
+    assert max(max(c) for c in counts.values()) > 1  # the budget did split the rows
+    if dp > 1:  # data-parallel ranks ran different numbers of micro-batches
+        assert any(len(c) > 1 for c in counts.values())
+    g = results[0]["fixed"]["actor_grads"]
+    assert max(v.abs().max().item() for v in g.values()) > 1e-4  # a real gradient was compared
+
+
+def _entropy_rank_fn(rank, world, hf_dir, tp):
+    from hybridflow.config.schema import Actor
+    from hybridflow.megatron import convert, parallel
+    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.protocol import Batch
+    from hybridflow.workers import role_ops
+    from hybridflow.workers.common import load_hf_folder
+
+    parallel.init_model_parallel(tp, 1, seed=1)
+    cfg, state = load_hf_folder(hf_dir)
+    shard = grouped_batch()
+    policy = MegatronRole(cfg, state, optim=OptimSettings(lr=1e-2, clip_grad=1e9), sequence_parallel=tp > 1)
+    # zero advantages and no KL: the policy loss has no gradient, the step's is the entropy bonus's alone
+    batch = Batch(tensors={**shard.tensors, "advantages": torch.zeros_like(shard.tensors["advantages"])})
+    actor = Actor(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_gpu=5, ppo_epochs=1, entropy_coeff=1.0)
+    metrics = role_ops.update_policy(policy, batch, actor, 1)
+    grads = {n: p.main_grad.detach().clone() for n, p in policy.module.named_parameters()}
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64)
+    t = shard.tensors
+    logits = hf(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
+                position_ids=t["position_ids"]).logits[:, P - 1:P - 1 + R]
+    entropy = torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
+    mask = t["response_mask"].double()
+    mean_entropy = (entropy * mask).sum() / mask.sum()  # token-mean
+    (-mean_entropy).backward()
+    hf_grads = convert.hf_to_megatron({n: p.grad for n, p in hf.named_parameters()}, cfg, policy.shard)
+    return dict(grads=grads, hf_grads={n: hf_grads[n] for n in grads}, entropy=metrics["actor/entropy_loss"],
+                hf_entropy=mean_entropy.item())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_entropy_bonus_gradient_equals_hf_float64(hf_dir, tp):
+    for r in run_ranks(_entropy_rank_fn, tp, hf_dir, tp):
+        # HF's unfused kernels in float64 against megatron's fp32: 10x the same-kernel tolerance
+        assert_close(r["entropy"], r["hf_entropy"], slack=10, what=f"tp{tp}: entropy (token-mean)")
+        assert_close(r["grads"], r["hf_grads"], slack=10, what=f"tp{tp}: gradient of -entropy")
+        assert max(v.abs().max().item() for v in r["hf_grads"].values()) > 1e-4
