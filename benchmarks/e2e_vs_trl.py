@@ -46,9 +46,9 @@ from hybridflow.util import write_atomically  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 
 
-def run_hybridflow(w: Workload, steps: int, threads: int, work: Path, dtype: str) -> dict:
+def run_hybridflow(w: Workload, steps: int, threads: int, work: Path, dtype: str, token_budget: int = 0) -> dict:
     out = work / f"hf_{w.name}"
-    overrides = w.overrides()
+    overrides = w.overrides(token_budget)
     overrides["trainer"] = {"output_dir": str(out), "total_steps": steps, "val_every": steps, "val_before_train": True,
                             "save_every": 0, "logger": ["jsonl"], "save_hf_at_end": False}
     overrides["resources"] = {"cpus_per_worker": threads}
@@ -188,6 +188,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="both systems: fp32, or bf16 (hybridflow: bf16 params with fp32 main params and a bf16 "
                          "vLLM; TRL: its bf16 mixed precision)")
+    ap.add_argument("--token-budget", type=int, default=0,
+                    help="hybridflow: micro-batches of this many tokens per rank (actor.use_dynamic_bsz); 0: the "
+                         "whole rollout in one micro-batch (fastest on CPU: see benchmarks/README.md)")
     ap.add_argument("--out", default=str(RESULTS / "e2e_vs_trl.json"))
     a = ap.parse_args(argv)
     from trl_env import trl_python
@@ -195,7 +198,7 @@ def main(argv=None) -> int:
     python = trl_python()
     trl_version = subprocess.run([str(python), "-c", "import trl; print(trl.__version__)"],
                                  capture_output=True, text=True, check=True).stdout.strip()
-    report = {"steps": a.steps, "warmup": a.warmup, "threads": a.threads, "dtype": a.dtype, "trl_version": trl_version,
+    report = {"token_budget": a.token_budget, "steps": a.steps, "warmup": a.warmup, "threads": a.threads, "dtype": a.dtype, "trl_version": trl_version,
               "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="hf_bench_") as tmp:
         work = Path(tmp)
@@ -205,7 +208,7 @@ def main(argv=None) -> int:
             peak = matmul_gflops(model_shapes(w.model), PROMPTS * GROUP * 16, a.threads, a.dtype)
             prompt_tokens = mean_prompt_tokens(w) * PROMPTS * GROUP
             entry = {"params": n_params(w.model), "max_response_length": w.max_response_length}
-            for system, run in (("hybridflow", lambda: run_hybridflow(w, a.steps, a.threads, work, a.dtype)),
+            for system, run in (("hybridflow", lambda: run_hybridflow(w, a.steps, a.threads, work, a.dtype, a.token_budget)),
                                 ("trl", lambda: run_trl(w, a.steps, a.threads, work, python, a.dtype))):
                 print(f"[{name}] {system}: {a.steps} steps", flush=True)
                 raw = run()

@@ -38,9 +38,6 @@ class Workload:
     sft_steps: int  # cap of the warm start (it stops earlier at prepare.sft_target_accuracy)
     same_model_as: str | None = None  # reuse that workload's data and model, with room for longer responses
     before_warm_start: bool = False  # with same_model_as: its base model (responses run long, ~40 tokens)
-    # hybridflow's micro-batches by token budget (actor.use_dynamic_bsz): rows packed end to end with no
-    # padding computed; on CPU attention over a packed row is quadratic in it, so the budget stays small
-    token_budget: int = 512
 
     @property
     def root(self) -> Path:
@@ -58,14 +55,17 @@ class Workload:
     def val(self) -> Path:
         return self.root / "data" / "val.parquet"
 
-    def overrides(self) -> dict:
-        """hybridflow config of this workload (on top of configs/quickstart_grpo_cpu.yaml)."""
+    def overrides(self, token_budget: int = 0) -> dict:
+        """hybridflow config of this workload (on top of configs/quickstart_grpo_cpu.yaml). ``token_budget``
+        > 0: micro-batches by that many tokens per rank (actor.use_dynamic_bsz, rows packed end to end);
+        0: the whole rollout in one micro-batch (a GRPO group's rows share one packed prompt)."""
+        batching = ({"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": token_budget} if token_budget else
+                    {"ppo_micro_batch_size_per_gpu": PROMPTS * GROUP, "log_prob_micro_batch_size_per_gpu": PROMPTS * GROUP})
         return {
             "model": {"path": str(self.model)},
             "data": {"train_files": [str(self.train)], "val_files": [str(self.val)], "batch_size": PROMPTS,
                      "max_response_length": self.max_response_length},
-            "actor": {"ppo_mini_batch_size": PROMPTS, "use_dynamic_bsz": True,
-                      "ppo_max_token_len_per_gpu": self.token_budget},
+            "actor": {"ppo_mini_batch_size": PROMPTS, **batching},
             "rollout": {"n": GROUP},
             "prepare": {"enable": False, "data_dir": str(self.root / "data"),
                         "base_model_dir": str(self.root / "base_model"), "hidden_size": self.hidden_size,
