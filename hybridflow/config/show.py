@@ -41,8 +41,8 @@ def main(argv=None) -> int:
         elif args.verl_overrides is not None:  # a verl command line too: the trainer's dry run
             from hybridflow.trainer.main import dry_run
 
-            print(dry_run(["--config", *sum((["--config", c] for c in args.config[1:]), [args.config[0]]),
-                           *args.overrides, "--verl-overrides", *args.verl_overrides]))
+            configs = [arg for path in args.config for arg in ("--config", path)]
+            print(dry_run([*configs, *args.overrides, "--verl-overrides", *args.verl_overrides]))
         else:
             print(show(args.config, args.overrides))
     except ConfigError as e:

@@ -78,13 +78,15 @@ def check_transformer_overrides(overrides: dict, key: str) -> dict:
     Raises a one-line ValueError naming the key; needs no process group (config validation calls it).
     An ``attention_backend`` given by name becomes megatron's enum, as verl's
     ``mapping_string_to_attn_backend`` does."""
+    if not isinstance(overrides, dict):
+        raise ValueError(f"{key} must be a mapping of TransformerConfig fields, got {type(overrides).__name__}")
+    if not overrides:  # nothing to check: the usual start-up stays off megatron's import (seconds)
+        return {}
     import dataclasses
 
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
-    if not isinstance(overrides, dict):
-        raise ValueError(f"{key} must be a mapping of TransformerConfig fields, got {type(overrides).__name__}")
     fields = {f.name for f in dataclasses.fields(TransformerConfig) if f.init}
     out = {}
     for name, value in overrides.items():
@@ -123,6 +125,8 @@ def check_transformer_config(hf_config, megatron_cfg, key: str) -> None:
     from hybridflow import device as devices
 
     m = megatron_cfg
+    if not m.override_transformer_config:  # hybridflow's own settings alone: nothing of the user's to check
+        return
     try:
         transformer_config_from_hf(
             hf_config, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,

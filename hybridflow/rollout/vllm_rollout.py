@@ -96,6 +96,8 @@ def check_engine_kwargs(engine_kwargs: dict | None) -> dict:
             source = OWN_ENGINE_ARGS[key]
             raise ValueError(f"rollout.engine_kwargs.{key}: set by hybridflow itself"
                              + (f" (from {source})" if source else "") + "; remove it")
+    if not kwargs:  # nothing to check: the usual case stays off vLLM's import (seconds of every start-up)
+        return kwargs
     import dataclasses
     import inspect
 
