@@ -8,10 +8,12 @@ import torch
 
 from .aggregation import GlobalBatch, aggregate_loss
 from .masked import masked_mean
+from .registry import register_policy_loss
 
 Tensor = torch.Tensor
 
 
+@register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(
     old_log_prob: Tensor,
     log_prob: Tensor,

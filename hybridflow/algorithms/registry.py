@@ -92,8 +92,10 @@ ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
 KL_PENALTIES = Registry("kl penalty kind")
 LOSS_AGG_MODES = Registry("loss aggregation mode")
 KL_CONTROLLERS = Registry("kl controller")
+POLICY_LOSSES = Registry("policy loss")
 
 register_advantage = ADVANTAGE_ESTIMATORS.register
 register_kl_penalty = KL_PENALTIES.register
 register_loss_agg = LOSS_AGG_MODES.register
 register_kl_controller = KL_CONTROLLERS.register
+register_policy_loss = POLICY_LOSSES.register

@@ -107,6 +107,26 @@ class Optim:
 
 
 @dataclass
+class PolicyLoss:
+    """verl 0.9.1's ``actor.policy_loss`` (workers/config/actor.py PolicyLossConfig), same names and defaults."""
+
+    loss_mode: str = "vanilla"  # a name in algorithms.registry.POLICY_LOSSES (verl's: vanilla, gspo, sapo, gpg, ...)
+    clip_cov_ratio: float = 0.0002  # clip_cov: share of tokens whose gradient is cut
+    clip_cov_lb: float = 1.0  # clip_cov: covariance band of the tokens eligible for the cut
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002  # kl_cov: share of tokens given the KL penalty
+    ppo_kl_coef: float = 0.1  # kl_cov: that penalty's coefficient
+    dro_beta: float | None = None  # dro: quadratic log-ratio penalty (required for loss_mode dro)
+
+    def validate(self):
+        _check_name("POLICY_LOSSES", self.loss_mode)
+        _check_numbers(self, clip_cov_ratio=dict(ge=0, le=1), kl_cov_ratio=dict(ge=0, le=1), ppo_kl_coef=dict(ge=0),
+                       dro_beta=dict(gt=0))
+        if self.loss_mode == "dro" and self.dro_beta is None:
+            raise ValueError("actor.policy_loss.dro_beta must be set (> 0) for loss_mode 'dro'")
+
+
+@dataclass
 class Actor:
     megatron: Megatron = field(default_factory=Megatron)
     optim: Optim = field(default_factory=Optim)
@@ -117,6 +137,7 @@ class Actor:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (> 1)
+    policy_loss: PolicyLoss = field(default_factory=PolicyLoss)
     entropy_coeff: float = 0.0  # entropy bonus: loss -= entropy_coeff x entropy, aggregated like the policy loss
     loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_scale_factor: float | None = None  # seq-mean-token-sum-norm divisor (None: the padded response length)
@@ -229,6 +250,10 @@ class Algorithm:
     use_kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef * KL(actor || ref) from token rewards
     kl_penalty: str = "kl"  # KL estimator used in the reward
     kl_ctrl: KLControl = field(default_factory=KLControl)
+    # gdpo: the reward components (keys of the reward function's returned dict) normalized separately,
+    # and their weights (None: equal), as verl 0.9.1's AlgoConfig
+    gdpo_reward_keys: list[str] | None = None
+    gdpo_reward_weights: list[float] | None = None
 
     def validate(self):
         _check_numbers(self, gamma=dict(ge=0, le=1), lam=dict(ge=0, le=1))
