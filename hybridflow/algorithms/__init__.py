@@ -10,12 +10,14 @@ from .registry import (
     KL_CONTROLLERS,
     KL_PENALTIES,
     LOSS_AGG_MODES,
+    POLICY_LOSSES,
     Registry,
     UnknownNameError,
     register_advantage,
     register_kl_controller,
     register_kl_penalty,
     register_loss_agg,
+    register_policy_loss,
 )
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .entropy import entropy_from_logits
@@ -30,6 +32,28 @@ from .advantages import (
     compute_rloo_outcome_advantage,
 )
 from .policy_loss import compute_policy_loss_vanilla
+from .policy_losses import (
+    compute_policy_loss_cispo,
+    compute_policy_loss_dppo_kl,
+    compute_policy_loss_dppo_tv,
+    compute_policy_loss_dro,
+    compute_policy_loss_geo_mean,
+    compute_policy_loss_gpg,
+    compute_policy_loss_gspo,
+    compute_policy_loss_sapo,
+)
+from .policy_losses_cov import compute_policy_loss_clip_cov, compute_policy_loss_kl_cov
+from .advantages_outcome import (
+    compute_gdpo_outcome_advantage,
+    compute_gpg_outcome_advantage,
+    compute_grpo_passk_outcome_advantage,
+    compute_opo_outcome_advantage,
+    compute_rloo_vectorized_outcome_advantage,
+)
+from .advantages_otb import (
+    compute_multi_turn_optimal_token_baseline_advantage,
+    compute_optimal_token_baseline_advantage,
+)
 from .value_loss import value_loss
 from .kl import kl_abs, kl_k1, kl_k2, kl_k3, kl_penalty
 from .kl_controller import AdaptiveKLController, FixedKLController, make_kl_controller
@@ -42,6 +66,8 @@ __all__ = [
     "KL_PENALTIES",
     "LOSS_AGG_MODES",
     "KL_CONTROLLERS",
+    "POLICY_LOSSES",
+    "register_policy_loss",
     "register_advantage",
     "register_kl_penalty",
     "register_loss_agg",
@@ -63,8 +89,25 @@ __all__ = [
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_remax_outcome_advantage",
+    "compute_gpg_outcome_advantage",
+    "compute_opo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage",
+    "compute_gdpo_outcome_advantage",
+    "compute_rloo_vectorized_outcome_advantage",
+    "compute_optimal_token_baseline_advantage",
+    "compute_multi_turn_optimal_token_baseline_advantage",
     # losses
     "compute_policy_loss_vanilla",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_sapo",
+    "compute_policy_loss_gpg",
+    "compute_policy_loss_geo_mean",
+    "compute_policy_loss_dro",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_kl_cov",
     "value_loss",
     # kl
     "kl_penalty",

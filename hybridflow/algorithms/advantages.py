@@ -255,6 +255,11 @@ def compute_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
+    old_log_probs: Optional[Tensor] = None,
+    sum_pi_squared: Optional[Tensor] = None,
+    rollout_is_weights: Optional[Tensor] = None,
+    reward_components: Any = None,
+    reward_weights: Optional[Sequence[float]] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Run the advantage estimator registered as ``name``.
 
@@ -263,14 +268,18 @@ def compute_advantage(
 
     Args:
         name: one of ``gae``, ``grpo``, ``rloo``, ``reinforce_plus_plus``,
-            ``reinforce_plus_plus_baseline``, ``remax`` (or a user-registered one).
+            ``reinforce_plus_plus_baseline``, ``remax``, those of :mod:`.advantages_outcome`
+            and :mod:`.advantages_otb` (or a user-registered one).
         token_level_rewards: [B, T].
         response_mask: [B, T] {0,1} float or bool.
         values: [B, T] critic values (gae).
         index: [B] group ids (grpo, rloo, reinforce_plus_plus_baseline).
         reward_baselines: [B] (remax).
         gamma, lam: discount and GAE lambda.
-        norm_adv_by_std_in_grpo: grpo only.
+        norm_adv_by_std_in_grpo: grpo, grpo_passk (verl passes it to no other).
+        old_log_probs, sum_pi_squared: [B, T] (optimal_token_baseline, tir_optimal_token_baseline).
+        rollout_is_weights: [B, T] rollout-correction weights (the optimal token baselines).
+        reward_components, reward_weights: gdpo's per-row reward components and their weights.
 
     Returns:
         ``(advantages, returns)``, each [B, T].
@@ -288,6 +297,11 @@ def compute_advantage(
         gamma=gamma,
         lam=lam,
         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        old_log_probs=old_log_probs,
+        sum_pi_squared=sum_pi_squared,
+        rollout_is_weights=rollout_is_weights,
+        reward_components=reward_components,
+        reward_weights=reward_weights,
     )
     kwargs = {}
     for pname, param in inspect.signature(fn).parameters.items():

@@ -1,8 +1,23 @@
-"""The PPO clipped policy loss (verl's ``vanilla``), with asymmetric and dual clipping."""
+"""The PPO clipped policy loss (verl's ``vanilla``), with asymmetric and dual clipping; the settings every
+registered policy loss reads.
+
+Every loss in ``registry.POLICY_LOSSES`` has one signature, so the actor calls whichever
+``actor.policy_loss.loss_mode`` names::
+
+    loss, metrics = POLICY_LOSSES.get(mode)(old_log_prob, log_prob, advantages, response_mask,
+                                            loss_agg_mode=..., config=actor_cfg, global_batch=whole)
+
+``config`` is the actor config section (``schema.Actor``: ``clip_ratio_low/high/c`` and ``policy_loss.*``;
+anything with those attribute names; None: the schema's defaults). A setting that is None takes verl
+0.9.1's in-code fallback, as verl's ``x if x is not None else default`` does. ``global_batch`` holds the
+mini-batch's counts when the tensors are one micro-batch of it (:class:`~.aggregation.GlobalBatch`).
+Losses return ``(loss, metrics)``: a 0-dim loss of the inputs' dtype and verl's metrics (without the
+``actor/`` prefix) as detached 0-dim tensors.
+"""
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
@@ -13,6 +28,42 @@ from .registry import register_policy_loss
 Tensor = torch.Tensor
 
 
+def actor_settings(config: Any) -> Any:
+    """The actor config the losses read: ``config``, or the schema's defaults when None."""
+    if config is None:
+        from hybridflow.config.schema import Actor  # lazy: the schema imports this package to check names
+
+        return Actor()
+    return config
+
+
+def setting(config: Any, name: str, default: Any) -> Any:
+    """``config.name``, or ``default`` when it is missing or None (verl's fallback)."""
+    value = getattr(config, name, None)
+    return default if value is None else value
+
+
+def policy_loss_setting(config: Any, name: str, default: Any) -> Any:
+    """``config.policy_loss.name``, or ``default`` when missing or None."""
+    return setting(getattr(config, "policy_loss", None), name, default)
+
+
+def clip_range(config: Any) -> Tuple[float, float]:
+    """``(clip_ratio_low, clip_ratio_high)``; verl falls back to ``clip_ratio`` (0.2), which is set through
+    both here."""
+    return setting(config, "clip_ratio_low", 0.2), setting(config, "clip_ratio_high", 0.2)
+
+
+def clamped_log_ratio(old_log_prob: Tensor, log_prob: Tensor) -> Tensor:
+    # clamp before exp: a log-ratio of +-20 is already far outside any clip range and keeps ratio finite
+    return torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+
+
+def zero_metric(like: Tensor) -> Tensor:
+    """verl's placeholder 0 for a metric a loss does not have, in the inputs' dtype."""
+    return torch.zeros((), dtype=like.dtype, device=like.device)
+
+
 @register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(
     old_log_prob: Tensor,
@@ -21,10 +72,11 @@ def compute_policy_loss_vanilla(
     response_mask: Tensor,
     *,
     loss_agg_mode: str = "token-mean",
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
+    config: Any = None,
     global_batch: GlobalBatch | None = None,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float | None = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """PPO clipped surrogate with asymmetric clip and dual clip.
 
@@ -35,21 +87,25 @@ def compute_policy_loss_vanilla(
     Args:
         old_log_prob, log_prob, advantages, response_mask: [B, T].
         loss_agg_mode: see :func:`aggregate_loss`.
-        clip_ratio_low, clip_ratio_high: ratio clipped to
-            ``[1 - low, 1 + high]``.
-        clip_ratio_c: dual-clip bound, must be > 1.
+        config: the actor config (module docstring); its ``clip_ratio_low/high/c``.
         global_batch: the mini-batch's counts when this is one micro-batch of it.
+        clip_ratio_low, clip_ratio_high: ratio clipped to ``[1 - low, 1 + high]``; given, they win over
+            ``config``'s.
+        clip_ratio_c: dual-clip bound, must be > 1; given, it wins over ``config``'s.
 
     Returns:
         ``(loss, metrics)``: 0-dim loss; metrics ``pg_clipfrac``, ``ppo_kl``,
         ``pg_clipfrac_lower`` as detached 0-dim tensors.
     """
+    config = actor_settings(config)
+    low, high = clip_range(config)
+    clip_ratio_low = low if clip_ratio_low is None else clip_ratio_low
+    clip_ratio_high = high if clip_ratio_high is None else clip_ratio_high
+    clip_ratio_c = setting(config, "clip_ratio_c", 3.0) if clip_ratio_c is None else clip_ratio_c
     assert clip_ratio_c > 1.0, (
         f"clip_ratio_c (dual-clip lower bound) must be > 1.0, got {clip_ratio_c}"
     )
-    # clamp before exp: a log-ratio of +-20 is already far outside any clip
-    # range and keeps ratio finite
-    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    negative_approx_kl = clamped_log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(negative_approx_kl)
     ppo_kl = masked_mean(-negative_approx_kl, response_mask)
 

@@ -57,6 +57,11 @@ class Megatron:
     tensor_model_parallel_size: int = 1  # TP: splits heads, MLP and vocab across ranks
     pipeline_model_parallel_size: int = 1  # PP: splits the layers into consecutive stages
     sequence_parallel: bool = True  # shard activations along the sequence inside TP regions (only when TP > 1)
+    # MoE models: EP splits the experts over ranks of the data-parallel dimension (world % (etp*ep*pp) == 0);
+    # each expert's weights are split over expert_tensor_parallel_size ranks (None: the TP size, megatron's
+    # default). Dense models ignore both.
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
     use_distributed_optimizer: bool = True  # shard optimizer state across data-parallel ranks
     # Parameter and activation dtype; the optimizer keeps fp32 main params and grads for 16-bit types.
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
@@ -73,6 +78,7 @@ class Megatron:
     def validate(self):
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
             raise ValueError("tensor_model_parallel_size and pipeline_model_parallel_size must be >= 1")
+        _check_sizes(self, "expert_model_parallel_size", "expert_tensor_parallel_size")
 
 
 @dataclass
@@ -124,6 +130,9 @@ class PolicyLoss:
                        dro_beta=dict(gt=0))
         if self.loss_mode == "dro" and self.dro_beta is None:
             raise ValueError("actor.policy_loss.dro_beta must be set (> 0) for loss_mode 'dro'")
+        for mode, key in (("clip_cov", "clip_cov_ratio"), ("kl_cov", "kl_cov_ratio")):
+            if self.loss_mode == mode and not getattr(self, key) > 0:
+                raise ValueError(f"actor.policy_loss.{key} must be > 0 for loss_mode '{mode}'")
 
 
 @dataclass
@@ -138,6 +147,8 @@ class Actor:
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (> 1)
     policy_loss: PolicyLoss = field(default_factory=PolicyLoss)
+    tau_pos: float = 1.0  # sapo: the soft gate's temperature for positive advantages (verl's actor.tau_pos)
+    tau_neg: float = 1.05  # sapo: ... for negative advantages
     entropy_coeff: float = 0.0  # entropy bonus: loss -= entropy_coeff x entropy, aggregated like the policy loss
     loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_scale_factor: float | None = None  # seq-mean-token-sum-norm divisor (None: the padded response length)
@@ -243,7 +254,7 @@ class KLControl:
 
 @dataclass
 class Algorithm:
-    adv_estimator: str = "gae"  # gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax
+    adv_estimator: str = "gae"  # a name in algorithms.registry.ADVANTAGE_ESTIMATORS (verl 0.9.1's names)
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
@@ -259,6 +270,12 @@ class Algorithm:
         _check_numbers(self, gamma=dict(ge=0, le=1), lam=dict(ge=0, le=1))
         _check_name("ADVANTAGE_ESTIMATORS", self.adv_estimator)
         _check_name("KL_PENALTIES", self.kl_penalty.rstrip("+"))
+        if self.adv_estimator == "gdpo" and not self.gdpo_reward_keys:
+            raise ValueError("algorithm.gdpo_reward_keys must name the reward components for adv_estimator 'gdpo'")
+        weights = self.gdpo_reward_weights
+        if weights is not None and len(weights) != len(self.gdpo_reward_keys or []):
+            raise ValueError(f"algorithm.gdpo_reward_weights has {len(weights)} values for "
+                             f"{len(self.gdpo_reward_keys or [])} gdpo_reward_keys")
 
 
 @dataclass
@@ -510,6 +527,11 @@ class ExperimentConfig:
             if pool % group:
                 raise ValueError(f"{pool_key} ({pool}) is not divisible by {name} tensor x pipeline "
                                  f"parallel size ({group})")
+            etp = mp.expert_tensor_parallel_size or mp.tensor_model_parallel_size
+            expert_group = etp * mp.expert_model_parallel_size * mp.pipeline_model_parallel_size
+            if pool % expert_group:
+                raise ValueError(f"{pool_key} ({pool}) is not divisible by {name} expert tensor x expert x pipeline "
+                                 f"parallel size ({expert_group})")
             dp, mini = pool // group, role.ppo_mini_batch_size * n
             micro = 1 if role.use_dynamic_bsz else role.ppo_micro_batch_size_per_gpu  # token budgets instead
             if mini % dp or (mini // dp) % micro:

@@ -29,13 +29,17 @@ _MODEL = "actor_rollout_ref.model."
 _SAME_LEAVES = {
     _A: ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "clip_ratio_low", "clip_ratio_high",
          "clip_ratio_c", "loss_agg_mode", "loss_scale_factor", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
-         "entropy_coeff", "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+         "entropy_coeff", "use_dynamic_bsz", "ppo_max_token_len_per_gpu", "tau_pos", "tau_neg"),
     "critic.": ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "cliprange_value",
                 "loss_agg_mode", "loss_scale_factor", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
                 "forward_max_token_len_per_gpu"),
     _R: ("n", "temperature", "top_p", "top_k", "tensor_model_parallel_size", "gpu_memory_utilization", "dtype",
          "enforce_eager", "free_cache_engine", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill"),
-    "algorithm.": ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty"),
+    "algorithm.": ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty",
+                   "gdpo_reward_keys", "gdpo_reward_weights"),
+    # policy_loss.rollout_correction is not here (unsupported)
+    _A + "policy_loss.": ("loss_mode", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
+                          "dro_beta"),
     "algorithm.kl_ctrl.": ("type", "kl_coef", "target_kl", "horizon"),
     "data.": ("train_files", "val_files", "prompt_key", "max_prompt_length", "max_response_length", "shuffle",
               "val_batch_size", "reward_fn_key", "filter_overlong_prompts", "truncation"),
@@ -46,8 +50,10 @@ _SAME_LEAVES = {
 _OPTIM = ("lr", "weight_decay", "betas", "clip_grad", "lr_warmup_steps", "lr_warmup_steps_ratio", "lr_warmup_init",
           "lr_decay_style", "lr_decay_steps", "min_lr", "min_lr_ratio")
 _MEGATRON = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
-             "use_distributed_optimizer", "dtype", "param_offload", "grad_offload", "optimizer_offload")
-_OURS_PREFIX = {_A: "actor.", _R: "rollout.", "algorithm.kl_ctrl.": "algorithm.kl_ctrl."}
+             "use_distributed_optimizer", "dtype", "param_offload", "grad_offload", "optimizer_offload",
+             "expert_model_parallel_size", "expert_tensor_parallel_size")
+_OURS_PREFIX = {_A: "actor.", _R: "rollout.", "algorithm.kl_ctrl.": "algorithm.kl_ctrl.",
+                _A + "policy_loss.": "actor.policy_loss."}
 
 RENAMED = {
     "data.train_batch_size": "data.batch_size",
@@ -97,12 +103,12 @@ MUST_AGREE = {
     "critic.model.path": "model.path",  # the critic starts from the policy's weights here
     _R + "name": "rollout.name",
     **{f"{_REF}megatron.{k}": f"actor.megatron.{k}"  # the reference shares the actor's layout
-       for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel")},
+       for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
+                 "expert_model_parallel_size", "expert_tensor_parallel_size")},
     "trainer.max_critic_ckpt_to_keep": "trainer.max_checkpoints",  # one retention for the whole checkpoint
     _REF + "log_prob_use_dynamic_bsz": "actor.log_prob_use_dynamic_bsz",  # one setting for actor and ref forwards
     _REF + "log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
     "trainer.critic_warmup": 0,  # no critic warm-up steps here
-    _A + "policy_loss.loss_mode": "vanilla",  # the one policy loss here
     "trainer.device": "cuda",
 }
 _STRATEGY = "an FSDP run becomes megatron data parallelism with the distributed optimizer (this module's docstring)"

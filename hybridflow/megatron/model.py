@@ -1,6 +1,9 @@
-"""Build megatron-core GPT models (policy or value) from a Hugging Face Llama/Qwen2 config."""
+"""Build megatron-core GPT models (policy or value) from a Hugging Face causal LM config: Qwen2, Qwen3, Llama,
+Mistral (dense) and Qwen3-MoE, Qwen2-MoE (megatron-core MoE layers with expert parallelism)."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -9,7 +12,71 @@ from hybridflow import device
 from hybridflow.patches import megatron_core
 from hybridflow.patches.transformers_rope import hf_inverse_frequencies
 
-SUPPORTED_ARCHS = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                   "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+
+
+def check_architecture(hf_config) -> None:
+    """One line naming an architecture (or a variant of a supported one) that conversion cannot reproduce."""
+    archs = getattr(hf_config, "architectures", None) or []
+    if archs and archs[0] not in SUPPORTED_ARCHS:
+        raise ValueError(f"model architecture {archs[0]} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+    # Mistral v0.1's sliding window attention (and Qwen's use_sliding_window) is not megatron's causal attention.
+    window = getattr(hf_config, "sliding_window", None)
+    uses_window = getattr(hf_config, "use_sliding_window", hf_config.model_type == "mistral")
+    if uses_window and window and window < hf_config.max_position_embeddings:
+        raise ValueError(f"sliding_window {window} (< max_position_embeddings {hf_config.max_position_embeddings}) "
+                         "is not supported: megatron's attention here is full causal")
+    if is_moe(hf_config) and getattr(hf_config, "num_experts_per_tok", 0) > hf_config.num_experts:
+        raise ValueError(f"num_experts_per_tok {hf_config.num_experts_per_tok} > num_experts {hf_config.num_experts}")
+
+
+def is_moe(hf_config) -> bool:
+    return bool(getattr(hf_config, "num_experts", None))
+
+
+def moe_layer_pattern(hf_config) -> list[int]:
+    """1 for each decoder layer with a sparse MoE block, 0 for a dense MLP (Qwen-MoE's decoder_sparse_step
+    and mlp_only_layers, as transformers' Qwen2MoeDecoderLayer/Qwen3MoeDecoderLayer decide)."""
+    n = hf_config.num_hidden_layers
+    if not is_moe(hf_config):
+        return [0] * n
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    return [int(i not in dense and (i + 1) % step == 0) for i in range(n)]
+
+
+def qk_layernorm(hf_config) -> bool:
+    """Qwen3's per-head RMSNorm of queries and keys before RoPE (q_norm/k_norm), megatron's qk_layernorm."""
+    return hf_config.model_type in ("qwen3", "qwen3_moe")
+
+
+def _moe_fields(hf_config) -> dict:
+    """megatron-core MoE settings equal to transformers' Qwen3-MoE / Qwen2-MoE blocks, as verl 0.9.1's
+    config_converter sets them (hf_to_mcore_config_qwen3moe/qwen2moe): softmax router over all experts,
+    top-k, renormalized over the k (norm_topk_prob) unless ``moe_router_pre_softmax`` (softmax first, no
+    renormalization: Qwen2-MoE); the aux-loss coefficient from ``router_aux_loss_coef`` but load balancing
+    off ("none", verl: it hurts RL), which ``override_transformer_config`` turns on
+    (moe_router_load_balancing_type: aux_loss). Deliberate difference: experts are megatron's SequentialMLP
+    (moe_grouped_gemm off) on GPU too, so parameter names are one set everywhere (TE's grouped GEMM names
+    experts ``weight{i}``); verl turns grouped GEMM on."""
+    if not is_moe(hf_config):
+        return {}
+    pattern = moe_layer_pattern(hf_config)
+    shared = getattr(hf_config, "shared_expert_intermediate_size", None) or None
+    return dict(
+        num_moe_experts=hf_config.num_experts,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", False),
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=shared is not None,
+        moe_aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
+        moe_router_load_balancing_type="none",
+        moe_grouped_gemm=False,
+        moe_layer_freq=pattern if 0 in pattern else 1,
+    )
 
 
 # HF rope types that megatron's RotaryEmbedding reproduces once it holds HF's inverse frequencies: both
@@ -63,8 +130,13 @@ DECIDED_FIELDS = {
     **{name: "megatron.dtype" for name in ("params_dtype", "pipeline_dtype", "bf16", "fp16")},
     # layouts hybridflow does not build
     **{name: "hybridflow (not supported)" for name in (
-        "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-        "virtual_pipeline_model_parallel_size")},
+        "context_parallel_size", "virtual_pipeline_model_parallel_size", "moe_grouped_gemm")},
+    "expert_model_parallel_size": "megatron.expert_model_parallel_size",
+    "expert_tensor_parallel_size": "megatron.expert_tensor_parallel_size",
+    **{name: _FROM_MODEL for name in (
+        "qk_layernorm", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax",
+        "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq",
+        "moe_router_score_function")},
     # what the role's training loop and CPU support rely on (role.py, patches/megatron_core.py)
     **{name: "hybridflow" for name in (
         "variable_seq_lengths", "finalize_model_grads_func", "grad_scale_func", "use_cpu_initialization",
@@ -137,7 +209,8 @@ def check_transformer_config(hf_config, megatron_cfg, key: str) -> None:
         raise ValueError(msg if msg.startswith(key) else f"{key}: {msg}") from None
 
 
-def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
+def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+                               sequence_parallel: bool = False,
                                params_dtype: torch.dtype = torch.float32, overrides: dict | None = None,
                                key: str = "megatron.override_transformer_config"):
     """The megatron TransformerConfig equivalent to a HF Qwen2/Llama config (no fused CUDA kernels on CPU),
@@ -146,13 +219,11 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, sequence_
     from megatron.core.transformer import TransformerConfig
 
     extra = check_transformer_overrides(overrides or {}, key)
-    archs = getattr(hf_config, "architectures", None) or []
-    if archs and archs[0] not in SUPPORTED_ARCHS:
-        raise ValueError(f"model architecture {archs[0]} is not supported (supported: {SUPPORTED_ARCHS})")
+    check_architecture(hf_config)
     check_rope_supported(hf_config)
     on_gpu = device.has_gpu()
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+    qkv_bias = hf_config.model_type in ("qwen2", "qwen2_moe") or bool(getattr(hf_config, "attention_bias", False))
     base = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -176,8 +247,14 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, sequence_
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
+        qk_layernorm=qk_layernorm(hf_config),
+        # a dense model ignores the expert layout (megatron refuses EP without experts)
+        expert_model_parallel_size=ep if is_moe(hf_config) else 1,
+        expert_tensor_parallel_size=(etp or tp) if is_moe(hf_config) else tp,
         variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # dense models; allgather rejects variable lengths
+        # all_to_all over the expert-parallel group (gloo has it on CPU, machine-facts.md); allgather
+        # rejects variable sequence lengths
+        moe_token_dispatcher_type="alltoall",
         batch_p2p_comm=False,  # gloo + batched p2p gives wrong pipeline losses (measured)
         attention_softmax_in_fp32=True,
         bias_dropout_fusion=on_gpu,
@@ -187,6 +264,7 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, sequence_
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         use_cpu_initialization=not on_gpu,
+        **_moe_fields(hf_config),
     )
     return TransformerConfig(**{**base, **extra})
 
@@ -210,13 +288,14 @@ def layer_spec(config):
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm)
     if te_available():
-        return specs.get_gpt_layer_with_transformer_engine_spec()
+        return specs.get_gpt_layer_with_transformer_engine_spec(**moe)
     if config.sequence_parallel:
         megatron_core.allow_sequence_parallel_torch_norm()
     # The local spec's RMSNorm layer norms are WrappedTorchNorm with or without Apex
     # (backends.LocalSpecProvider.layer_norm(rms_norm=True)).
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
 
 
 def final_norm():
@@ -237,8 +316,18 @@ def block_spec(config):
     """This pipeline stage's decoder layers and final norm, as megatron's get_gpt_decoder_block_spec
     builds them (layers evenly split over stages) but with ``final_norm``."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    return TransformerBlockSubmodules(layer_specs=[layer_spec(config)] * get_num_layers_to_build(config),
+    n, offset = get_num_layers_to_build(config), get_transformer_layer_offset(config)
+    if not config.num_moe_experts:
+        return TransformerBlockSubmodules(layer_specs=[layer_spec(config)] * n, layer_norm=final_norm())
+    # Dense layers of a MoE model (Qwen-MoE's mlp_only_layers / decoder_sparse_step) get the dense spec.
+    freq = config.moe_layer_freq
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
+    dense = copy.copy(config)
+    dense.num_moe_experts = None
+    specs = {0: layer_spec(dense), 1: layer_spec(config)}
+    return TransformerBlockSubmodules(layer_specs=[specs[pattern[offset + i]] for i in range(n)],
                                       layer_norm=final_norm())
 
 

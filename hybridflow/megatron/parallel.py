@@ -8,10 +8,13 @@ from hybridflow.megatron.convert import Shard
 from hybridflow.patches import megatron_core
 
 
-def init_model_parallel(tp: int, pp: int, seed: int, timeout_s: float = 600) -> None:
-    """Create TP/PP/DP groups over the already-initialized default group (gloo on CPU, nccl on GPU).
+def init_model_parallel(tp: int, pp: int, seed: int, timeout_s: float = 600, ep: int = 1,
+                        etp: int | None = None) -> None:
+    """Create TP/PP/DP groups (and the expert-parallel ones: EP x expert-TP over the same ranks) over the
+    already-initialized default group (gloo on CPU, nccl on GPU).
 
-    The world must divide by tp*pp; the data-parallel size is what remains.
+    The world must divide by tp*pp; the data-parallel size is what remains. Experts are split over ep ranks
+    and their weights over etp (None: tp) ranks; megatron needs the world to divide by etp*ep*pp.
     """
     from megatron.core import parallel_state as ps
 
@@ -20,13 +23,19 @@ def init_model_parallel(tp: int, pp: int, seed: int, timeout_s: float = 600) -> 
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")
+    etp = etp or tp
+    if world % (etp * ep * pp):
+        raise ValueError(f"world size {world} is not divisible by expert tensor ({etp}) x expert ({ep}) x "
+                         f"pipeline ({pp}) parallel sizes")
     megatron_core.enable_cpu()
     if ps.model_parallel_is_initialized():
-        if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
+        if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size()) != (tp, pp, ep):
             raise ValueError("this process already has megatron groups of a different layout")
     else:
         with megatron_core.cpu_scope():
             ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                          distributed_timeout_minutes=max(1, round(timeout_s / 60)))
     megatron_core.model_parallel_seed(seed)
 
@@ -37,6 +46,8 @@ def current_shard() -> Shard:
     return Shard(
         tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
     )
 
 

@@ -7,6 +7,7 @@ so the same code runs at any TP/PP/DP layout; losses and outputs appear on the l
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -89,7 +90,8 @@ class MegatronRole:
         self.shard = parallel.current_shard()
         self.device = device.current()
         self.tf_config = transformer_config_from_hf(  # overrides: megatron.override_transformer_config
-            hf_config, tp=self.shard.tp_size, pp=self.shard.pp_size, sequence_parallel=sequence_parallel,
+            hf_config, tp=self.shard.tp_size, pp=self.shard.pp_size, ep=self.shard.ep_size,
+            etp=self.shard.expert_tp[1], sequence_parallel=sequence_parallel,
             params_dtype=dtype, overrides=transformer_overrides)
         model = build_gpt(hf_config, self.tf_config, value_head=value_head, device=self.device,
                           pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
@@ -258,22 +260,29 @@ class MegatronRole:
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, host tensor) of the whole model, yielded on global rank 0 only, one layer at a time.
 
-        Every rank of the role must exhaust the iterator together. Only data-parallel rank 0 moves data:
-        each tensor's TP shards are gathered onto TP rank 0, which converts the layer to HF names; other
-        pipeline stages broadcast their converted layers to the first stage. No rank ever holds more than
-        its own shard plus one layer.
+        Every rank of the role must exhaust the iterator together. Only data-parallel rank 0 moves dense
+        weights: each tensor's TP shards are gathered onto TP rank 0, which converts the layer to HF names;
+        other pipeline stages broadcast their converted layers to the first stage. Experts live on the
+        expert-parallel ranks (expert-data-parallel rank 0 holds one copy of each): each expert tensor is
+        gathered over the expert-TP group, then over the EP group onto data-parallel rank 0. No rank ever
+        holds more than its own shard plus one layer.
         """
         from megatron.core import parallel_state as ps
 
-        if ps.get_data_parallel_rank() != 0:
+        has_experts = bool(self.tf_config.num_moe_experts)
+        expert_only = ps.get_data_parallel_rank() != 0  # joins the expert gathers of its own stage only
+        if expert_only and not (has_experts and ps.get_expert_data_parallel_rank() == 0):
             return
         with self.resident():
             local = convert.local_state_dict(self.module)
             chunks = _layer_chunks(local)
             tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
             tp_rank, stage = self.shard.tp_rank, self.shard.pp_rank
-            tp_dst = dist.get_process_group_ranks(tp_group)[0]
             pp_ranks = dist.get_process_group_ranks(pp_group)
+            if expert_only:
+                for names in chunks:
+                    self._gathered_chunk(local, names, tp_group, experts_only=True)
+                return
             # TP rank 0 of every stage walks all stages' chunks (the pipeline broadcast); the other TP
             # ranks only join the gathers of their own stage.
             counts = {stage: len(chunks)}
@@ -283,7 +292,7 @@ class MegatronRole:
                 counts = dict(enumerate(every))
             for s, n in counts.items():
                 for i in range(n):
-                    hf = self._tp_gathered_chunk(local, chunks[i], tp_group, tp_dst) if s == stage else None
+                    hf = self._gathered_chunk(local, chunks[i], tp_group) if s == stage else None
                     if tp_rank != 0:
                         continue
                     if self.shard.pp_size > 1:
@@ -293,17 +302,45 @@ class MegatronRole:
                     if dist.get_rank() == 0:
                         yield from hf.items()
 
-    def _tp_gathered_chunk(self, local: dict, names: list[str], tp_group, tp_dst: int) -> dict | None:
-        """The HF tensors (on host) of one chunk of this stage, on TP rank 0 (None on the others)."""
+    @staticmethod
+    def _gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor | None:
+        """``tensor`` of every member of ``group`` concatenated along ``dim`` on the group's first rank."""
+        size = dist.get_world_size(group)
+        if size == 1:
+            return tensor
+        first = dist.get_rank(group) == 0
+        parts = [torch.empty_like(tensor) for _ in range(size)] if first else None
+        dist.gather(tensor.contiguous(), parts, dst=dist.get_process_group_ranks(group)[0], group=group)
+        return torch.cat(parts, dim=dim) if first else None
+
+    def _gathered_chunk(self, local: dict, names: list[str], tp_group, experts_only: bool = False) -> dict | None:
+        """The HF tensors (on host) of one chunk of this stage, on TP rank 0 of data-parallel rank 0 (None on
+        the others). Expert tensors are renamed to their global expert index (convert.megatron_to_hf)."""
+        from megatron.core import parallel_state as ps
+
         full = {}
         for name in names:
-            tensor, dim = local[name], convert.tp_split_dim(name, self.value_head)
+            tensor = local[name]
+            if convert.is_expert_param(name):
+                tensor = self._gather(tensor, convert.tp_split_dim(name), ps.get_expert_tensor_parallel_group())
+                if tensor is None:
+                    continue
+                per_rank = self.tf_config.num_moe_experts // self.shard.ep_size
+                ep_group = ps.get_expert_model_parallel_group()
+                every = self._gather(tensor[None], 0, ep_group)  # [ep, ...]: one per EP rank, same local index
+                if every is None:
+                    continue
+                pre, i, rest = re.match(r"^(.*local_experts\.)(\d+)(\..*)$", name).groups()
+                for r in range(self.shard.ep_size):
+                    full[f"{pre}{r * per_rank + int(i)}{rest}"] = every[r]
+                continue
+            if experts_only:
+                continue
+            dim = convert.tp_split_dim(name, self.value_head)
             if self.shard.tp_size > 1 and dim is not None:
-                parts = [torch.empty_like(tensor) for _ in range(self.shard.tp_size)] if self.shard.tp_rank == 0 else None
-                dist.gather(tensor.contiguous(), parts, dst=tp_dst, group=tp_group)
-                tensor = torch.cat(parts, dim=dim) if parts else None
+                tensor = self._gather(tensor, dim, tp_group)
             full[name] = tensor
-        if self.shard.tp_rank != 0:
+        if self.shard.tp_rank != 0 or experts_only:
             return None
         hf = convert.megatron_to_hf(full, self.hf_config, self.shard, value_head=self.value_head)
         # Owned host copies: unsharded tensors are views of the live (maybe soon offloaded) parameters.

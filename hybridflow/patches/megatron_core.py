@@ -74,6 +74,22 @@ OPTIMIZER_STEP = declare(
     "stood in for: the same calls in the same order (prepare_grads, get_grad_norm, clip, "
     "step_with_ready_grads) except that a non-finite grad norm skips the update; megatron skips only on "
     "an fp16 loss-scaler overflow and would write NaN into bf16/fp32 weights")
+MOE_DTOH = declare(
+    "megatron.cpu_moe_dispatch_without_streams", "megatron-core", MCORE,
+    "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+    "CPU: the all-to-all MoE dispatcher copies its split sizes to the host on a side CUDA stream and waits "
+    "on an event (a torch.cuda.Stream made in __init__); on CPU the same values become the same host "
+    "types (numpy split sizes, which all_to_all_single takes) with no stream or event")
+MOE_DTOH_STREAM = declare(
+    "megatron.cpu_moe_dispatch_stream", "megatron-core", MCORE,
+    "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher.cuda_dtoh_stream",
+    "CPU: set to a placeholder so that the dispatcher's __init__ does not create a torch.cuda.Stream")
+MOE_ROUTER_GEMM = declare(
+    "megatron.moe_router_gemm_without_te", "megatron-core", MCORE,
+    "megatron.core.transformer.moe.moe_utils:te_general_gemm",
+    "without Transformer Engine moe_utils never defines te_general_gemm (its import sits in the failed TE "
+    "try block) but RouterGatingLinearFunction reads it for any router dtype but fp64 (NameError): "
+    "defined as None, so the router takes its torch.mm path. Untouched where TE is installed")
 
 _lock = threading.Lock()
 _cpu_enabled = False
@@ -157,7 +173,30 @@ def enable_cpu() -> None:
                 yield
 
         RECOMPUTE_SCOPE.replace(fork_in_cpu_scope)
+        _define_missing_router_gemm()
+        MOE_DTOH.replace(_moe_split_sizes_on_host)
+        MOE_DTOH_STREAM.replace("no CUDA stream on CPU")
         _cpu_enabled = True
+
+
+def _moe_split_sizes_on_host(self, point, tokens_per_expert=None):
+    """MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize without CUDA streams: at the copy point, the
+    split sizes as numpy arrays (megatron's moe_utils.maybe_move_tensor_to_cpu converts only CUDA tensors,
+    and gloo's all_to_all_single rejects tensor split sizes)."""
+    if self.drop_and_pad or point != self.cuda_dtoh_point:
+        return tokens_per_expert
+    for name in ("input_splits", "output_splits", "output_splits_tp"):
+        value = getattr(self, name, None)
+        if value is not None and hasattr(value, "numpy"):
+            setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def _define_missing_router_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, MOE_ROUTER_GEMM.attribute):  # nothing to replace: defined
+        setattr(moe_utils, MOE_ROUTER_GEMM.attribute, None)
 
 
 def _no_cuda_rng_state(*_, **__):
@@ -311,8 +350,12 @@ def optimizer_step(optimizer) -> tuple[bool, float]:
     grad_norm = float(optimizer.get_grad_norm())
     if not math.isfinite(grad_norm):
         return False, grad_norm
-    if optimizer.config.clip_grad > 0.0:
-        clip_grad_by_total_norm_fp32(
-            optimizer.get_parameters(), max_norm=optimizer.config.clip_grad, total_norm=grad_norm,
-            use_decoupled_grad=optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    # One optimizer per parameter kind (dense, experts) under a ChainedOptimizer, each clipped by the total
+    # norm, as ChainedOptimizer.step does
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = [] if getattr(part, "is_stub_optimizer", False) else part.get_parameters()
+        if params and part.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(
+                params, max_norm=part.config.clip_grad, total_norm=grad_norm,
+                use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
     return bool(optimizer.step_with_ready_grads()), grad_norm

@@ -62,12 +62,40 @@ def apply_kl_in_reward(batch: Batch, kl_coef: float, kind: str) -> tuple[Batch, 
     return batch.union(Batch.from_dict(tensors={"token_level_rewards": rewards})), current_kl
 
 
+_OPTIMAL_TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
+
+
+def _gdpo_reward_components(batch: Batch, algo) -> dict:
+    """gdpo's per-row reward components: the batch columns named by ``algorithm.gdpo_reward_keys`` (the
+    reward function's returned dict entries, as verl reads them from its non_tensor_batch)."""
+    if not algo.gdpo_reward_keys:
+        raise ValueError("adv_estimator gdpo requires algorithm.gdpo_reward_keys (the reward components "
+                         "returned by the reward function, e.g. [format_reward, accuracy_reward])")
+    columns = {**batch.non_tensors, **batch.tensors}
+    missing = [k for k in algo.gdpo_reward_keys if k not in columns]
+    if missing:
+        raise ValueError(f"gdpo reward key(s) {missing} not in the batch (columns: {sorted(columns)}); the "
+                         "reward function must return a dict holding them")
+    return {k: columns[k] for k in algo.gdpo_reward_keys}
+
+
 def add_advantages(batch: Batch, algo) -> Batch:
+    """``advantages`` and ``returns`` by ``algo.adv_estimator``, given what verl's driver gives each
+    estimator: gdpo the reward components (``_gdpo_reward_components``), the optimal token baselines the
+    old log-probs, ``sum_pi_squared`` and any ``rollout_is_weights``."""
     t = batch.tensors
+    if algo.adv_estimator in _OPTIMAL_TOKEN_BASELINES and "sum_pi_squared" not in t:
+        raise ValueError(f"adv_estimator {algo.adv_estimator} needs the actor's sum_pi_squared (the sum of "
+                         "squared token probabilities per position, verl's actor.calculate_sum_pi_squared), "
+                         "which this batch lacks")
     adv, returns = compute_advantage(
         algo.adv_estimator, t["token_level_rewards"], t["response_mask"], values=t.get("values"),
         index=batch.non_tensors.get("uid"), reward_baselines=t.get("reward_baselines"),
-        gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+        gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+        old_log_probs=t.get("old_log_probs"), sum_pi_squared=t.get("sum_pi_squared"),
+        rollout_is_weights=t.get("rollout_is_weights"),
+        reward_components=_gdpo_reward_components(batch, algo) if algo.adv_estimator == "gdpo" else None,
+        reward_weights=algo.gdpo_reward_weights)
     return batch.union(Batch.from_dict(tensors={"advantages": adv, "returns": returns}))
 
 

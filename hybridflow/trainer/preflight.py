@@ -225,12 +225,35 @@ def check_layouts(cfg: ExperimentConfig, model) -> None:
         if model.num_hidden_layers % pp:
             raise ConfigError(f"{role}.megatron.pipeline_model_parallel_size ({pp}) does not divide the "
                               f"model's {model.num_hidden_layers} layers in {cfg.model.path}")
+        check_expert_layout(mp, model, f"{role}.megatron", cfg.model.path)
     from hybridflow.resharding.vllm_layout import check_supported
 
     try:
         check_supported(model, cfg.rollout.tensor_model_parallel_size)
     except ValueError as e:
         raise ConfigError(f"rollout.tensor_model_parallel_size: {e} ({cfg.model.path})") from None
+
+
+def check_expert_layout(mp, model, key: str, path: str) -> None:
+    """EP must divide the model's experts, expert TP its expert width. On CPU, expert TP above 1 with EP
+    above 1 is refused: megatron's all-to-all dispatcher then all-gathers uneven token counts over the
+    expert-TP group (token_dispatcher.py dispatch_postprocess), which gloo cannot do (it hangs; NCCL can)."""
+    from hybridflow import device
+
+    ep, etp = mp.expert_model_parallel_size, mp.expert_tensor_parallel_size or mp.tensor_model_parallel_size
+    experts = getattr(model, "num_experts", None) or 0
+    if not experts:
+        return
+    if experts % ep:
+        raise ConfigError(f"{key}.expert_model_parallel_size ({ep}) does not divide the model's {experts} "
+                          f"experts in {path}")
+    if model.moe_intermediate_size % etp:
+        raise ConfigError(f"{key}.expert_tensor_parallel_size ({etp}) does not divide the model's "
+                          f"moe_intermediate_size ({model.moe_intermediate_size}) in {path}")
+    if ep > 1 and etp > 1 and not device.has_gpu():
+        raise ConfigError(f"{key}.expert_tensor_parallel_size ({etp}, null means the TP size) must be 1 with "
+                          f"expert_model_parallel_size {ep} on CPU: gloo cannot all-gather the uneven token "
+                          "counts megatron's MoE dispatcher sends over the expert-TP group")
 
 
 def check_prepare_target(cfg: ExperimentConfig) -> None:

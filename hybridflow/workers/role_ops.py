@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow import device
-from hybridflow.algorithms import (GlobalBatch, aggregate_loss, compute_policy_loss_vanilla, kl_penalty, masked_mean,
+from hybridflow.algorithms import (POLICY_LOSSES, GlobalBatch, aggregate_loss, kl_penalty, masked_mean,
                                    value_loss)
 from hybridflow.megatron.model import te_available
 from hybridflow.megatron.role import MegatronRole, token_log_probs, vocab_parallel_entropy
@@ -193,10 +193,9 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
         log_prob = response_log_probs(logits, mb)
         mask = mb["response_mask"]
         old = log_prob.detach() if on_policy else mb["old_log_probs"]
-        loss, m = compute_policy_loss_vanilla(
-            old, log_prob, mb["advantages"], mask, loss_agg_mode=a.loss_agg_mode,
-            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-            global_batch=whole)
+        # actor.policy_loss.loss_mode picks the loss; each reads its settings from the actor config
+        loss, m = POLICY_LOSSES.get(a.policy_loss.loss_mode)(
+            old, log_prob, mb["advantages"], mask, loss_agg_mode=a.loss_agg_mode, config=a, global_batch=whole)
         metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
         entropy = None
         if a.entropy_coeff:

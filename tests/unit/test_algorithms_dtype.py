@@ -22,7 +22,8 @@ MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 1, 1, 0], [1, 1, 0
 @pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
 def test_advantage_estimators_keep_float64(name):
     adv, ret = compute_advantage(name, _f64(B, T), MASK, values=_f64(B, T), index=[0, 0, 1, 1],
-                                 reward_baselines=_f64(B), gamma=0.99, lam=0.95)
+                                 reward_baselines=_f64(B), gamma=0.99, lam=0.95, old_log_probs=_f64(B, T),
+                                 sum_pi_squared=_f64(B, T))
     assert adv.dtype == ret.dtype == torch.float64
 
 

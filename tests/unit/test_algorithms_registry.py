@@ -16,7 +16,9 @@ from hybridflow.algorithms import (
 
 def test_registered_names():
     assert ADVANTAGE_ESTIMATORS.names() == sorted(
-        ["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"]
+        ["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gpg", "opo",
+         "grpo_passk", "gdpo", "grpo_vectorized", "rloo_vectorized", "optimal_token_baseline",
+         "tir_optimal_token_baseline"]
     )
     assert set(KL_PENALTIES.names()) == {"k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"}
     assert set(LOSS_AGG_MODES.names()) == {

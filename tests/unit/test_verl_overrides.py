@@ -239,7 +239,7 @@ def test_hydra_config_name_with_a_space_and_engine_kwargs():
     (["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"],
      "must equal actor.megatron.tensor_model_parallel_size (1)"),
     (["trainer.critic_warmup=5"], "'trainer.critic_warmup=5' must equal supported here (0)"),
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], "must equal supported here ('vanilla')"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=bogus"], "actor.policy_loss: unknown policy loss 'bogus'"),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=48", "data.train_batch_size=64"],
      "actor.ppo_mini_batch_size (48 prompts) must divide data.batch_size (64)"),
     (["data.train_batch_size"], "bad verl override 'data.train_batch_size': expected key=value"),

@@ -1,0 +1,56 @@
+"""Tiny random-init models of the other supported architectures (Qwen3, Mistral, Qwen3-MoE, Qwen2-MoE), saved
+as HF folders: what conversion, resharding and ``check-model`` are tested on, and the MoE quickstart's model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridflow.models.tiny_qwen2 import padded_vocab, save_random_model, special_tokens
+
+ARCHS = ("qwen3", "mistral", "qwen3_moe", "qwen2_moe")
+
+
+def build_tiny(out_dir: str | Path, tokenizer, arch: str, *, hidden_size: int = 64, num_layers: int = 2,
+               num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None, intermediate_size: int = 128,
+               num_experts: int = 8, top_k: int = 2, moe_intermediate_size: int = 32,
+               max_position_embeddings: int = 64, vocab_multiple: int = 16, seed: int = 0,
+               tie_word_embeddings: bool = False, norm_noise: float = 0.1):
+    """Write config + safetensors weights of a random-init ``arch`` model; returns the model. Qwen3 (-MoE) get
+    an explicit ``head_dim`` different from hidden/heads when none is given (as Qwen3's own configs), and
+    every norm weight gets ``norm_noise`` so that a swapped or missing norm changes the logits."""
+    import torch
+    import transformers
+
+    common = dict(vocab_size=padded_vocab(tokenizer, vocab_multiple), hidden_size=hidden_size,
+                  intermediate_size=intermediate_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                  num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
+                  rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings, torch_dtype="float32",
+                  **special_tokens(tokenizer))
+    moe = dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate_size)
+    if arch == "qwen3":
+        config, cls = transformers.Qwen3Config(head_dim=head_dim or 2 * hidden_size // num_heads, **common), "Qwen3ForCausalLM"
+    elif arch == "mistral":
+        config, cls = transformers.MistralConfig(sliding_window=None, **common), "MistralForCausalLM"
+    elif arch == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(head_dim=head_dim or 2 * hidden_size // num_heads, norm_topk_prob=True,
+                                             **moe, **common)
+        cls = "Qwen3MoeForCausalLM"
+    elif arch == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(shared_expert_intermediate_size=intermediate_size, norm_topk_prob=False,
+                                             use_sliding_window=False, **moe, **common)
+        cls = "Qwen2MoeForCausalLM"
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r} (known: {', '.join(ARCHS)})")
+    config.architectures = [cls]
+    model_cls = getattr(transformers, cls)
+
+    def with_noisy_norms(cfg):
+        model = model_cls(cfg)
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(norm_noise * torch.randn(p.shape, generator=g))
+        return model
+
+    return save_random_model(with_noisy_norms, config, out_dir, tokenizer, seed)
