@@ -253,6 +253,41 @@ class KLControl:
 
 
 @dataclass
+class FilterGroups:
+    """DAPO's dynamic sampling (verl 0.9.1 algorithm.filter_groups): drop prompt groups whose ``metric`` has zero
+    variance across their rollout.n responses and generate further batches until data.batch_size groups remain."""
+
+    enable: bool = False
+    metric: str = "reward"  # "reward": the sequence's score; or a key of the reward function's returned dict
+    max_num_gen_batches: int = 0  # generation batches per step at most (<= 0: no limit)
+
+    def validate(self):
+        if not self.metric:
+            raise ValueError("algorithm.filter_groups.metric must name a reward column ('reward' or a returned key)")
+
+
+@dataclass
+class RolloutCorrection:
+    """Correction for the mismatch between the rollout engine's and the trainer's probabilities (verl 0.9.1
+    algorithm.rollout_correction, same names and defaults; rollout_is null and rollout_rs null: measured only)."""
+
+    rollout_is: str | None = None  # importance weights: token | sequence (truncated at the threshold)
+    rollout_is_threshold: float | str = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None  # rejection sampling modes (verl's names)
+    rollout_rs_threshold: float | str | None = None
+    bypass_mode: bool = False  # the rollout's log-probs are the old ones (no old-log-prob forward)
+    loss_type: str = "ppo_clip"  # bypass mode's loss: ppo_clip | reinforce
+
+    def validate(self):
+        if self.rollout_is is not None and self.rollout_is not in ("token", "sequence"):
+            raise ValueError(f"algorithm.rollout_correction.rollout_is must be token, sequence or null, got "
+                             f"{self.rollout_is!r}")
+        if self.loss_type not in ("ppo_clip", "reinforce"):
+            raise ValueError(f"algorithm.rollout_correction.loss_type must be ppo_clip or reinforce, got {self.loss_type!r}")
+
+
+@dataclass
 class Algorithm:
     adv_estimator: str = "gae"  # a name in algorithms.registry.ADVANTAGE_ESTIMATORS (verl 0.9.1's names)
     gamma: float = 1.0
@@ -265,6 +300,8 @@ class Algorithm:
     # and their weights (None: equal), as verl 0.9.1's AlgoConfig
     gdpo_reward_keys: list[str] | None = None
     gdpo_reward_weights: list[float] | None = None
+    filter_groups: FilterGroups = field(default_factory=FilterGroups)
+    rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
 
     def validate(self):
         _check_numbers(self, gamma=dict(ge=0, le=1), lam=dict(ge=0, le=1))
@@ -311,11 +348,28 @@ class Model:
 
 
 @dataclass
+class OverlongBuffer:
+    """DAPO's overlong reward shaping (verl 0.9.1's DAPO reward manager, reward_kwargs.overlong_buffer_cfg): a
+    response within the last ``len`` tokens of data.max_response_length loses up to ``penalty_factor``, linearly."""
+
+    enable: bool = False
+    len: int = 0  # the buffer's width in tokens (must be in 1 .. data.max_response_length when enabled)
+    penalty_factor: float = 1.0
+    log: bool = False  # log the penalty per step
+
+    def validate(self):
+        if self.enable and self.len < 1:
+            raise ValueError("reward.overlong_buffer.len must be >= 1 when enable is true")
+        _check_numbers(self, penalty_factor=dict(ge=0))
+
+
+@dataclass
 class Reward:
     # The rule scorer for rows without a data.reward_fn_key column (or with the quickstart's "arithmetic"
     # source); rows naming a known source (openai/gsm8k, the MATH sources, math_dapo, ...) are routed to its
     # scorer as verl's default scorer does (rewards/routing.py).
     name: str = "arithmetic"
+    overlong_buffer: OverlongBuffer = field(default_factory=OverlongBuffer)
 
     def validate(self):
         from hybridflow.rewards import get_scorer
