@@ -41,6 +41,9 @@ _SAME_LEAVES = {
     _A + "policy_loss.": ("loss_mode", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
                           "dro_beta"),
     "algorithm.kl_ctrl.": ("type", "kl_coef", "target_kl", "horizon"),
+    "algorithm.filter_groups.": ("enable", "metric", "max_num_gen_batches"),
+    "algorithm.rollout_correction.": ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
+                                      "rollout_rs_threshold", "bypass_mode", "loss_type"),
     "data.": ("train_files", "val_files", "prompt_key", "max_prompt_length", "max_response_length", "shuffle",
               "val_batch_size", "reward_fn_key", "filter_overlong_prompts", "truncation"),
     "trainer.": ("experiment_name", "total_epochs", "logger", "project_name", "val_before_train", "balance_batch"),
@@ -83,6 +86,11 @@ RENAMED = {
     "trainer.log_val_generations": "trainer.val_samples",
     "reward_model.model.path": "reward_model.path",
     "reward_model.micro_batch_size_per_gpu": "reward_model.micro_batch_size",
+    # DAPO's overlong shaping: verl 0.9.1's DAPO reward manager reads reward.reward_kwargs.overlong_buffer_cfg;
+    # the DAPO recipe's scripts set reward_model.overlong_buffer
+    **{f"{section}.{leaf}": f"reward.overlong_buffer.{leaf}"
+       for section in ("reward.reward_kwargs.overlong_buffer_cfg", "reward_model.overlong_buffer")
+       for leaf in ("enable", "len", "penalty_factor", "log")},
 }
 # Whole dicts passed on: verl section -> ours (their entries are checked where they are used, before start).
 _DICTS = {
@@ -109,6 +117,7 @@ MUST_AGREE = {
     _REF + "log_prob_use_dynamic_bsz": "actor.log_prob_use_dynamic_bsz",  # one setting for actor and ref forwards
     _REF + "log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
     "trainer.critic_warmup": 0,  # no critic warm-up steps here
+    "reward.reward_kwargs.max_resp_len": "data.max_response_length",  # the overlong buffer ends at the longest response
     "trainer.device": "cuda",
 }
 _STRATEGY = "an FSDP run becomes megatron data parallelism with the distributed optimizer (this module's docstring)"
@@ -137,7 +146,7 @@ NO_EFFECT = {  # verl key -> why it changes nothing here
     _R + "mode": "one batched vLLM call per step gives the samples verl's sync and async modes give",
     _R + "multi_turn.format": "single-turn rollouts (multi_turn.enable is false)",
     _R + "load_format": "weights reach vLLM through the resharding engine, not a load format",
-    _R + "calculate_log_probs": "the trainer recomputes log-probs with megatron",
+    _R + "calculate_log_probs": "sampled rollouts always carry vLLM's log-probs (rollout_log_probs)",
     _R + "engine_kwargs.sglang.attention_backend": "sglang is not used (vLLM is the rollout engine)",
     _R + "val_kwargs.do_sample": "validation is greedy here",
     "reward_model.use_reward_loop": "the reward model runs in its own worker group here",
@@ -152,6 +161,7 @@ NO_EFFECT = {  # verl key -> why it changes nothing here
     "trainer.del_local_ckpt_after_load": "checkpoints are kept (trainer.max_checkpoints prunes old ones)",
     "trainer.ray_wait_register_center_timeout": "trainer.stage_timeout_s bounds every stage",
     "trainer.use_v1": "one trainer loop here",
+    "algorithm.filter_groups.max_inflight_gen_batches": "dynamic sampling generates one batch at a time here",
 }
 _GPU_KEYS = ("trainer.n_gpus_per_node", "trainer.nnodes")
 _LISTS = ("data.train_files", "data.val_files", "trainer.logger")

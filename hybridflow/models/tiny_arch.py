@@ -12,7 +12,7 @@ ARCHS = ("qwen3", "mistral", "qwen3_moe", "qwen2_moe")
 
 def build_tiny(out_dir: str | Path, tokenizer, arch: str, *, hidden_size: int = 64, num_layers: int = 2,
                num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None, intermediate_size: int = 128,
-               num_experts: int = 8, top_k: int = 2, moe_intermediate_size: int = 32,
+               num_experts: int = 8, top_k: int = 2, moe_intermediate_size: int = 64,
                max_position_embeddings: int = 64, vocab_multiple: int = 16, seed: int = 0,
                tie_word_embeddings: bool = False, norm_noise: float = 0.1):
     """Write config + safetensors weights of a random-init ``arch`` model; returns the model. Qwen3 (-MoE) get

@@ -25,6 +25,21 @@ of slice r when all members of a pipeline group cut the same slice r, which this
 divides d, else an all-to-all; not done.) The whole world must divide into generation groups:
 world % (t_g*p_g) == 0.
 
+Mixture of experts (training EP e, expert TP 1; vLLM's TP layout for experts: every generation rank holds
+every expert, sliced 1/t_g like a dense MLP). Experts do not follow the micro-DP groups: within each
+expert-parallel group (the e ranks that together hold one copy of a stage's experts), every member sends
+every other member exactly the 1/t_g slice of its own E/e whole experts that the receiver's generation
+rank needs (an all-to-all per MoE layer). Then, like the norms, the stage's experts (now identical on the
+members of one micro-DP group) cross the pipeline gather. Per rank, with M = S + X + R (TP-split dense
+bytes, expert bytes, replicated bytes: norms, routers):
+
+    hybrid:      S (d_g - 1)/(t p)  +  X/(p t_g) ((e - 1)/e + p/p_g - 1)  +  R/p (p/p_g - 1)
+    gather_all:  S (t p - 1)/(t p)  +  X (e p - 1)/(e p)                   +  R (p - 1)/p
+
+(gather_all = every rank gathers whole tensors: the experts of all EP ranks and stages.) Held after the
+transition: the generation shard, (S + X)/(t_g p_g) + R/p_g. With one EP rank and expert TP = TP, experts
+are TP-split tensors like the dense MLP and belong to S.
+
 ``python -m hybridflow.tools.reshard_plan`` prints a plan or the paper's Table-2 style comparison.
 """
 
@@ -135,6 +150,20 @@ class HybridPlan:
     def hybrid_peak(self) -> Fraction:
         """The generation shard each rank holds."""
         return Fraction(1, self.t_g * self.p_g)
+
+    def moe_bytes_received(self, split: int, experts: int, replicated: int, e: int) -> Fraction:
+        """Bytes each rank receives in the hybrid transition of a MoE model (module docstring's formula):
+        ``split`` TP-split dense bytes, ``experts`` expert bytes, ``replicated`` bytes (whole model each)."""
+        p, stages = self.train.p, self.pp_block
+        return (split * self.hybrid_bytes_received()
+                + Fraction(experts, p * self.t_g) * (Fraction(e - 1, e) + stages - 1)
+                + Fraction(replicated, p) * (stages - 1))
+
+    def moe_gather_all_bytes_received(self, split: int, experts: int, replicated: int, e: int) -> Fraction:
+        """The same for gathering every tensor whole on every rank (all experts of all EP ranks and stages)."""
+        p = self.train.p
+        return (split * self.gather_all_bytes_received() + experts * Fraction(e * p - 1, e * p)
+                + replicated * Fraction(p - 1, p))
 
     def formula_bytes(self) -> Fraction:
         """The paper's (t*p - t_g*p_g) / (t_g*p_g*t*p), with t_g capped at t (a larger t_g is cut locally

@@ -15,6 +15,7 @@ p_g = 1 (vLLM on CPU has no pipeline stages).
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -44,6 +45,9 @@ class TransitionStats:
                 f"{prefix}/staging_bytes": float(self.staging_bytes), f"{prefix}/seconds": self.seconds}
 
 
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(.*)$")
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -67,6 +71,19 @@ class Resharder:
         self.me = self.plan.ranks[self.rank]
         from megatron.core import parallel_state as ps
 
+        ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+        self.num_experts = getattr(hf_config, "num_experts", None) or 0
+        # Experts reach the generation layout through their own exchange (see _exchange_experts) wherever
+        # they are not split like a dense MLP over the TP group alone (one EP rank, expert TP = TP).
+        self.expert_exchange = bool(self.num_experts) and (ep > 1 or etp != train.t)
+        if self.expert_exchange and etp > 1:
+            raise ValueError(f"resharding a MoE model with expert_model_parallel_size {ep} needs "
+                             f"expert_tensor_parallel_size 1 (got {etp})")
+        if self.expert_exchange and scheme == "gather_all":
+            raise ValueError("rollout.resharding 'gather_all' does not gather experts across expert-parallel "
+                             "ranks; use 'hybrid'")
+        self.ep_group = ps.get_expert_model_parallel_group() if self.expert_exchange else None
+
         actual = (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(), ps.get_pipeline_model_parallel_rank())
         if train.coords(self.rank) != actual:  # the plan's groups are only right if they are megatron's
             raise RuntimeError(f"rank {self.rank}: the resharding plan places it at (tp, dp, pp) "
@@ -89,10 +106,10 @@ class Resharder:
             group = dist.new_group(list(members))
             if self.rank in members:
                 self.slice_group = group
-        local = _local_shard(module)
+        local = self._expert_meta(_local_shard(module))
         self.device = next(iter(local.values())).device
-        split = [(k, tuple(v.shape), v.dtype) for k, v in sorted(local.items()) if convert.tp_split_dim(k) is not None]
-        replicated = [(k, tuple(v.shape), v.dtype) for k, v in sorted(local.items()) if convert.tp_split_dim(k) is None]
+        split = [(k, tuple(v.shape), v.dtype) for k, v in sorted(local.items()) if self._split_dim(k) is not None]
+        replicated = [(k, tuple(v.shape), v.dtype) for k, v in sorted(local.items()) if self._split_dim(k) is None]
         metas = [None] * len(self.me.micro_dp_group)
         dist.all_gather_object(metas, split, group=self.micro_group)
         self.split_meta = dict(zip(self.me.micro_dp_group, metas))
@@ -103,6 +120,75 @@ class Resharder:
     def _offset(self, rank: int) -> int:
         return self.plan.train.coords(rank)[0] % self.plan.tp_block
 
+    # --- experts ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _generation_expert(name: str) -> bool:
+        """An expert already in its generation form (every stage member holds the same one)."""
+        return ".mlp.experts." in name and "local_experts" not in name
+
+    def _split_dim(self, name: str) -> int | None:
+        return None if self._generation_expert(name) else convert.tp_split_dim(name)
+
+    def _expert_meta(self, local: dict) -> dict:
+        """``local`` with its experts replaced by empty tensors shaped as their generation form (what
+        _exchange_experts returns): for the group metadata, computed before any exchange."""
+        if not self.expert_exchange:
+            return local
+        out = {k: v for k, v in local.items() if not convert.is_expert_param(k)}
+        for name, fc1 in local.items():
+            m = _LOCAL_EXPERT.match(name)
+            if m and m[3] == "linear_fc1.weight" and m[2] == "0":
+                fc2 = local[name.replace("linear_fc1", "linear_fc2")]
+                gate_up, down = vllm_layout.expert_generation_shard(fc1, fc2, 0, self.plan.t_g)
+                for x in range(self.num_experts):
+                    out[f"{m[1]}{x}.gate_up_proj.weight"] = gate_up.new_empty(gate_up.shape)
+                    out[f"{m[1]}{x}.down_proj.weight"] = down.new_empty(down.shape)
+        return out
+
+    def _exchange_experts(self, local: dict, stats: TransitionStats) -> dict:
+        """Every expert of this rank's stage as its vLLM TP shard k (``expert_generation_shard``), from the
+        expert-parallel group: each member sends each other member exactly the slice that member's
+        generation rank k needs of its own whole experts (one all-to-all per MoE layer). Bytes received per
+        rank: (e - 1)/e of the stage's expert bytes / t_g; nothing else of an expert moves."""
+        if not self.expert_exchange:
+            return local
+        group = self.ep_group
+        members = dist.get_process_group_ranks(group)
+        ks = [self.plan.ranks[r].gen_tp_rank for r in members]
+        e, t_g = len(members), self.plan.t_g
+        per_rank = self.num_experts // e
+        out = {k: v for k, v in local.items() if not convert.is_expert_param(k)}
+        layers = sorted({m[1] for m in map(_LOCAL_EXPERT.match, local) if m})
+        for prefix in layers:
+            pieces = []  # per receiver: my experts' slices for its k, flat
+            for k in ks:
+                flat = []
+                for i in range(per_rank):
+                    gate_up, down = vllm_layout.expert_generation_shard(
+                        local[f"{prefix}local_experts.{i}.linear_fc1.weight"],
+                        local[f"{prefix}local_experts.{i}.linear_fc2.weight"], k, t_g)
+                    flat += [gate_up.reshape(-1), down.reshape(-1)]
+                pieces.append(torch.cat(flat))
+            send = torch.cat(pieces)
+            recv = torch.empty_like(send) if e > 1 else send  # same shapes from every member
+            if e > 1:
+                dist.all_to_all_single(recv, send, group=group)
+                n = _nbytes(pieces[0])
+                stats.bytes_received += n * (e - 1)
+                stats.bytes_sent += n * (e - 1)
+            fc1 = local[f"{prefix}local_experts.0.linear_fc1.weight"]
+            gu_shape = (fc1.shape[0] // t_g, fc1.shape[1])
+            down_shape = (fc1.shape[1], fc1.shape[0] // 2 // t_g)
+            offset = 0
+            for q in range(e):
+                for i in range(per_rank):
+                    for suffix, shape in (("gate_up_proj.weight", gu_shape), ("down_proj.weight", down_shape)):
+                        n = shape[0] * shape[1]
+                        out[f"{prefix}{q * per_rank + i}.{suffix}"] = recv[offset:offset + n].view(shape)
+                        offset += n
+        return out
+
     # --- hybrid -----------------------------------------------------------------------------------
 
     def _hybrid(self, stats: TransitionStats):
@@ -110,6 +196,8 @@ class Resharder:
         this rank's vLLM-layout tensors (assembled one layer at a time)."""
         local = _local_shard(self.module)
         stats.own_shard_bytes = sum(_nbytes(v) for v in local.values())
+        local = self._exchange_experts(local, stats)
+        expert_bytes = sum(_nbytes(v) for k, v in local.items() if self._generation_expert(k))
         shards = {r: {} for r in self.me.micro_dp_group}  # member -> {name: view into a received buffer}
         own_sent = 0
         exchanges = []  # a micro-DP group of one (d_g = 1) exchanges nothing: no copy of the own shard
@@ -138,8 +226,9 @@ class Resharder:
                     shards[member][name] = flat[offset:offset + n].view(shape)
                     offset += n
         shards[self.rank] = {**local, **shards[self.rank]}  # own replicated tensors need no transfer
-        # Generation shard buffers (own copy + received) plus the largest layer assembled at a time.
-        stats.peak_extra_bytes = own_sent + stats.bytes_received
+        # Generation shard buffers (own copy + received, the experts' generation form) plus the largest
+        # layer assembled at a time.
+        stats.peak_extra_bytes = own_sent + stats.bytes_received + expert_bytes
         return self._assemble(shards, stats)
 
     def _assemble(self, shards: dict, stats: TransitionStats):
@@ -169,7 +258,8 @@ class Resharder:
             for piece in pieces:
                 held = sum(_nbytes(t) for t in piece.values())
                 if self.plan.tp_split > 1:  # t_g a multiple of t: cut this rank's slice of training shard k // m
-                    sliced = vllm_layout.slice_shard(piece, self.cfg, self.me.gen_tp_rank, self.plan.t_g, tr.t)
+                    cut = {n: t for n, t in piece.items() if not (self.expert_exchange and ".mlp.experts." in n)}
+                    sliced = {**piece, **vllm_layout.slice_shard(cut, self.cfg, self.me.gen_tp_rank, self.plan.t_g, tr.t)}
                     held += sum(_nbytes(t) for n, t in sliced.items() if t._base is None and t is not piece[n])
                     piece = sliced
                 transient = max(transient, held)

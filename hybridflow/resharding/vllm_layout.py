@@ -1,4 +1,11 @@
-"""vLLM's tensor-parallel parameter layout for Qwen2/Llama, built from megatron or HF tensors.
+"""vLLM's tensor-parallel parameter layout for Qwen2/Qwen3/Llama/Mistral and Qwen3-MoE/Qwen2-MoE, built from
+megatron or HF tensors.
+
+Experts follow vLLM's TP layout for MoE (FusedMoE without enable_expert_parallel): every rank holds every
+expert, with the expert's intermediate dim split like a dense MLP (``mlp.experts.{e}.gate_up_proj`` = [gate
+rows of k; up rows of k], ``down_proj`` = input columns of k); the router (``mlp.gate``) and Qwen2-MoE's
+shared-expert gate are whole, its shared expert split like a dense MLP. The names are per expert, as HF
+checkpoints have them: vLLM's FusedMoE weight loader takes them (expert_params_mapping) and stacks them.
 
 vLLM shard k of t_g holds: ``qkv_proj`` = [q heads of k; k heads of k; v heads of k] (fused), ``gate_up_proj``
 = [gate rows of k; up rows of k], ``o_proj``/``down_proj`` = input columns of k (row-parallel),
@@ -13,6 +20,13 @@ from __future__ import annotations
 import torch
 
 from hybridflow.megatron.convert import _heads, split_qkv
+
+
+# vLLM-CPU's MoE kernels pad each expert's intermediate width to this (fused_moe/experts/cpu_moe.py,
+# _intermediate_alignment: lcm of output and reduction alignment, 32 for the AMX kernel), and an in-place
+# reload then copies the padded tensor into the unpadded one (model_loader/reload/layerwise.py
+# _copy_and_restore_kernel_tensors): a size mismatch.
+CPU_MOE_ALIGNMENT = 32
 
 
 def _shard_cfg(cfg, parts: int):
@@ -43,8 +57,17 @@ def check_supported(cfg, t_g: int) -> None:
     if nh % t_g or (ng % t_g and t_g % ng):
         raise ValueError(f"generation TP {t_g} must divide attention heads ({nh}), and divide or be a multiple "
                          f"of KV heads ({ng})")
-    if cfg.intermediate_size % t_g:  # a t_g above the training TP is not yet held to it by megatron
-        raise ValueError(f"generation TP {t_g} must divide intermediate_size ({cfg.intermediate_size})")
+    for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        size = getattr(cfg, key, None)
+        if size and size % t_g:  # a t_g above the training TP is not yet held to it by megatron
+            raise ValueError(f"generation TP {t_g} must divide {key} ({size})")
+    from hybridflow import device
+
+    experts_width = getattr(cfg, "moe_intermediate_size", None) if getattr(cfg, "num_experts", None) else None
+    if experts_width and not device.on_accelerator() and (experts_width // t_g) % CPU_MOE_ALIGNMENT:
+        raise ValueError(f"moe_intermediate_size / generation TP ({experts_width} / {t_g}) must be a multiple of "
+                         f"{CPU_MOE_ALIGNMENT} on CPU: vLLM-CPU pads its experts to that width and cannot reload "
+                         "padded experts in place")
     # vLLM pads the vocab to a multiple of 64 (VocabParallelEmbedding / ParallelLMHead: pad_vocab_size,
     # DEFAULT_VOCAB_PADDING_SIZE) and gives rank k rows [k*P/t_g, (k+1)*P/t_g) of the padded size P, cut
     # at the real vocab (_get_indices). Those are the even split of the vocab that megatron's shards
@@ -65,13 +88,35 @@ def layer_from_megatron_shards(shards: list[dict], prefix: str, cfg, t: int) -> 
         if key in shards[0]:
             parts = [split_qkv(s[key], sub) for s in shards]  # per training shard: its q, k, v
             out[f"{prefix}self_attn.qkv_proj.{kind}"] = torch.cat([torch.cat(p) for p in zip(*parts)])
-    gates, ups = zip(*(torch.chunk(s["mlp.linear_fc1.weight"], 2, dim=0) for s in shards))
-    out[f"{prefix}mlp.gate_up_proj.weight"] = torch.cat([*gates, *ups])
     out[f"{prefix}self_attn.o_proj.weight"] = torch.cat([s["self_attention.linear_proj.weight"] for s in shards], 1)
-    out[f"{prefix}mlp.down_proj.weight"] = torch.cat([s["mlp.linear_fc2.weight"] for s in shards], 1)
     out[f"{prefix}input_layernorm.weight"] = shards[0]["input_layernorm.weight"]
     out[f"{prefix}post_attention_layernorm.weight"] = shards[0]["pre_mlp_layernorm.weight"]
+    mlps = {"mlp.": "mlp.", "mlp.shared_experts.": "mlp.shared_expert."}  # dense MLP, Qwen2-MoE's shared expert
+    # Experts split over TP like a dense MLP (one expert-parallel rank, expert TP = TP)
+    mlps.update({k[:-len("linear_fc1.weight")]: "mlp.experts." + k.split(".")[3] + "."
+                 for k in shards[0] if k.startswith("mlp.experts.local_experts.") and k.endswith("linear_fc1.weight")})
+    for mpre, vpre in mlps.items():
+        if mpre + "linear_fc1.weight" not in shards[0]:
+            continue
+        gates, ups = zip(*(torch.chunk(s[mpre + "linear_fc1.weight"], 2, dim=0) for s in shards))
+        out[f"{prefix}{vpre}gate_up_proj.weight"] = torch.cat([*gates, *ups])
+        out[f"{prefix}{vpre}down_proj.weight"] = torch.cat([s[mpre + "linear_fc2.weight"] for s in shards], 1)
+    for mkey, vkey in (("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+                       ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
+                       ("mlp.router.weight", "mlp.gate.weight"),
+                       ("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight")):
+        if mkey in shards[0]:
+            out[prefix + vkey] = shards[0][mkey]
+    # Experts already in generation form (transition.Resharder's expert exchange): as they are
+    out.update({prefix + k: v for k, v in shards[0].items() if k.startswith("mlp.experts.") and "local_experts" not in k})
     return out
+
+
+def expert_generation_shard(fc1: torch.Tensor, fc2: torch.Tensor, k: int, t_g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One whole expert (megatron's fc1 = [gate; up], fc2) -> its vLLM TP shard k of t_g: (gate_up, down)."""
+    gate, up = torch.chunk(fc1, 2, dim=0)
+    return (torch.cat([torch.chunk(gate, t_g)[k], torch.chunk(up, t_g)[k]]),
+            torch.chunk(fc2, t_g, dim=1)[k])
 
 
 def slice_shard(shard: dict, cfg, k: int, t_g: int, t: int) -> dict:
@@ -114,9 +159,9 @@ def hf_to_vllm_shard(hf: dict, cfg, k: int, t_g: int) -> dict:
             kt, vt = hf[name.replace("q_proj", "k_proj")], hf[name.replace("q_proj", "v_proj")]
             kv = slice(first * hd, (first + count) * hd)
             out[base] = torch.cat([rows(t, t_g), kt[kv], vt[kv]])
-        elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or "mlp.up_proj" in name:
+        elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or ".up_proj." in name:
             continue
-        elif "mlp.gate_proj" in name:
+        elif ".gate_proj." in name:
             out[name.replace("gate_proj", "gate_up_proj")] = torch.cat(
                 [rows(t, t_g), rows(hf[name.replace("gate_proj", "up_proj")], t_g)])
         elif "o_proj" in name or "down_proj" in name:

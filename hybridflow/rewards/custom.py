@@ -127,12 +127,20 @@ class CustomScorer:
 
     def __call__(self, response: str, ground_truth: Any, data_source: str | None = None,
                  extra_info: Any = None) -> float:
+        return self.score(response, ground_truth, data_source, extra_info)[0]
+
+    def score(self, response: str, ground_truth: Any, data_source: str | None = None,
+              extra_info: Any = None) -> tuple[float, dict]:
+        """The score and the function's other returned entries (a returned dict's keys besides ``score``, which
+        verl keeps as reward_extra_info: batch columns, e.g. gdpo's reward components)."""
         result = self.fn(self.data_source if data_source is None else data_source, response, ground_truth,
                          extra_info=extra_info)
+        entries = {}
         if isinstance(result, dict):
             if "score" not in result:
                 raise BadRewardValue(f"{_describe(self.fn)} returned a dict without a 'score' key "
                                      f"(keys: {sorted(map(str, result))})")
+            entries = {k: v for k, v in result.items() if k != "score"}
             result = result["score"]
         # bool is a number to verl too (float(True) == 1.0); strings and tensors are not accepted
         if not isinstance(result, numbers.Real):
@@ -140,10 +148,15 @@ class CustomScorer:
                                  "expected a number or a dict with a numeric 'score'")
         if not math.isfinite(result):  # one NaN reward poisons the advantages of its whole batch (or group)
             raise BadRewardValue(f"{_describe(self.fn)} returned {result!r}; expected a finite number")
-        return float(result)
+        return float(result), entries
 
     def score_all(self, responses: list[str], ground_truths: list, sources: list | None = None,
                   extra_infos: list | None = None) -> list[float]:
+        """Every row's score (``score_all_with_entries`` without the entries)."""
+        return self.score_all_with_entries(responses, ground_truths, sources, extra_infos)[0]
+
+    def score_all_with_entries(self, responses: list[str], ground_truths: list, sources: list | None = None,
+                               extra_infos: list | None = None) -> tuple[list[float], list[dict]]:
         """Every row's score, in order, or a ``RewardFunctionError`` for the first row that fails;
         ``sources`` and ``extra_infos`` per row (None: ``data_source`` and no extra_info for every row).
 
@@ -154,6 +167,7 @@ class CustomScorer:
         signal.alarm instead would interrupt only Python code on the main thread and clash with a
         function's own alarm; verl's reward loop also calls these functions from an executor thread."""
         scores: list[float] = []
+        entries: list[dict] = []
         failure: list[BaseException] = []
         current = (0, time.monotonic())  # (row being scored, when its call began): swapped whole
         done = threading.Event()
@@ -167,7 +181,9 @@ class CustomScorer:
                 for row, (response, truth, source, extra) in enumerate(zip(responses, ground_truths, sources,
                                                                           extra_infos)):
                     current = (row, time.monotonic())
-                    scores.append(self(response, truth, source, extra))
+                    score, returned = self.score(response, truth, source, extra)
+                    scores.append(score)
+                    entries.append(returned)
             except BaseException as e:  # SystemExit and KeyboardInterrupt too: the function's, not ours
                 failure.append(e)
             finally:
@@ -184,7 +200,7 @@ class CustomScorer:
                                           f"timeout_s={self.timeout_s:g} s", row)
         if failure:
             raise RewardFunctionError(self._failure(failure[0]), row=len(scores))
-        return scores
+        return scores, entries
 
     def _failure(self, error: BaseException) -> str:
         if isinstance(error, BadRewardValue):

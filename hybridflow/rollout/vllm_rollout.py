@@ -60,6 +60,13 @@ def _report_reload_warnings_once() -> None:
         layerwise.addFilter(_ReportOnce())
 
 
+def _has_experts(hf_dir: str) -> bool:
+    import json
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        return bool(json.load(f).get("num_experts"))
+
+
 def check_free_memory(utilization: float) -> None:
     """vLLM refuses to start unless ``utilization x total`` device memory is free (v1/worker/utils.py);
     say so in one line, with what to change, before it fails deep inside the engine."""
@@ -156,7 +163,9 @@ class VLLMRollout:
         # UnquantizedEmbeddingMethod.process_weights_after_loading repack only on CPU and XPU), so its
         # parameters are the vLLM-layout TP shard itself and can be overwritten in place: no
         # checkpoint-shaped staging copy. vLLM-CPU repacks its linear weights: they go through the loaders.
-        self.takes_shards = on_gpu
+        # MoE experts go through the loaders everywhere: vLLM stacks them into FusedMoE's w13/w2 parameters
+        # (fused_moe/layer.py weight_loader), a layout the per-expert shard does not have.
+        self.takes_shards = on_gpu and not _has_experts(hf_dir)
         self._asleep: set[str] = set()
         kwargs = check_engine_kwargs(engine_kwargs)
         if self.sleep_mode:
@@ -240,6 +249,13 @@ class VLLMRollout:
         """Token ids of one response per prompt (EOS included when produced; repeat a prompt for more);
         weights and KV cache must be awake (``wake_up(["weights", "kv_cache"])``). Sampling draws from the
         process's seeded RNG streams, which checkpoints save and restore."""
+        return [ids for ids, _ in self.generate_with_log_probs(prompt_ids, sampling, log_probs=False)]
+
+    def generate_with_log_probs(self, prompt_ids: list[list[int]], sampling: SamplingSettings, *,
+                                log_probs: bool = True) -> list[tuple[list[int], list[float] | None]]:
+        """``generate``, with vLLM's log-prob of each sampled token when ``log_probs`` (``logprobs=0``: the
+        sampled token's only). vLLM's default ``logprobs_mode`` is ``raw_logprobs``: the model's distribution
+        before temperature, top-k/top-p (config/model.py), which is what the trainer's log-probs are too."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -247,7 +263,15 @@ class VLLMRollout:
         params = SamplingParams(
             temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
             top_k=-1 if greedy else sampling.top_k, max_tokens=sampling.max_new_tokens, skip_special_tokens=False,
+            logprobs=0 if log_probs else None,
             detokenize=False)  # the caller scores decoded ids itself; vLLM's per-token detokenizing is waste
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
                                  use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        results = []
+        for o in outs:
+            ids = list(o.outputs[0].token_ids)
+            lps = None
+            if log_probs:  # one {token id: Logprob} per position, the sampled token among them
+                lps = [o.outputs[0].logprobs[i][tok].logprob for i, tok in enumerate(ids)]
+            results.append((ids, lps))
+        return results

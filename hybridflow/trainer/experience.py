@@ -26,16 +26,31 @@ def score_responses(batch: Batch, tokenizer, scorer) -> Batch:
         sources = batch.non_tensors.get(scorer.source_key)
         extra_column = batch.non_tensors.get("extra_info")
         extras = [verl_extra_info(e) for e in (extra_column if extra_column is not None else [None] * len(texts))]
+        sources = None if sources is None else list(sources)
         try:
-            scores = torch.tensor(scorer.score_all(texts, answers, None if sources is None else list(sources), extras),
-                                  dtype=torch.float32)
+            if isinstance(scorer, CustomScorer):
+                scores, entries = scorer.score_all_with_entries(texts, answers, sources, extras)
+            else:
+                scores, entries = scorer.score_all(texts, answers, sources, extras), []
         except RewardFunctionError as e:
             raise RewardFunctionError(f"{e} on {_describe_row(batch, tokenizer, texts, e.row)}", e.row) from e
+        scores = torch.tensor(scores, dtype=torch.float32)
         token_scores = on_last_token(scores, mask)
     else:
         scores, token_scores = score_batch(scorer, texts, answers, mask)
+        entries = []
     return batch.union(Batch.from_dict(tensors={"scores": scores, "token_level_scores": token_scores},
-                                       non_tensors={"response_text": np.array(texts, dtype=object)}))
+                                       non_tensors={"response_text": np.array(texts, dtype=object),
+                                                    **returned_entries(entries)}))
+
+
+def returned_entries(entries: list[dict]) -> dict:
+    """A reward function's other returned entries as batch columns (verl's reward_extra_info: ``np.array`` of
+    each key's values), for the keys every row returned (gdpo's components, a dynamic-sampling metric)."""
+    if not entries:
+        return {}
+    keys = set(entries[0]).intersection(*entries[1:])
+    return {k: np.array([e[k] for e in entries]) for k in sorted(keys, key=str) if isinstance(k, str)}
 
 
 def _describe_row(batch: Batch, tokenizer, responses: list[str], row: int) -> str:
@@ -107,6 +122,9 @@ def rollout_metrics(batch: Batch) -> dict:
         **({"reward/rule_score_mean": t["rule_scores"].mean().item()} if "rule_scores" in t else {}),
         "response/length_mean": mask.sum(-1).mean().item(),
     }
+    if "overlong_reward" in t:  # reward.overlong_buffer.log: DAPO's overlong penalty (verl's overlong_reward)
+        out["reward/overlong_reward_mean"] = t["overlong_reward"].mean().item()
+        out["reward/overlong_fraction"] = (t["overlong_reward"] < 0).float().mean().item()
     if "entropy" in t:  # else the update reports it (reuse_on_policy_log_prob)
         out["actor/entropy"] = masked_mean(t["entropy"], mask).item()
     if "values" in t:

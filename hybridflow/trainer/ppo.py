@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from hybridflow.algorithms import make_kl_controller
+from hybridflow.algorithms.rollout_correction import active as rollout_correction_active
+from hybridflow.algorithms.rollout_correction import check_config as check_rollout_correction, correct
 from hybridflow.data.dataset import PromptDataset
 from hybridflow.protocol import Batch
 from hybridflow.rewards import SourceRouter, on_last_token
+from hybridflow.rewards.overlong import overlong_penalty
 from hybridflow.trainer.balance import balance_batch
+from hybridflow.trainer.dynamic_sampling import check_config as check_filter_groups, fill_batch
 from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, as_group_ids, rollout_metrics,
                                           score_responses)
 from hybridflow.trainer.metrics import Timer
@@ -44,26 +50,27 @@ class PPODriver:
             for data in (self.train_data, self.val_data):
                 if data is not None:
                     self.train_scorer.check_dataset(data)
+        ob = cfg.reward.overlong_buffer
+        if ob.enable and ob.len > d.max_response_length:
+            raise ValueError(f"reward.overlong_buffer.len ({ob.len}) must be <= data.max_response_length "
+                             f"({d.max_response_length})")
+        check_filter_groups(cfg.algorithm.filter_groups, cfg.algorithm)
+        check_rollout_correction(cfg.algorithm.rollout_correction, cfg.actor.policy_loss.loss_mode,
+                                 cfg.rollout.temperature)
+        self._more_prompts = None  # dynamic sampling's own prompt stream, when step() is given none
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
         self.actor_rollout.sync_weights()  # vLLM starts with dummy weights: deliver the actor's
 
     # The paper's few-line PPO: generate, score, prepare experience, update critic and actor, and push
     # the new actor weights into the rollout engine.
-    def step(self, prompts: Batch, step: int, t: Timer) -> tuple[dict, int]:
+    def step(self, prompts: Batch, step: int, t: Timer, more_prompts: Iterator[Batch] | None = None
+             ) -> tuple[dict, int]:
+        """One step on ``prompts``; DAPO's dynamic sampling draws further prompt batches from ``more_prompts``."""
         cfg, algo = self.cfg, self.cfg.algorithm
-        prompts.non_tensors["uid"] = as_group_ids(len(prompts), 1, step)
-        with t("gen"):
-            batch = self.actor_rollout.generate(prompts.repeat(cfg.rollout.n, interleave=True))
-        metrics = dict(batch.meta.pop("memory", {}))
-        with t("reward"):
-            batch = self.reward(batch)
-            if algo.adv_estimator == "remax":
-                batch = batch.union(self.greedy_baseline(prompts))
+        batch, metrics = self.rollout(prompts, step, t, more_prompts)
         batch = balance_batch(batch, cfg, self.actor_rollout.dispatch_infos()[0]["dp_size"], metrics)
-        if not self.update_is_on_policy:
-            with t("old_log_prob"):
-                batch = batch.union(self.actor_rollout.compute_log_prob(batch))
+        batch = self.add_old_log_probs(batch, t)
         if self.needs_ref:
             with t("ref"):
                 batch = batch.union(self.actor_rollout.compute_ref_log_prob(batch))
@@ -77,6 +84,7 @@ class PPODriver:
                 metrics.update({"actor/ref_kl": kl, "actor/kl_coef": self.kl_ctrl.value})
             else:
                 batch = batch.union(Batch.from_dict(tensors={"token_level_rewards": batch.tensors["token_level_scores"]}))
+            batch = self.correct_rollout(batch, metrics)
             batch = add_advantages(batch, algo)
         if self.critic is not None:
             with t("update_critic"):
@@ -88,12 +96,64 @@ class PPODriver:
         metrics.update(rollout_metrics(batch))
         return metrics, int(batch.tensors["attention_mask"].sum())
 
+    def rollout(self, prompts: Batch, step: int, t: Timer, more_prompts: Iterator[Batch] | None) -> tuple[Batch, dict]:
+        """rollout.n scored responses per prompt; with algorithm.filter_groups (DAPO's dynamic sampling) only
+        groups whose metric varies, generating from ``more_prompts`` until data.batch_size groups are held."""
+        cfg, metrics = self.cfg, {}
+
+        def generate(prompts: Batch, gen: int) -> Batch:
+            prompts.non_tensors["uid"] = as_group_ids(len(prompts), 1, step if gen == 0 else f"{step}.{gen}")
+            with t("gen"):
+                batch = self.actor_rollout.generate(prompts.repeat(cfg.rollout.n, interleave=True))
+            metrics.update(batch.meta.pop("memory", {}))
+            with t("reward"):
+                batch = self.reward(batch)
+                if cfg.algorithm.adv_estimator == "remax":
+                    batch = batch.union(self.greedy_baseline(prompts))
+            return batch
+
+        fg = cfg.algorithm.filter_groups
+        if not fg.enable:
+            return generate(prompts, 0), metrics
+        if more_prompts is None:  # a caller without its prompt stream: a seeded shuffled stream of our own
+            if self._more_prompts is None:
+                self._more_prompts = self.train_data.iterate(cfg.data.batch_size, shuffle=True, seed=cfg.trainer.seed + 1)
+            more_prompts = self._more_prompts
+        batch, sampling = fill_batch(prompts, more_prompts, generate, n=cfg.rollout.n, batch_size=cfg.data.batch_size,
+                                     metric=fg.metric, max_num_gen_batches=fg.max_num_gen_batches)
+        return batch, {**metrics, **sampling}
+
+    def add_old_log_probs(self, batch: Batch, t: Timer) -> Batch:
+        """The old log-probs: vLLM's own in rollout_correction.bypass_mode, none when the update's own are them
+        (``update_is_on_policy``), else the actor's forward."""
+        if self.cfg.algorithm.rollout_correction.bypass_mode:
+            return batch.union(Batch.from_dict(tensors={"old_log_probs": batch.tensors["rollout_log_probs"]}))
+        if self.update_is_on_policy:
+            return batch
+        with t("old_log_prob"):
+            return batch.union(self.actor_rollout.compute_log_prob(batch))
+
+    def correct_rollout(self, batch: Batch, metrics: dict) -> Batch:
+        """verl's decoupled rollout correction: the trainer's old log-probs against vLLM's, measured, and with
+        rollout_is/rollout_rs set, IS weights added and rejected tokens taken out of the response mask. Without
+        old log-probs of its own (on-policy reuse) the update measures it; in bypass mode its loss does both."""
+        t, rc = batch.tensors, self.cfg.algorithm.rollout_correction
+        if rc.bypass_mode or "old_log_probs" not in t or "rollout_log_probs" not in t:
+            return batch
+        weights, mask, m = correct(t["old_log_probs"], t["rollout_log_probs"], t["response_mask"], rc)
+        metrics.update(m)
+        tensors = {**t, "response_mask": mask, **({} if weights is None else {"rollout_is_weights": weights})}
+        return Batch(tensors=tensors, non_tensors=batch.non_tensors, meta=batch.meta)
+
     @property
     def update_is_on_policy(self) -> bool:
-        """The actor's one update sees exactly the rollout's weights: its own log-probs are the old ones."""
-        a, cfg = self.cfg.actor, self.cfg
+        """The actor's one update sees exactly the rollout's weights: its own log-probs are the old ones.
+        Not with rollout-correction weights or rejection (computed on the whole batch before the update) nor
+        for the optimal token baselines (their advantages need the forward's sum_pi_squared)."""
+        a, cfg, algo = self.cfg.actor, self.cfg, self.cfg.algorithm
         return (a.reuse_on_policy_log_prob and a.ppo_epochs == 1 and a.ppo_mini_batch_size >= cfg.data.batch_size
-                and not cfg.algorithm.use_kl_in_reward)
+                and not algo.use_kl_in_reward and not rollout_correction_active(algo.rollout_correction)
+                and algo.adv_estimator not in ("optimal_token_baseline", "tir_optimal_token_baseline"))
 
     @property
     def needs_ref(self) -> bool:
@@ -101,8 +161,10 @@ class PPODriver:
 
     def reward(self, batch: Batch) -> Batch:
         """Training reward: the reward model's score when enabled, else the custom function or rule
-        scorer; the rule accuracy is reported either way."""
+        scorer with DAPO's overlong shaping when reward.overlong_buffer.enable; the rule accuracy is reported
+        either way."""
         batch = score_responses(batch, self.tokenizer, self.train_scorer)
+        batch = self.shape_overlong(batch)
         if self.reward_model is None:
             return batch
         rule = batch.tensors["scores"]
@@ -110,6 +172,19 @@ class PPODriver:
         token = on_last_token(rm, batch.tensors["response_mask"])
         out = Batch.from_dict(tensors={"scores": rm, "token_level_scores": token, "rule_scores": rule})
         return Batch(tensors={**batch.tensors, **out.tensors}, non_tensors=batch.non_tensors, meta=batch.meta)
+
+    def shape_overlong(self, batch: Batch) -> Batch:
+        """``token_level_scores`` + DAPO's overlong penalty (rewards/overlong.py); ``scores`` stay the scorer's
+        (validation accuracy, ``reward/score_mean``)."""
+        ob = self.cfg.reward.overlong_buffer
+        if not ob.enable:
+            return batch
+        mask = batch.tensors["response_mask"]
+        penalty = overlong_penalty(mask.sum(-1), self.cfg.data.max_response_length, ob.len, ob.penalty_factor)
+        tensors = {**batch.tensors, "token_level_scores": batch.tensors["token_level_scores"] + on_last_token(penalty, mask)}
+        if ob.log:
+            tensors["overlong_reward"] = penalty
+        return Batch(tensors=tensors, non_tensors=batch.non_tensors, meta=batch.meta)
 
     def greedy_baseline(self, prompts: Batch) -> Batch:
         """ReMax: the reward of a greedy response per prompt, repeated for its n samples."""

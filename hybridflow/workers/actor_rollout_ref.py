@@ -45,6 +45,15 @@ def responses_to_batch(prompts: Batch, responses: list[list[int]], max_len: int,
     })
 
 
+def rollout_log_probs(log_probs: list[list[float]], response_mask: torch.Tensor) -> torch.Tensor:
+    """vLLM's per-token log-probs as a float32 [b, R] tensor aligned with ``responses``, 0 at padding (a
+    response cut at EOS or max length keeps the log-probs of the tokens it keeps)."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    for i, (lp, n) in enumerate(zip(log_probs, response_mask.sum(-1).tolist())):
+        out[i, :n] = torch.tensor(lp[:n], dtype=torch.float32)
+    return out
+
+
 class ActorRolloutRefWorker(Worker):
     def __init__(self, cfg, with_ref: bool = True):
         super().__init__()
@@ -128,10 +137,13 @@ class ActorRolloutRefWorker(Worker):
         ids, mask = prompts.tensors["input_ids"], prompts.tensors["attention_mask"].bool()
         prompt_ids = [row[m].tolist() for row, m in zip(ids, mask)]
         self.rollout.wake_up(["weights", "kv_cache"])
-        outs = self.rollout.generate(prompt_ids, sampling)
+        # sampled rollouts carry vLLM's log-prob of each token (rollout correction); greedy ones need none
+        outs = self.rollout.generate_with_log_probs(prompt_ids, sampling, log_probs=sampling.temperature > 0)
         self.rollout.sleep()
-        new = responses_to_batch(prompts, outs, self.cfg.data.max_response_length,
+        new = responses_to_batch(prompts, [o for o, _ in outs], self.cfg.data.max_response_length,
                                  self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
+        if sampling.temperature > 0:
+            new.tensors["rollout_log_probs"] = rollout_log_probs([lp for _, lp in outs], new.tensors["response_mask"])
         kept = {k: v for k, v in prompts.tensors.items() if k not in new.tensors}
         return Batch(tensors={**kept, "prompts": ids, **new.tensors}, non_tensors=prompts.non_tensors,
                      meta={**prompts.meta, "memory": device.memory_stats("memory/generate")})
@@ -140,8 +152,12 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        out = role_ops.log_probs(self.actor, batch, role_ops.log_prob_batching(self.cfg.actor), with_entropy=True)
-        return role_ops.last_stage_batch(old_log_probs=out["log_probs"], entropy=out["entropy"])
+        # the optimal token baselines also need sum_vocab p^2 per position (verl's actor.calculate_sum_pi_squared)
+        otb = self.cfg.algorithm.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline")
+        out = role_ops.log_probs(self.actor, batch, role_ops.log_prob_batching(self.cfg.actor), with_entropy=True,
+                                 with_sum_pi_squared=otb)
+        extra = {"sum_pi_squared": out["sum_pi_squared"]} if otb else {}
+        return role_ops.last_stage_batch(old_log_probs=out["log_probs"], entropy=out["entropy"], **extra)
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
@@ -151,7 +167,7 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def update_actor(self, batch: Batch) -> dict:
         metrics = role_ops.update_policy(self.actor, batch, self.cfg.actor, parallel.dispatch_info()["dp_size"],
-                                         self.cfg.rollout.n)
+                                         self.cfg.rollout.n, rollout_correction=self.cfg.algorithm.rollout_correction)
         return {**metrics, **device.memory_stats("memory/update_actor")}
 
     @register(Dispatch.ONE_TO_ALL)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from hybridflow import device
 from hybridflow.algorithms import (POLICY_LOSSES, GlobalBatch, aggregate_loss, kl_penalty, masked_mean,
                                    value_loss)
+from hybridflow.algorithms.rollout_correction import compute_policy_loss_bypass_mode, mismatch_metrics
 from hybridflow.megatron.model import te_available
 from hybridflow.megatron.role import MegatronRole, token_log_probs, vocab_parallel_entropy
 from hybridflow.protocol import Batch
@@ -36,6 +37,25 @@ def response_log_probs(logits: torch.Tensor, mb: dict) -> torch.Tensor:
 
 def response_entropy(logits: torch.Tensor, mb: dict) -> torch.Tensor:
     return _valid(vocab_parallel_entropy(_picked(logits, mb)), mb)
+
+
+def response_sum_pi_squared(logits: torch.Tensor, mb: dict) -> torch.Tensor:
+    """sum over the vocabulary of p^2 at each response position [N, R] (verl's actor.calculate_sum_pi_squared,
+    the optimal token baselines' input), from vocab-parallel logits without gradient: S2 / S0^2 with
+    S0 = sum exp(z - m), S2 = sum exp(2 (z - m)), both summed over the TP ranks (m the global max), as
+    ``vocab_parallel_entropy`` sums its statistics."""
+    from megatron.core import parallel_state as ps
+
+    z = _picked(logits, mb).detach().float()
+    m = z.max(dim=-1, keepdim=True).values
+    tp = ps.get_tensor_model_parallel_world_size() > 1
+    if tp:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    e = (z - m).exp()
+    stats = torch.stack([e.sum(-1), (e * e).sum(-1)])
+    if tp:
+        dist.all_reduce(stats, group=ps.get_tensor_model_parallel_group())
+    return _valid(stats[1] / stats[0] ** 2, mb)
 
 
 def response_values(values: torch.Tensor, mb: dict) -> torch.Tensor:
@@ -101,18 +121,23 @@ def _update_batching(role_cfg, name: str) -> int | TokenBudget:
     return role_cfg.ppo_micro_batch_size_per_gpu
 
 
-def log_probs(role: MegatronRole, batch: Batch, micro: int | TokenBudget, with_entropy: bool = False) -> dict:
-    """{'log_probs': [b, R], 'entropy': [b, R]} of the response tokens (None off the last stage);
-    ``micro``: rows per micro-batch, or a token budget (``log_prob_batching``)."""
+def log_probs(role: MegatronRole, batch: Batch, micro: int | TokenBudget, with_entropy: bool = False,
+              with_sum_pi_squared: bool = False) -> dict:
+    """{'log_probs': [b, R], 'entropy': [b, R], 'sum_pi_squared': [b, R]} of the response tokens (the last two
+    when asked; None off the last stage); ``micro``: rows per micro-batch, or a token budget
+    (``log_prob_batching``)."""
     def output_fn(mb, logits):
         out = {"log_probs": response_log_probs(logits, mb)}
         if with_entropy:
             out["entropy"] = response_entropy(logits, mb)
+        if with_sum_pi_squared:
+            out["sum_pi_squared"] = response_sum_pi_squared(logits, mb)
         return out
 
     mbs, order = _micro_batches(role, batch, micro)
     outs = role.forward(mbs, output_fn)
-    return {k: _gathered(outs, k, order) for k in (("log_probs", "entropy") if with_entropy else ("log_probs",))}
+    keys = ("log_probs",) + (("entropy",) if with_entropy else ()) + (("sum_pi_squared",) if with_sum_pi_squared else ())
+    return {k: _gathered(outs, k, order) for k in keys}
 
 
 def values(role: MegatronRole, batch: Batch, micro: int | TokenBudget):
@@ -176,27 +201,46 @@ def _train(role, batch, *, name, mini_batch_size, micro, epochs, keys, loss_fn, 
     return metrics
 
 
-def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rollout_n: int = 1) -> dict:
+def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rollout_n: int = 1,
+                  rollout_correction=None) -> dict:
     """PPO clipped policy loss (- entropy_coeff x entropy, + optional KL-to-reference loss) over mini-batches of
     this DP shard; a mini-batch is ``ppo_mini_batch_size`` prompts with their ``rollout_n`` responses each
     (verl's meaning). The entropy bonus is verl 0.9.1's (workers/utils/losses.py ``ppo_loss``): the entropy
-    of the response tokens, with its gradient, aggregated with ``loss_agg_mode`` over the mini-batch."""
-    a = actor_cfg
+    of the response tokens, with its gradient, aggregated with ``loss_agg_mode`` over the mini-batch.
+
+    Rollout correction (``algorithm.rollout_correction``, algorithms/rollout_correction.py): the batch's
+    ``rollout_is_weights`` go to the loss, as verl passes them; in ``bypass_mode`` the old log-probs are the
+    rollout's and verl's bypass loss replaces ``loss_mode``; an on-policy update measures the mismatch of its
+    own (detached) log-probs to the rollout's, per micro-batch (averaged, as verl's bypass metrics are)."""
+    a, rc = actor_cfg, rollout_correction
+    bypass = rc is not None and rc.bypass_mode
     # Without old log-probs the update is on-policy (PPODriver.update_is_on_policy): its own log-probs,
     # detached, are the old ones (ratio 1, the same gradient), and it reports the entropy the skipped
     # forward would have.
     on_policy = "old_log_probs" not in batch.tensors
+    measure = on_policy and "rollout_log_probs" in batch.tensors
     keys = ["advantages", "response_mask"] + ([] if on_policy else ["old_log_probs"]) + (
-        ["ref_log_prob"] if a.use_kl_loss else [])
+        ["ref_log_prob"] if a.use_kl_loss else []) + (["rollout_log_probs"] if measure else []) + (
+        ["rollout_is_weights"] if "rollout_is_weights" in batch.tensors else [])
 
     def loss_fn(mb, logits, whole):
         log_prob = response_log_probs(logits, mb)
         mask = mb["response_mask"]
         old = log_prob.detach() if on_policy else mb["old_log_probs"]
-        # actor.policy_loss.loss_mode picks the loss; each reads its settings from the actor config
-        loss, m = POLICY_LOSSES.get(a.policy_loss.loss_mode)(
-            old, log_prob, mb["advantages"], mask, loss_agg_mode=a.loss_agg_mode, config=a, global_batch=whole)
-        metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
+        if bypass:  # verl's apply_bypass_mode: loss_mode becomes bypass_mode
+            loss, m = compute_policy_loss_bypass_mode(old, log_prob, mb["advantages"], mask, loss_agg_mode=a.loss_agg_mode,
+                                                      config=a, global_batch=whole, rollout_correction=rc)
+        else:  # actor.policy_loss.loss_mode picks the loss; each reads its settings from the actor config
+            weights = {"rollout_is_weights": mb["rollout_is_weights"]} if "rollout_is_weights" in mb else {}
+            loss, m = POLICY_LOSSES.get(a.policy_loss.loss_mode)(
+                old, log_prob, mb["advantages"], mask, loss_agg_mode=a.loss_agg_mode, config=a, global_batch=whole,
+                **weights)
+        # names with a section (rollout_corr/..., training/...) are logged as they are, as verl does
+        metrics = {"actor/pg_loss": loss.detach(), **{k if "/" in k else f"actor/{k}": v for k, v in m.items()}}
+        if measure:
+            with torch.no_grad():
+                metrics.update(mismatch_metrics(log_prob.detach(), mb["rollout_log_probs"], mask,
+                                                2.0 if rc is None else rc.rollout_is_threshold))
         entropy = None
         if a.entropy_coeff:
             entropy = response_entropy(logits, mb)

@@ -49,7 +49,9 @@ class _TENamed:
     def state_dict(self):
         from hybridflow.megatron import convert
 
-        sd = convert.model_names(self.module.state_dict(), ["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"])
+        local = self.module.state_dict()
+        te_keys = [convert._rename(k, convert._te_norm_renames()) for k in local]  # a TE-built model's names
+        sd = convert.model_names(local, te_keys)
         assert any(k.endswith("linear_qkv.layer_norm_weight") for k in sd) and not any("layernorm." in k and
                                                                                        "final" not in k for k in sd)
         return {**sd, "decoder.layers.0.self_attention.linear_qkv._extra_state": torch.zeros(3)}

@@ -106,7 +106,8 @@ def _hf_greedy(hf_dir: str, state: dict, eos: int, pad: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    model.load_state_dict(state)
+    if state is not None:  # None: the folder's own weights
+        model.load_state_dict(state)
     with torch.no_grad():
         return [model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=eos,
                                pad_token_id=pad)[0, len(prompt):].tolist() for prompt in PROMPTS]

@@ -1,0 +1,290 @@
+"""Rollout correction: the mismatch between the rollout engine's probabilities (vLLM's log-prob of each sampled
+token) and the trainer's, measured, and corrected by truncated importance sampling and rejection, as verl
+0.9.1's ``trainer/ppo/rollout_corr_helper.py`` and its ``bypass_mode`` loss (``core_algos.py``) do.
+
+With ``log_ratio = log pi_train - log pi_rollout`` per response token:
+
+* IS weights (``rollout_is``): ``token``: ``exp(log_ratio)``; ``sequence``: ``exp(sum of the row's log_ratio)``
+  on every token of the row; both exponentiated after clamping to +-20, zero on padding, then truncated at the
+  threshold (``min(w, upper)``, TIS) or, for a ``"lower_upper"`` threshold, zeroed outside ``[lower, upper]``
+  (IcePop); detached; optionally divided by their batch mean (``rollout_is_batch_normalize``: the token mean,
+  or the mean of the per-row weights for ``sequence``).
+* Rejection (``rollout_rs``, comma-separated options, all must pass): ``token_k{1,2,3}``, ``seq_sum_k{1,2,3}``,
+  ``seq_mean_k{1,2,3}``, ``seq_max_k{2,3}`` with ``k1 = -log_ratio``, ``k2 = log_ratio^2 / 2``,
+  ``k3 = exp(log_ratio) - 1 - log_ratio``; ``k1`` options keep ``log(lower) <= stat <= log(upper)`` (a single
+  threshold t means ``1/t_t``), the others ``stat <= upper``. Rejected tokens (or whole rows) leave the
+  response mask the loss is aggregated with.
+* Metrics: verl's names under ``rollout_corr/`` (``kl``, ``k3_kl``, ``*_ppl``, ``chi2_*``, ``rollout_is_*``,
+  ``rollout_rs_*``) and verl's ``training/rollout_probs_diff_*``, plus ``rollout_corr/token_ratio_max|min``
+  and the fraction of tokens and of rows with a token whose ratio is outside ``[1/t, t]`` (t the IS
+  threshold's upper bound), which verl reports only with IS on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from .aggregation import GlobalBatch, aggregate_loss
+from .masked import masked_mean, masked_sum
+from .policy_loss import compute_policy_loss_vanilla
+
+Tensor = torch.Tensor
+SAFETY_BOUND = 20.0  # verl's: exp(+-20) bounds every exponentiated log-ratio
+RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+              "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+
+
+def parse_is_threshold(spec) -> Tuple[float, Optional[float]]:
+    """``(upper, lower)`` of ``rollout_is_threshold``: a number (TIS, lower None) or ``"lower_upper"`` (IcePop)."""
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold must be a number or 'lower_upper', "
+                         f"got {spec!r}")
+    text = str(spec).strip()
+    try:
+        lower, upper = (float(x) for x in text.split("_", 1)) if "_" in text else (None, float(text))
+    except ValueError:
+        raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold {spec!r} is not a number or "
+                         "'lower_upper'") from None
+    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+        raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold {spec!r}: bounds must be positive, "
+                         "lower <= upper")
+    return upper, lower
+
+
+def parse_rs(options: str, spec) -> Dict[str, Tuple[Optional[float], float]]:
+    """``{option: (lower, upper)}`` of ``rollout_rs`` / ``rollout_rs_threshold`` (one threshold for all options,
+    or one per option, comma-separated)."""
+    names = list(dict.fromkeys(o.strip() for o in str(options).split(",") if o.strip()))
+    unknown = [o for o in names if o not in RS_OPTIONS]
+    if not names or unknown:
+        raise ValueError(f"algorithm.rollout_correction.rollout_rs {options!r}: options must be among {list(RS_OPTIONS)}")
+    if spec is None:
+        raise ValueError("algorithm.rollout_correction.rollout_rs_threshold must be set when rollout_rs is")
+    specs = [s.strip() for s in str(spec).split(",") if s.strip()]
+    if len(specs) not in (1, len(names)):
+        raise ValueError(f"algorithm.rollout_correction.rollout_rs_threshold {spec!r}: one value, or one per "
+                         f"rollout_rs option ({len(names)})")
+    specs = specs * len(names) if len(specs) == 1 else specs
+    out = {}
+    for name, s in zip(names, specs):
+        try:
+            if name.endswith("k1"):
+                lower, upper = (float(x) for x in s.split("_", 1)) if "_" in s else (1.0 / float(s), float(s))
+            elif "_" in s:
+                raise ValueError
+            else:
+                lower, upper = None, float(s)
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"algorithm.rollout_correction.rollout_rs_threshold {s!r} for {name}: a positive "
+                             "number (k1 options: also 'lower_upper')") from None
+        if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+            raise ValueError(f"algorithm.rollout_correction.rollout_rs_threshold {s!r} for {name}: bounds must be "
+                             "positive, lower <= upper")
+        out[name] = (lower, upper)
+    return out
+
+
+def _masked_max(x: Tensor, mask: Tensor) -> Tensor:
+    return x.masked_fill(~mask.bool(), float("-inf")).max()
+
+
+def _masked_min(x: Tensor, mask: Tensor) -> Tensor:
+    return x.masked_fill(~mask.bool(), float("inf")).min()
+
+
+def is_weights(log_ratio: Tensor, mask: Tensor, level: str = "token", threshold=2.0,
+               batch_normalize: bool = False) -> Tuple[Tensor, Dict[str, float]]:
+    """Truncated (or IcePop-masked) importance weights ``pi_train / pi_rollout`` [B, R] and their metrics."""
+    upper, lower = parse_is_threshold(threshold)
+    mask = mask.to(log_ratio.dtype)
+    if level == "token":
+        raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    elif level == "sequence":
+        seq_log_ratio = masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1)
+        raw = torch.exp(seq_log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
+    else:
+        raise ValueError(f"algorithm.rollout_correction.rollout_is must be token or sequence, got {level!r}")
+    raw = raw * mask
+    if lower is None:
+        weights = raw.clamp(max=upper)
+    else:
+        weights = torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
+    weights = weights.detach()
+    low = 1.0 / upper if lower is None else lower
+    m = {"rollout_is_mean": masked_mean(weights, mask).item(),
+         "rollout_is_max": _masked_max(weights, mask).item(), "rollout_is_min": _masked_min(weights, mask).item(),
+         "rollout_is_ratio_fraction_high": masked_mean((raw > upper).to(mask.dtype), mask).item(),
+         "rollout_is_ratio_fraction_low": masked_mean((raw < low).to(mask.dtype), mask).item()}
+    if level == "sequence":  # verl: the max in log space, unclamped by the threshold; fractions per row
+        seq_log_ratio = seq_log_ratio.squeeze(-1)
+        m["rollout_is_max"] = math.exp(min(seq_log_ratio.max().item(), SAFETY_BOUND))
+        m["rollout_is_min"] = math.exp(seq_log_ratio.min().item())
+        m["rollout_is_ratio_fraction_high"] = (seq_log_ratio > math.log(upper)).double().mean().item()
+        m["rollout_is_ratio_fraction_low"] = (seq_log_ratio < math.log(low)).double().mean().item()
+    clipped = weights.clamp(0.0, upper)  # verl's ESS: of the applied weights, normalized to mean 1
+    m["rollout_is_eff_sample_size"] = 1.0 / masked_mean((clipped / (masked_mean(clipped, mask) + 1e-8)) ** 2, mask).item()
+    if lower is not None:
+        m["rollout_is_oob_ratio"] = masked_mean(((raw < lower) | (raw > upper)).to(mask.dtype), mask).item()
+    if batch_normalize:
+        if level == "token":
+            mean = masked_mean(weights, mask)
+        else:
+            rows = (mask.sum(-1) > 0).to(weights.dtype)
+            mean = (masked_mean(weights, mask, dim=-1) * rows).sum() / rows.sum().clamp(min=1e-8)
+        if mean > 1e-8:
+            weights = weights / mean
+        m["rollout_is_batch_norm_factor"] = mean.item() if mean > 1e-8 else 1.0
+    return weights, m
+
+
+def rejection_mask(log_ratio: Tensor, mask: Tensor, options: str, threshold) -> Tuple[Tensor, Dict[str, float]]:
+    """``mask`` with the tokens (or rows) that fail any ``rollout_rs`` option set to 0, and the metrics."""
+    specs = parse_rs(options, threshold)
+    lr = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    fmask = mask.to(lr.dtype)
+    stats = {"k1": -lr, "k2": 0.5 * lr ** 2, "k3": torch.exp(lr) - 1.0 - lr}
+    neg_inf = torch.tensor(float("-inf"), dtype=lr.dtype, device=lr.device)
+    keep_all = torch.ones_like(fmask)
+    valid_rows = mask.sum(-1) > 0
+    m: Dict[str, float] = {}
+    for name, (lower, upper) in specs.items():
+        stat = stats[name[-2:]]
+        if name.startswith("seq_sum"):
+            stat = masked_sum(stat, fmask, dim=-1).unsqueeze(-1)
+        elif name.startswith("seq_mean"):
+            stat = masked_mean(stat, fmask, dim=-1).unsqueeze(-1)
+        elif name.startswith("seq_max"):
+            top = stat.masked_fill(~mask.bool(), neg_inf).max(-1).values
+            stat = torch.where(top == neg_inf, torch.zeros_like(top), top).unsqueeze(-1)
+        if lower is not None:  # k1: bounds on the log-ratio
+            keep = (stat >= math.log(lower)) & (stat <= math.log(upper))
+        else:
+            keep = stat <= upper
+        keep = keep.expand_as(fmask).to(fmask.dtype)
+        keep_all = keep_all * keep
+        prefix = f"rollout_rs_{name}"
+        per_token = stat.expand_as(fmask)
+        m[f"{prefix}_mean"] = masked_mean(per_token, fmask).item()
+        m[f"{prefix}_max"] = _masked_max(per_token, fmask).item()
+        m[f"{prefix}_min"] = _masked_min(per_token, fmask).item()
+        m[f"{prefix}_masked_fraction"] = masked_mean(1 - keep, fmask).item()
+        m[f"{prefix}_seq_masked_fraction"] = (((keep < 0.5) & mask.bool()).any(-1) & valid_rows).double().sum().item() \
+            / max(int(valid_rows.sum()), 1)
+    m["rollout_rs_masked_fraction"] = masked_mean(1 - keep_all, fmask).item()
+    m["rollout_rs_seq_masked_fraction"] = ((keep_all < 0.5) & mask.bool()).any(-1).double().mean().item()
+    return (mask * keep_all).to(mask.dtype), m
+
+
+def mismatch_metrics(train_log_prob: Tensor, rollout_log_prob: Tensor, mask: Tensor, threshold=2.0) -> Dict[str, float]:
+    """How far the trainer's log-probs are from the rollout's (verl's ``compute_offpolicy_metrics`` and
+    ``calculate_debug_metrics``, plus the ratio range and the share of tokens and rows beyond the threshold);
+    keys without the ``rollout_corr/`` prefix, except verl's ``training/*``."""
+    upper, lower = parse_is_threshold(threshold)
+    lower = 1.0 / upper if lower is None else lower
+    fmask = mask.to(train_log_prob.dtype)
+    log_ratio = train_log_prob - rollout_log_prob
+    mean_train = masked_mean(train_log_prob, fmask, dim=-1)
+    mean_rollout = masked_mean(rollout_log_prob, fmask, dim=-1)
+    log_ppl_diff = mean_rollout - mean_train
+    safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    seq_sum = masked_sum(log_ratio, fmask, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    beyond = ((log_ratio > math.log(upper)) | (log_ratio < math.log(lower))) & mask.bool()
+    m = {"training_ppl": torch.exp(-mean_train).mean().item(), "training_log_ppl": (-mean_train).mean().item(),
+         "kl": masked_mean(-log_ratio, fmask).item(),
+         "k3_kl": masked_mean(torch.exp(log_ratio) - log_ratio - 1, fmask).item(),
+         "rollout_ppl": torch.exp(-mean_rollout).mean().item(), "rollout_log_ppl": (-mean_rollout).mean().item(),
+         "log_ppl_diff": log_ppl_diff.mean().item(), "log_ppl_abs_diff": log_ppl_diff.abs().mean().item(),
+         "log_ppl_diff_max": log_ppl_diff.max().item(), "log_ppl_diff_min": log_ppl_diff.min().item(),
+         "ppl_ratio": torch.exp(log_ppl_diff).mean().item(),
+         "chi2_token": (masked_mean(torch.exp(safe) ** 2, fmask) - 1.0).item(),
+         "chi2_seq": (torch.exp(2.0 * seq_sum).mean() - 1.0).item(),
+         "token_ratio_max": math.exp(min(_masked_max(log_ratio, fmask).item(), SAFETY_BOUND)),
+         "token_ratio_min": math.exp(max(_masked_min(log_ratio, fmask).item(), -SAFETY_BOUND)),
+         "token_fraction_beyond_threshold": masked_mean(beyond.to(fmask.dtype), fmask).item(),
+         "seq_fraction_beyond_threshold": beyond.any(-1).double().mean().item()}
+    out = {f"rollout_corr/{k}": v for k, v in m.items()}
+    probs_diff = (torch.exp(train_log_prob) - torch.exp(rollout_log_prob)).abs()[mask.bool()]
+    out.update({"training/rollout_probs_diff_max": probs_diff.max().item(),
+                "training/rollout_probs_diff_mean": probs_diff.mean().item(),
+                "training/rollout_probs_diff_std": probs_diff.std().item() if probs_diff.numel() > 1 else 0.0})
+    return out
+
+
+def active(rc: Any) -> bool:
+    """Whether ``algorithm.rollout_correction`` changes the update (weights, rejection or bypass), rather than
+    only measuring."""
+    return rc is not None and (rc.rollout_is is not None or rc.rollout_rs is not None or rc.bypass_mode)
+
+
+def correct(old_log_prob: Tensor, rollout_log_prob: Tensor, mask: Tensor, rc: Any,
+            ) -> Tuple[Optional[Tensor], Tensor, Dict[str, float]]:
+    """verl's ``compute_rollout_correction_and_rejection_mask`` with ``algorithm.rollout_correction`` ``rc``:
+    (IS weights or None, the response mask after rejection, metrics with their logging names)."""
+    log_ratio = old_log_prob - rollout_log_prob
+    metrics, weights, kept = {}, None, mask
+    if rc.rollout_is is not None:
+        weights, m = is_weights(log_ratio, mask, rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize)
+        metrics.update(m)
+    if rc.rollout_rs is not None:
+        kept, m = rejection_mask(log_ratio, mask, rc.rollout_rs, rc.rollout_rs_threshold)
+        metrics.update(m)
+    metrics = {f"rollout_corr/{k}": v for k, v in metrics.items()}
+    # the mismatch over every response token, rejected ones included (verl's off-policy metrics)
+    metrics.update(mismatch_metrics(old_log_prob, rollout_log_prob, mask, rc.rollout_is_threshold))
+    return weights, kept, metrics
+
+
+def _tensor_metrics(metrics: Dict[str, float], like: Tensor) -> Dict[str, Tensor]:
+    return {k: torch.tensor(v, dtype=like.dtype) for k, v in metrics.items()}
+
+
+def compute_policy_loss_bypass_mode(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                                    *, loss_agg_mode: str = "token-mean", config: Any = None,
+                                    global_batch: GlobalBatch | None = None,
+                                    rollout_correction: Any = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """verl 0.9.1's ``bypass_mode`` loss: ``old_log_prob`` are the rollout's log-probs (no old-log-prob forward).
+    The IS weights and rejection mask of ``rollout_correction`` are computed here against the current
+    (detached) log-probs, per micro-batch; ``loss_type`` ``ppo_clip``: the vanilla PPO loss on the rejected
+    mask (its ratio already is pi/pi_rollout: no IS weights, as verl); ``reinforce``:
+    ``-A * log_prob * w`` aggregated with ``loss_agg_mode``.
+
+    Differences from verl: ``rollout_is_batch_normalize`` divides by the micro-batch's mean weight (verl's by
+    an all-reduce over its default process group); metrics are returned as tensors without ``rollout_corr/``
+    doubling (the caller prefixes ``actor/``)."""
+    rc = rollout_correction
+    if rc is None:
+        raise ValueError("the bypass_mode loss needs algorithm.rollout_correction")
+    with torch.no_grad():
+        weights, mask, metrics = correct(log_prob.detach(), old_log_prob, response_mask, rc)
+    if rc.loss_type == "reinforce":
+        pg = -advantages * log_prob * (weights if weights is not None else 1.0)
+        loss = aggregate_loss(pg, mask, loss_agg_mode, global_batch)
+        out = {"ppo_kl": masked_mean(old_log_prob - log_prob, mask).detach()}
+    elif rc.loss_type == "ppo_clip":
+        loss, out = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, mask, loss_agg_mode=loss_agg_mode,
+                                                config=config, global_batch=global_batch)
+    else:
+        raise ValueError(f"algorithm.rollout_correction.loss_type must be ppo_clip or reinforce, got {rc.loss_type!r}")
+    return loss, {**out, **_tensor_metrics(metrics, log_prob)}
+
+
+def check_config(rc: Any, loss_mode: str, temperature: float) -> None:
+    """One-line errors for an ``algorithm.rollout_correction`` the run cannot honour: malformed thresholds,
+    greedy rollouts (vLLM's log-probs are taken only when sampling), or IS weights for a loss that takes none."""
+    import inspect
+
+    from .registry import POLICY_LOSSES
+
+    parse_is_threshold(rc.rollout_is_threshold)
+    if rc.rollout_rs is not None:
+        parse_rs(rc.rollout_rs, rc.rollout_rs_threshold)
+    if active(rc) and temperature == 0:
+        raise ValueError("algorithm.rollout_correction needs sampled rollouts (rollout.temperature > 0): greedy "
+                         "generation records no rollout log-probs")
+    if rc.rollout_is is not None and not rc.bypass_mode:
+        if "rollout_is_weights" not in inspect.signature(POLICY_LOSSES.get(loss_mode)).parameters:
+            raise ValueError(f"algorithm.rollout_correction.rollout_is={rc.rollout_is!r}: actor.policy_loss.loss_mode "
+                             f"{loss_mode!r} takes no rollout_is_weights")

@@ -1,0 +1,95 @@
+"""DAPO's dynamic sampling (https://arxiv.org/abs/2503.14476): prompt groups whose responses all score alike
+carry no group-relative advantage, so they are dropped and further prompts are generated until the step has
+``data.batch_size`` groups (``algorithm.filter_groups``).
+
+As verl's DAPO recipe trainer (verl-recipe ``dapo/dapo_ray_trainer.py``, run with verl 0.9.1): a group is kept
+when its metric's (population) std is > 0 or it has a single response; whole generation batches of
+``data.batch_size`` prompts are generated; once enough groups are kept the batch is cut to ``batch_size x n``
+rows (the surplus groups of the last generation batch are dropped); reaching ``max_num_gen_batches`` (> 0)
+without a full batch is an error (the recipe raises "Generated too many"), it does not train on a partial
+batch. verl 0.9.1's own v1 replay buffer ignores ``max_num_gen_batches``; the recipe's rule is kept here.
+
+Metrics: ``train/num_gen_batches`` (the recipe's name), ``dynamic_sampling/kept_group_fraction`` (kept groups
+over generated groups, all generation batches of the step) and ``dynamic_sampling/dropped_groups``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+
+from hybridflow.protocol import Batch
+
+# verl's names for the sequence reward before any KL penalty (the recipe's "seq_reward", v1's "reward"), and the
+# reward managers' reward_extra_info entries that hold the scorer's own value ("acc" for a float, "score").
+_SEQ_REWARD = ("reward", "seq_reward", "seq_final_reward")
+_SCORE = ("score", "acc")
+
+
+def group_metric(batch: Batch, metric: str) -> np.ndarray:
+    """Each row's value of ``algorithm.filter_groups.metric``: a column of that name (a reward function's
+    returned entry), else the sequence reward (``reward``/``seq_reward``: the sum of ``token_level_scores``,
+    overlong shaping included; ``seq_final_reward`` is the same here, where it is read before any KL penalty
+    enters the reward) or the scorer's value (``score``/``acc``: ``scores``)."""
+    columns = {**batch.non_tensors, **batch.tensors}
+    if metric in columns:
+        value = columns[metric]
+    elif metric in _SEQ_REWARD:
+        value = batch.tensors["token_level_scores"].sum(-1)
+    elif metric in _SCORE:
+        value = batch.tensors["scores"]
+    else:
+        raise ValueError(f"algorithm.filter_groups.metric {metric!r}: not a batch column ({sorted(columns)}) nor "
+                         f"one of {list(_SEQ_REWARD + _SCORE)}")
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().double().numpy()
+    return np.asarray(value, dtype=np.float64)
+
+
+def informative_groups(batch: Batch, metric: str) -> tuple[np.ndarray, int, int]:
+    """(rows of the kept groups, in batch order; kept groups; all groups) by the rows' ``uid``."""
+    uids, values = batch.non_tensors["uid"], group_metric(batch, metric)
+    by_uid: dict = {}
+    for row, uid in enumerate(uids):
+        by_uid.setdefault(uid, []).append(row)
+    kept = {uid for uid, rows in by_uid.items() if len(rows) == 1 or np.std(values[rows]) > 0}
+    return np.array([r for r, uid in enumerate(uids) if uid in kept], dtype=np.int64), len(kept), len(by_uid)
+
+
+def fill_batch(first: Batch, more: Iterator[Batch] | None, generate: Callable[[Batch, int], Batch], *, n: int,
+               batch_size: int, metric: str, max_num_gen_batches: int) -> tuple[Batch, dict]:
+    """Generate and score (``generate(prompts, gen_index)``) ``first``, then prompts from ``more``, keeping
+    informative groups until ``batch_size`` groups of ``n`` rows are held; returns them and the metrics."""
+    kept_parts, n_kept, n_groups, gen = [], 0, 0, 0
+    prompts = first
+    while True:
+        batch = generate(prompts, gen)
+        gen += 1
+        rows, kept, groups = informative_groups(batch, metric)
+        kept_parts.append(batch[rows])
+        n_kept, n_groups = n_kept + kept, n_groups + groups
+        if n_kept >= batch_size:
+            break
+        if 0 < max_num_gen_batches <= gen:
+            raise RuntimeError(f"dynamic sampling: {n_kept} of data.batch_size={batch_size} prompt groups have a "
+                               f"non-constant {metric!r} after {gen} generation batches "
+                               f"(algorithm.filter_groups.max_num_gen_batches={max_num_gen_batches}): the data may be "
+                               "too hard or too easy; raise max_num_gen_batches or set it to 0 (no limit)")
+        if more is None:
+            raise RuntimeError("dynamic sampling needs further prompt batches, but the caller passed none "
+                               "(PPODriver.step's more_prompts)")
+        prompts = next(more)
+    out = Batch.concat(kept_parts)[: batch_size * n]  # whole groups: a group's n rows are consecutive
+    metrics = {"train/num_gen_batches": gen, "dynamic_sampling/kept_group_fraction": n_kept / n_groups,
+               "dynamic_sampling/dropped_groups": n_groups - n_kept}
+    return out, metrics
+
+
+def check_config(fg, algorithm) -> None:
+    """``seq_final_reward`` is the reward after the KL penalty, which does not exist yet when groups are
+    filtered here (before the old and reference log-probs): refused with KL in the reward."""
+    if fg.enable and fg.metric == "seq_final_reward" and algorithm.use_kl_in_reward:
+        raise ValueError("algorithm.filter_groups.metric 'seq_final_reward' with algorithm.use_kl_in_reward: groups "
+                         "are filtered before the KL penalty is known; use 'seq_reward'")

@@ -1,0 +1,100 @@
+"""Qwen3 (QK-norm) and the MoE models (Qwen3-MoE, Qwen2-MoE) in vLLM: trained with expert parallelism 2 (TP 1
+x DP 2), generated with vLLM TP 2 over the same two ranks (every rank holds every expert, sliced), greedy output
+equal to HF's after the first sync and after an update's in-place reload of the experts. The MoE cases are
+a known vLLM-CPU failure (see _RELOAD_MISMATCH); the transition's shards themselves are checked bit for bit
+in test_moe_resharding.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.spawn import run_ranks
+from tests.distributed.test_vllm_generation_tp import PROMPTS, _hf_greedy
+
+pytestmark = pytest.mark.distributed
+
+ARCHS = ("qwen3", "qwen3_moe", "qwen2_moe")
+
+
+def _rank_fn(rank, world, hf_dir, t_g=2):
+    from hybridflow.megatron import parallel
+    from hybridflow.megatron.role import MegatronRole, OptimSettings, token_log_probs
+    from hybridflow.resharding.plan import HybridPlan, Layout
+    from hybridflow.resharding.transition import Resharder, TransitionStats
+    from hybridflow.resharding.vllm_layout import to_checkpoint_names
+    from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
+    from hybridflow.workers.common import open_hf_folder
+
+    parallel.init_model_parallel(1, 1, seed=1, ep=2)  # TP 1 x DP 2, experts split over the two ranks
+    plan = HybridPlan(Layout(1, 1, 2), 1, t_g)
+    me = plan.ranks[rank]
+    # one engine per process: closing one destroys the torch.distributed world it shares
+    for _ in (0,):
+        cfg, weights = open_hf_folder(hf_dir)
+        role = MegatronRole(cfg, weights, optim=OptimSettings(lr=1e-2))
+        with torch.no_grad():  # away from the checkpoint; one seed: dense params stay equal across DP
+            g = torch.Generator().manual_seed(100)
+            for name, param in sorted(role.module.named_parameters()):
+                param.mul_(1 + 0.3 * torch.rand(param.shape, generator=g))
+            role.module.output_layer.weight.mul_(30)  # peaked logits: greedy has no near-ties
+            for name, param in role.module.named_parameters():
+                if name.endswith("router.weight"):  # decisive routing: no near-tie between two experts
+                    param.mul_(20)
+        rollout = VLLMRollout(hf_dir, max_model_len=32, tensor_parallel_size=t_g, seed=0,
+                              generation_groups=plan.replicas)
+        resharder = Resharder(role.module, cfg, plan, "hybrid")
+        syncs = []
+        for step in range(2):
+            stats = TransitionStats("hybrid")
+            rollout.update_weights(to_checkpoint_names(resharder.stream(stats), cfg, k=me.gen_tp_rank, t_g=t_g,
+                                                       stats=stats))
+            tokens = rollout.generate(PROMPTS, SamplingSettings(temperature=0, max_new_tokens=6))
+            syncs.append(dict(tokens=tokens, hf={k: v.clone() for k, v in role.hf_state_dict().items()}))
+            if step == 0:  # one update on different data per DP rank
+                ids = torch.randint(3, 40, (2, 10), generator=torch.Generator().manual_seed(rank))
+                mb = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                          position_ids=torch.arange(10).expand(2, 10), labels=torch.roll(ids, -1, 1))
+
+                def loss_fn(mb, o):
+                    loss = -token_log_probs(o, mb["labels"]).mean()
+                    return loss, {"loss": loss.detach()}
+
+                role.train([([mb], loss_fn)])
+        rollout.close()
+    return syncs
+
+
+# vLLM-CPU 0.32's in-place reload of MoE experts (reload/layerwise.py over RoutedExperts + GateLinear) gives
+# other numbers than loading the same tensors fresh: on the same Qwen3-MoE weights the first prompt token's
+# log-prob is -18.985 after reload_weights and -19.080 from LLM(model=folder) and from HF (a fresh load equals
+# HF exactly, and the tensors we hand it equal the HF export bit for bit: test_moe_resharding). Strict: the
+# day vLLM fixes it, these start passing and the marker must go.
+_RELOAD_MISMATCH = pytest.mark.xfail(strict=True, reason="vLLM-CPU in-place reload of MoE experts differs from a fresh load")
+
+
+@pytest.mark.parametrize("arch", [ARCHS[0], *(pytest.param(a, marks=_RELOAD_MISMATCH) for a in ARCHS[1:])])
+def test_vllm_greedy_equals_hf_after_each_sync(tmp_path, arch):
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_arch import build_tiny
+
+    tok = build_char_tokenizer(tmp_path)
+    # vLLM-CPU attention needs head_dim >= 32 (Qwen3 sets its own head_dim)
+    build_tiny(tmp_path, tok, arch, hidden_size=64, num_heads=2, vocab_multiple=128, seed=30)
+    results = run_ranks(_rank_fn, 2, str(tmp_path))
+    first, second = results[0]
+    experts = [k for k in first["hf"] if ".mlp.experts." in k]
+    assert not experts or not all(torch.equal(first["hf"][k], second["hf"][k]) for k in experts), (
+        "the update changed no expert")
+    from hybridflow.workers.common import load_hf_folder
+    from hybridflow.workers.export import save_hf_folder
+
+    cfg, _ = load_hf_folder(str(tmp_path))
+    for i, sync in enumerate(results[0]):
+        # through a folder: transformers fuses the per-expert checkpoint tensors as it loads them
+        folder = tmp_path / f"sync{i}"
+        save_hf_folder(str(folder), cfg, sync["hf"])
+        tok.save_pretrained(str(folder))
+        expected = _hf_greedy(str(folder), None, tok.eos_token_id, tok.pad_token_id)
+        for r in results:
+            assert r[i]["tokens"] == expected, f"sync {i}: vLLM greedy != HF greedy {[q[i]['tokens'] for q in results]} {expected}"

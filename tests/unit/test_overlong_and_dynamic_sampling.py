@@ -1,0 +1,113 @@
+"""DAPO's overlong reward shaping at the buffer's edges, and dynamic sampling: groups whose rewards are all equal
+are dropped and further generation batches fill the step (trainer/dynamic_sampling.py, driven here with a
+scoring function in place of vLLM: the filter and the refill are the driver's own code)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridflow.protocol import Batch
+from hybridflow.rewards.overlong import overlong_penalty
+from hybridflow.trainer.dynamic_sampling import fill_batch, informative_groups
+from hybridflow.trainer.experience import as_group_ids
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.5])
+def test_overlong_penalty_at_the_buffer_edges(factor):
+    # max 20 tokens, buffer 4: no penalty up to 16 tokens, then -factor/4 per token, -factor at 20
+    lengths = torch.tensor([0, 15, 16, 17, 18, 20])
+    got = overlong_penalty(lengths, max_resp_len=20, buffer_len=4, penalty_factor=factor)
+    expected = torch.tensor([0.0, 0.0, 0.0, -0.25, -0.5, -1.0]) * factor
+    assert got.dtype == torch.float32 and got.tolist() == pytest.approx(expected.tolist(), rel=1e-6, abs=0)
+    whole = overlong_penalty(torch.tensor([0, 1, 20]), max_resp_len=20, buffer_len=20, penalty_factor=factor)
+    assert whole.tolist() == pytest.approx([0.0, -factor / 20, -factor], rel=1e-6)  # buffer = whole length
+
+
+def test_overlong_buffer_bounds():
+    for bad in (0, 21):
+        with pytest.raises(ValueError, match="overlong_buffer.len"):
+            overlong_penalty(torch.tensor([3]), max_resp_len=20, buffer_len=bad, penalty_factor=1.0)
+
+
+N, BATCH = 4, 6  # rollout.n, data.batch_size (prompt groups per step)
+
+
+def scored(prompts: Batch, gen: int) -> Batch:
+    """What the driver's generate+score gives: n rows per prompt with their uid; prompt p scores its responses
+    0, 1, 0, 1 when p is even (an informative group) and 1, 1, 1, 1 when odd (all alike)."""
+    prompts.non_tensors["uid"] = as_group_ids(len(prompts), 1, f"1.{gen}")
+    rows = prompts.repeat(N, interleave=True)
+    p = rows.tensors["prompt"]
+    k = torch.arange(len(rows)) % N
+    scores = torch.where(p % 2 == 0, (k % 2).float(), torch.ones(len(rows)))
+    token = torch.zeros(len(rows), 3)
+    token[:, -1] = scores
+    return Batch(tensors={**rows.tensors, "scores": scores, "token_level_scores": token},
+                 non_tensors=rows.non_tensors)
+
+
+def prompt_batches():
+    start = 0
+    while True:
+        yield Batch.from_dict(tensors={"prompt": torch.arange(start, start + BATCH)})
+        start += BATCH
+
+
+def test_equal_reward_groups_are_dropped_and_the_batch_fills():
+    stream = prompt_batches()
+    out, metrics = fill_batch(next(stream), stream, scored, n=N, batch_size=BATCH, metric="reward",
+                              max_num_gen_batches=0)
+    # each generation batch has 3 informative groups of 6: two batches fill the step
+    assert len(out) == BATCH * N and metrics["train/num_gen_batches"] == 2
+    assert metrics["dynamic_sampling/kept_group_fraction"] == 0.5 and metrics["dynamic_sampling/dropped_groups"] == 6
+    kept_prompts = out.tensors["prompt"].view(BATCH, N)
+    assert (kept_prompts % 2 == 0).all() and (kept_prompts == kept_prompts[:, :1]).all()  # whole, even groups
+    assert kept_prompts[:, 0].tolist() == [0, 2, 4, 6, 8, 10]
+    assert len(set(out.non_tensors["uid"])) == BATCH  # uids stay unique across generation batches
+    for g in range(BATCH):  # every kept group has a non-zero reward std
+        assert out.tensors["scores"][g * N:(g + 1) * N].std() > 0
+
+
+def test_surplus_groups_are_cut_and_max_num_gen_batches_is_an_error():
+    stream = prompt_batches()
+    out, metrics = fill_batch(next(stream), stream, scored, n=N, batch_size=2, metric="acc", max_num_gen_batches=1)
+    assert len(out) == 2 * N and metrics["train/num_gen_batches"] == 1  # 3 kept, 2 used
+    with pytest.raises(RuntimeError, match="after 1 generation batches"):
+        stream = prompt_batches()
+        fill_batch(next(stream), stream, scored, n=N, batch_size=BATCH, metric="reward", max_num_gen_batches=1)
+
+
+def test_metric_column_and_single_response_groups():
+    b = Batch.from_dict(tensors={"scores": torch.tensor([1.0, 1.0, 0.0]),
+                                 "token_level_scores": torch.tensor([[1.0], [1.0], [0.0]])},
+                        non_tensors={"uid": np.array(["a", "a", "b"], dtype=object),
+                                     "format_ok": np.array([0.0, 1.0, 1.0])})
+    rows, kept, groups = informative_groups(b, "reward")
+    assert rows.tolist() == [2] and (kept, groups) == (1, 2)  # a single-response group is kept (verl's rule)
+    rows, _, _ = informative_groups(b, "format_ok")  # a reward function's returned entry
+    assert rows.tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="not a batch column"):
+        informative_groups(b, "bogus")
+
+
+def test_reward_function_entries_become_columns_for_filtering(tmp_path):
+    """A reward function's returned dict entries besides ``score`` are batch columns (verl's reward_extra_info),
+    which gdpo and a filter_groups metric read."""
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.rewards.custom import adapt_to_scorer
+    from hybridflow.trainer.experience import score_responses
+    from tests.unit.test_custom_reward import _rollout_batch
+
+    tokenizer = build_char_tokenizer(tmp_path / "tok")
+
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": float(solution_str == ground_truth), "format_ok": 1.0, "acc": solution_str == ground_truth}
+
+    batch = _rollout_batch(tokenizer, ["Q: 1+2= A:", "Q: 1+2= A:"], ["3", "4"], ["3", "3"])
+    scored = score_responses(batch, tokenizer, adapt_to_scorer(fn))
+    assert scored.non_tensors["format_ok"].tolist() == [1.0, 1.0] and scored.non_tensors["acc"].tolist() == [True, False]
+    scored.non_tensors["uid"] = np.array(["g", "g"], dtype=object)
+    assert informative_groups(scored, "format_ok")[1:] == (0, 1)  # alike: dropped
+    assert informative_groups(scored, "acc")[1:] == (1, 1)
