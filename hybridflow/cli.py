@@ -1,5 +1,6 @@
 """`hybridflow` console script: `hybridflow train --config ...` (PPO family), `hybridflow sft ...` and
-`hybridflow config show|dump` and `hybridflow export --checkpoint DIR --out HF_DIR`."""
+`hybridflow config show|dump`, `hybridflow export --checkpoint DIR --out HF_DIR` and
+`hybridflow check-model MODEL_DIR [--tp N --pp N --ep N --rollout-tp N]`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ def main(argv=None) -> int:
         from hybridflow.tools.export import main as export_main
 
         return export_main(argv[1:])
+    if argv and argv[0] == "check-model":
+        from hybridflow.tools.check_model import main as check_main
+
+        return check_main(argv[1:])
     if argv and argv[0] == "config":
         from hybridflow.config.show import main as config_main
 

@@ -73,7 +73,8 @@ def _rank_fn(rank, world, hf_dir, t_g=2):
 _RELOAD_MISMATCH = pytest.mark.xfail(strict=True, reason="vLLM-CPU in-place reload of MoE experts differs from a fresh load")
 
 
-@pytest.mark.parametrize("arch", [ARCHS[0], *(pytest.param(a, marks=_RELOAD_MISMATCH) for a in ARCHS[1:])])
+# Qwen2-MoE's reload takes the same path as Qwen3-MoE's (its shards: test_moe_resharding.py)
+@pytest.mark.parametrize("arch", [ARCHS[0], pytest.param(ARCHS[1], marks=_RELOAD_MISMATCH)])
 def test_vllm_greedy_equals_hf_after_each_sync(tmp_path, arch):
     from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.models.tiny_arch import build_tiny

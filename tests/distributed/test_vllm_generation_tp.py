@@ -67,7 +67,9 @@ def _vllm_parameter_shapes(rollout) -> dict:
     return shapes
 
 
-@pytest.mark.parametrize("p,t", [(1, 4), (2, 2)], ids=["p1t4_to_tg2", "p2t2_to_tg2"])
+# p1 t4 -> tg2 gives the same strided vLLM groups without the stage gather; its shards are checked bit for bit
+# in test_resharding.py (one vLLM case keeps the suite's time budget)
+@pytest.mark.parametrize("p,t", [(2, 2)], ids=["p2t2_to_tg2"])
 def test_strided_generation_tp_matches_hf(tmp_path, p, t):
     from transformers import AutoModelForCausalLM
 
