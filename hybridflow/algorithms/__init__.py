@@ -43,6 +43,7 @@ from .policy_losses import (
     compute_policy_loss_sapo,
 )
 from .policy_losses_cov import compute_policy_loss_clip_cov, compute_policy_loss_kl_cov
+from .rollout_correction import compute_policy_loss_bypass_mode  # registers verl's "bypass_mode"
 from .advantages_outcome import (
     compute_gdpo_outcome_advantage,
     compute_gpg_outcome_advantage,
@@ -108,6 +109,7 @@ __all__ = [
     "compute_policy_loss_dppo_kl",
     "compute_policy_loss_clip_cov",
     "compute_policy_loss_kl_cov",
+    "compute_policy_loss_bypass_mode",
     "value_loss",
     # kl
     "kl_penalty",

@@ -5,12 +5,15 @@ Every loss in ``registry.POLICY_LOSSES`` has one signature, so the actor calls w
 ``actor.policy_loss.loss_mode`` names::
 
     loss, metrics = POLICY_LOSSES.get(mode)(old_log_prob, log_prob, advantages, response_mask,
-                                            loss_agg_mode=..., config=actor_cfg, global_batch=whole)
+                                            loss_agg_mode=..., config=actor_cfg, global_batch=whole,
+                                            rollout_is_weights=None)
 
 ``config`` is the actor config section (``schema.Actor``: ``clip_ratio_low/high/c`` and ``policy_loss.*``;
 anything with those attribute names; None: the schema's defaults). A setting that is None takes verl
 0.9.1's in-code fallback, as verl's ``x if x is not None else default`` does. ``global_batch`` holds the
 mini-batch's counts when the tensors are one micro-batch of it (:class:`~.aggregation.GlobalBatch`).
+``rollout_is_weights``: rollout correction's detached IS weights [B, T] (algorithms/rollout_correction.py), or
+None; each loss applies them where verl 0.9.1's does.
 Losses return ``(loss, metrics)``: a 0-dim loss of the inputs' dtype and verl's metrics (without the
 ``actor/`` prefix) as detached 0-dim tensors.
 """
@@ -64,6 +67,12 @@ def zero_metric(like: Tensor) -> Tensor:
     return torch.zeros((), dtype=like.dtype, device=like.device)
 
 
+def weighted(pg_losses: Tensor, rollout_is_weights: Tensor | None) -> Tensor:
+    """The per-token losses times rollout correction's (detached) IS weights, before aggregation, as every verl
+    0.9.1 loss but ``geo_mean`` applies them (``pg_losses = pg_losses * rollout_is_weights``)."""
+    return pg_losses if rollout_is_weights is None else pg_losses * rollout_is_weights
+
+
 @register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(
     old_log_prob: Tensor,
@@ -77,6 +86,7 @@ def compute_policy_loss_vanilla(
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
     clip_ratio_c: float | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """PPO clipped surrogate with asymmetric clip and dual clip.
 
@@ -92,6 +102,8 @@ def compute_policy_loss_vanilla(
         clip_ratio_low, clip_ratio_high: ratio clipped to ``[1 - low, 1 + high]``; given, they win over
             ``config``'s.
         clip_ratio_c: dual-clip bound, must be > 1; given, it wins over ``config``'s.
+        rollout_is_weights: rollout correction's truncated IS weights [B, T] (None: none), multiplying each
+            token's loss before aggregation, as verl.
 
     Returns:
         ``(loss, metrics)``: 0-dim loss; metrics ``pg_clipfrac``, ``ppo_kl``,
@@ -121,7 +133,7 @@ def compute_policy_loss_vanilla(
         (torch.gt(clip_pg_losses1, pg_losses3) & negative).to(ratio.dtype), response_mask
     )
 
-    pg_losses = torch.where(negative, clip_pg_losses2, clip_pg_losses1)
+    pg_losses = weighted(torch.where(negative, clip_pg_losses2, clip_pg_losses1), rollout_is_weights)
     loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_batch)
     metrics = {
         "pg_clipfrac": pg_clipfrac.detach(),

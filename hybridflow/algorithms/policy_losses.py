@@ -5,8 +5,9 @@ and numbers: ``gspo``, ``sapo``, ``gpg``, ``geo_mean``, ``dro``, ``cispo``, ``dp
 The signature, the settings they read and what they return: :mod:`.policy_loss`. Each normalizes over the
 whole mini-batch through ``global_batch`` (:func:`aggregate_loss`), so its gradient does not depend on how
 the mini-batch is split into micro-batches and data-parallel ranks; sequence-level quantities (GSPO's and
-GMPO's ratios) are per row, and a row is a whole sequence in every micro-batch. verl's rollout-correction
-weights (``rollout_is_weights``) are not taken here (rollout correction is not part of this module).
+GMPO's ratios) are per row, and a row is a whole sequence in every micro-batch. Rollout correction's IS
+weights (``rollout_is_weights``) multiply the per-token losses before aggregation, as verl (``geo_mean``: their
+per-sequence geometric mean multiplies the sequence's loss).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from .aggregation import GlobalBatch, aggregate_loss
 from .masked import _as_mask, masked_mean, masked_sum
-from .policy_loss import (actor_settings, clamped_log_ratio, clip_range, policy_loss_setting, setting,
+from .policy_loss import (actor_settings, clamped_log_ratio, clip_range, policy_loss_setting, setting, weighted,
                           zero_metric)
 from .registry import register_policy_loss
 
@@ -33,7 +34,8 @@ def _metrics(pg_clipfrac: Tensor, ppo_kl: Tensor, pg_clipfrac_lower: Tensor) -> 
 @register_policy_loss("gspo")
 def compute_policy_loss_gspo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, *,
                              loss_agg_mode: str = "token-mean", config: Any = None,
-                             global_batch: GlobalBatch | None = None) -> Result:
+                             global_batch: GlobalBatch | None = None,
+                             rollout_is_weights: Tensor | None = None) -> Result:
     """GSPO (https://arxiv.org/abs/2507.18071): PPO clipping of the sequence-level ratio
     ``s_i = exp(mean over the row's valid tokens of log(pi/pi_old))``, with verl's token-level form
     ``s_i,t = sg[s_i] * pi_t / sg[pi_t]`` (value ``s_i``, gradient ``s_i * grad log pi_t``).
@@ -53,7 +55,7 @@ def compute_policy_loss_gspo(old_log_prob: Tensor, log_prob: Tensor, advantages:
 
     pg_losses1 = -advantages * seq_ratio
     pg_losses2 = -advantages * torch.clamp(seq_ratio, 1 - low, 1 + high)
-    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    pg_losses = weighted(torch.maximum(pg_losses1, pg_losses2), rollout_is_weights)
     loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_batch)
     pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).to(log_prob.dtype), response_mask)
     return loss, _metrics(pg_clipfrac, masked_mean(-negative_approx_kl, response_mask), zero_metric(log_prob))
@@ -62,7 +64,8 @@ def compute_policy_loss_gspo(old_log_prob: Tensor, log_prob: Tensor, advantages:
 @register_policy_loss("sapo")
 def compute_policy_loss_sapo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, *,
                              loss_agg_mode: str = "token-mean", config: Any = None,
-                             global_batch: GlobalBatch | None = None) -> Result:
+                             global_batch: GlobalBatch | None = None,
+                             rollout_is_weights: Tensor | None = None) -> Result:
     """SAPO (https://arxiv.org/abs/2511.20347): a smooth gate instead of a hard clip,
     ``loss_t = -A_t * sigmoid(tau * (r_t - 1)) * 4 / tau``, with ``tau = tau_pos`` where ``A_t > 0``, else
     ``tau_neg`` (the gate's slope at r = 1 is 1 for any tau: the on-policy gradient is the plain one).
@@ -79,7 +82,7 @@ def compute_policy_loss_sapo(old_log_prob: Tensor, log_prob: Tensor, advantages:
     ratio = torch.exp(negative_approx_kl)
     taus = torch.where(advantages > 0, tau_pos, tau_neg)
     gates = torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)
-    pg_losses = -gates * advantages
+    pg_losses = weighted(-gates * advantages, rollout_is_weights)
     loss = aggregate_loss(pg_losses, response_mask, "seq-mean-token-mean", global_batch)
     zero = zero_metric(log_prob)
     return loss, _metrics(zero, masked_mean(-negative_approx_kl, response_mask), zero)
@@ -88,16 +91,19 @@ def compute_policy_loss_sapo(old_log_prob: Tensor, log_prob: Tensor, advantages:
 @register_policy_loss("gpg")
 def compute_policy_loss_gpg(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, *,
                             loss_agg_mode: str = "token-mean", config: Any = None,
-                            global_batch: GlobalBatch | None = None) -> Result:
+                            global_batch: GlobalBatch | None = None,
+                            rollout_is_weights: Tensor | None = None) -> Result:
     """GPG (AMAP-ML/GPG, as verl adapts it): plain policy gradient ``-A_t * log pi_t``, no ratio, no
     clip; ``old_log_prob`` is unused. No metrics (verl returns none)."""
-    return aggregate_loss(-log_prob * advantages, response_mask, loss_agg_mode, global_batch), {}
+    pg_losses = weighted(-log_prob * advantages, rollout_is_weights)
+    return aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_batch), {}
 
 
 @register_policy_loss("geo_mean")
 def compute_policy_loss_geo_mean(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
                                  response_mask: Tensor, *, loss_agg_mode: str = "token-mean", config: Any = None,
-                                 global_batch: GlobalBatch | None = None) -> Result:
+                                 global_batch: GlobalBatch | None = None,
+                                 rollout_is_weights: Tensor | None = None) -> Result:
     """GMPO (https://arxiv.org/abs/2507.20673): the geometric mean of the token ratios of a sequence, each
     token's log-ratio clipped to ``[-clip_ratio_low, clip_ratio_high]`` on the side its advantage sign
     makes pessimistic, times the sequence's mean advantage: ``loss_i = -mean_t(A) * exp(mean_t(clipped
@@ -124,6 +130,9 @@ def compute_policy_loss_geo_mean(old_log_prob: Tensor, log_prob: Tensor, advanta
     seq_ratio = torch.exp((clipped_log_ratio * mask).sum(dim=-1) / lengths.clamp(min=1))
     seq_advantage = (advantages * mask).sum(dim=-1) / lengths.clamp(min=1)
     seq_losses = -seq_advantage * seq_ratio
+    if rollout_is_weights is not None:  # verl: the weights' geometric mean over the row's tokens, in log space
+        seq_losses = seq_losses * torch.exp(
+            (torch.log(rollout_is_weights + 1e-10) * mask).sum(dim=-1) / lengths.clamp(min=1))
     # one "token" per row: seq-mean-token-sum is then the sum over rows with a valid token / num_seqs
     row_valid = (lengths > 0).unsqueeze(-1)
     loss = aggregate_loss(seq_losses.unsqueeze(-1), row_valid, "seq-mean-token-sum", global_batch)
@@ -136,7 +145,8 @@ def compute_policy_loss_geo_mean(old_log_prob: Tensor, log_prob: Tensor, advanta
 @register_policy_loss("dro")
 def compute_policy_loss_dro(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, *,
                             loss_agg_mode: str = "token-mean", config: Any = None,
-                            global_batch: GlobalBatch | None = None) -> Result:
+                            global_batch: GlobalBatch | None = None,
+                            rollout_is_weights: Tensor | None = None) -> Result:
     """Direct Reward Optimization with a quadratic log-ratio penalty, as verl 0.9.1 writes it:
     ``loss_t = -(A_t * log pi_t - dro_beta / 2 * (log pi_t - log pi_old_t)^2)``, no clamp. Metrics:
     ``ppo_kl`` only.
@@ -148,7 +158,7 @@ def compute_policy_loss_dro(old_log_prob: Tensor, log_prob: Tensor, advantages: 
     if beta is None or beta <= 0:
         raise ValueError("policy_loss.dro_beta must be a positive value when using DRO")
     log_ratio = log_prob - old_log_prob
-    pg_losses = -(log_prob * advantages - 0.5 * beta * log_ratio.square())
+    pg_losses = weighted(-(log_prob * advantages - 0.5 * beta * log_ratio.square()), rollout_is_weights)
     loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_batch)
     return loss, {"ppo_kl": masked_mean(-log_ratio, response_mask).detach()}
 
@@ -156,7 +166,8 @@ def compute_policy_loss_dro(old_log_prob: Tensor, log_prob: Tensor, advantages: 
 @register_policy_loss("cispo")
 def compute_policy_loss_cispo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, *,
                               loss_agg_mode: str = "token-mean", config: Any = None,
-                              global_batch: GlobalBatch | None = None) -> Result:
+                              global_batch: GlobalBatch | None = None,
+                              rollout_is_weights: Tensor | None = None) -> Result:
     """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585): ``loss_t = -sg(clip(r_t, 1 - low, 1 + high)) *
     A_t * log pi_t``: the importance weight is clipped and detached, so every token keeps a gradient (none
     is dropped as in PPO's clip). Log-ratio clamped to +-20 as verl; ``pg_clipfrac``: share of tokens whose
@@ -166,14 +177,15 @@ def compute_policy_loss_cispo(old_log_prob: Tensor, log_prob: Tensor, advantages
     negative_approx_kl = clamped_log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(negative_approx_kl)
     clipped_ratio = torch.clamp(ratio, 1 - low, 1 + high)
-    pg_losses = -clipped_ratio.detach() * advantages * log_prob
+    pg_losses = weighted(-clipped_ratio.detach() * advantages * log_prob, rollout_is_weights)
     loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_batch)
     pg_clipfrac = masked_mean((ratio != clipped_ratio).to(log_prob.dtype), response_mask)
     return loss, _metrics(pg_clipfrac, masked_mean(-negative_approx_kl, response_mask), zero_metric(log_prob))
 
 
 def _dppo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str,
-          config: Any, global_batch: GlobalBatch | None, divergence: str) -> Result:
+          config: Any, global_batch: GlobalBatch | None, divergence: str,
+          rollout_is_weights: Tensor | None) -> Result:
     config = actor_settings(config)
     low, high = clip_range(config)  # here thresholds on the divergence, not on the ratio
     # verl reads config.get("clip_ratio_c", 20.0): its ActorConfig always has clip_ratio_c (3.0), so 3.0 it is
@@ -191,7 +203,7 @@ def _dppo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_m
         valid_positive = (binary_kl <= high) | (prob <= old_prob)
         valid_negative = (binary_kl <= low) | (prob >= old_prob)
     valid = torch.where(advantages > 0, valid_positive, valid_negative).detach().to(log_prob.dtype)
-    pg_losses = -advantages * truncated_ratio * log_prob * valid
+    pg_losses = weighted(-advantages * truncated_ratio * log_prob * valid, rollout_is_weights)
     loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_batch)
     pg_clipfrac = masked_mean(1.0 - valid, response_mask)
     pg_clipfrac_lower = masked_mean((ratio > clip_ratio_c).to(log_prob.dtype) * valid, response_mask)
@@ -201,7 +213,8 @@ def _dppo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_m
 @register_policy_loss("dppo_tv")
 def compute_policy_loss_dppo_tv(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
                                 *, loss_agg_mode: str = "token-mean", config: Any = None,
-                                global_batch: GlobalBatch | None = None) -> Result:
+                                global_batch: GlobalBatch | None = None,
+                                rollout_is_weights: Tensor | None = None) -> Result:
     """DPPO-Binary-TV (https://arxiv.org/abs/2602.04879): ``loss_t = -A_t * sg(min(r_t, clip_ratio_c)) *
     log pi_t * valid_t``, where a token is dropped (valid 0) when its probability moved more than the
     threshold in the direction its advantage pushes: ``pi - pi_old > clip_ratio_high`` for A > 0,
@@ -213,15 +226,18 @@ def compute_policy_loss_dppo_tv(old_log_prob: Tensor, log_prob: Tensor, advantag
     it (3.0) — so 3.0 by default, as here; set ``actor.clip_ratio_c=20`` for the paper's value.
     ``pg_clipfrac``: share of dropped tokens; ``pg_clipfrac_lower``: kept tokens whose ratio was truncated.
     """
-    return _dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, global_batch, "tv")
+    return _dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, global_batch, "tv",
+                 rollout_is_weights)
 
 
 @register_policy_loss("dppo_kl")
 def compute_policy_loss_dppo_kl(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
                                 *, loss_agg_mode: str = "token-mean", config: Any = None,
-                                global_batch: GlobalBatch | None = None) -> Result:
+                                global_batch: GlobalBatch | None = None,
+                                rollout_is_weights: Tensor | None = None) -> Result:
     """DPPO-Binary-KL (https://arxiv.org/abs/2602.04879): as ``dppo_tv`` with the binary KL
     ``pi_old log(pi_old/pi) + (1 - pi_old) log((1 - pi_old + 1e-8)/(1 - pi + 1e-8))`` as the divergence:
     a token is dropped when it exceeds ``clip_ratio_high`` (A > 0, probability rising) or
     ``clip_ratio_low`` (A <= 0, probability falling). ``clip_ratio_c``: see ``dppo_tv``."""
-    return _dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, global_batch, "kl")
+    return _dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, global_batch, "kl",
+                 rollout_is_weights)

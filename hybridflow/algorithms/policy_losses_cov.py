@@ -5,8 +5,9 @@ Both pick tokens by the covariance ``(A - mean A) * (log pi - mean log pi)``, wi
 of picked tokens taken over the batch the function is given. verl calls a policy loss once per
 micro-batch, so the selection is per micro-batch, as here: the loss of a token depends on which other
 tokens share its micro-batch, and the gradient is not independent of the micro-batch size (the rest of
-the loss is normalized over the whole mini-batch through ``global_batch`` as every loss is). The signature
-and settings: :mod:`.policy_loss`.
+the loss is normalized over the whole mini-batch through ``global_batch`` as every loss is). Rollout
+correction's IS weights multiply the per-token losses before aggregation (after the token selection), as
+verl. The signature and settings: :mod:`.policy_loss`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from .aggregation import GlobalBatch, aggregate_loss
 from .masked import masked_mean
-from .policy_loss import actor_settings, clip_range, policy_loss_setting
+from .policy_loss import actor_settings, clip_range, policy_loss_setting, weighted
 from .registry import register_policy_loss
 
 Tensor = torch.Tensor
@@ -26,7 +27,7 @@ Tensor = torch.Tensor
 @register_policy_loss("clip_cov")
 def compute_policy_loss_clip_cov(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
                                  response_mask: Tensor, *, loss_agg_mode: str = "token-mean", config: Any = None,
-                                 global_batch: GlobalBatch | None = None):
+                                 global_batch: GlobalBatch | None = None, rollout_is_weights: Tensor | None = None):
     """Clip-Cov: PPO's clipped surrogate (no dual clip, no log-ratio clamp), with the gradient cut (loss
     multiplied by 0) on up to ``max(int(clip_cov_ratio * valid tokens), 1)`` tokens drawn at random
     (``torch.randperm`` on the default CPU generator, as verl) among the valid, not already clipped tokens
@@ -64,7 +65,7 @@ def compute_policy_loss_clip_cov(old_log_prob: Tensor, log_prob: Tensor, advanta
         corr = torch.ones_like(advantages)
         corr[candidates[:, 0], candidates[:, 1]] = 0
 
-    pg_losses = torch.maximum(pg_losses1, pg_losses2) * corr
+    pg_losses = weighted(torch.maximum(pg_losses1, pg_losses2) * corr, rollout_is_weights)
     loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_batch)
     pg_clipfrac = masked_mean((corr == 0).to(log_prob.dtype), response_mask)
     return loss, {"pg_clipfrac": pg_clipfrac.detach(), "ppo_kl": ppo_kl.detach()}
@@ -73,7 +74,7 @@ def compute_policy_loss_clip_cov(old_log_prob: Tensor, log_prob: Tensor, advanta
 @register_policy_loss("kl_cov")
 def compute_policy_loss_kl_cov(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
                                response_mask: Tensor, *, loss_agg_mode: str = "token-mean", config: Any = None,
-                               global_batch: GlobalBatch | None = None):
+                               global_batch: GlobalBatch | None = None, rollout_is_weights: Tensor | None = None):
     """KL-Cov: the unclipped surrogate ``-A * r`` (no clamp), plus ``ppo_kl_coef * |log r|`` on the
     ``max(1, int(n * kl_cov_ratio))`` valid tokens of largest covariance (``torch.topk`` over the ``n``
     valid tokens, on the CPU as verl).
@@ -107,6 +108,6 @@ def compute_policy_loss_kl_cov(old_log_prob: Tensor, log_prob: Tensor, advantage
             picked[valid_flat[torch.topk(cov, k, largest=True).indices.to(valid_flat.device)]] = True
         picked = picked.reshape(advantages.shape)
 
-    pg_losses = torch.where(picked, pg_losses + coef * abs_kl, pg_losses)
+    pg_losses = weighted(torch.where(picked, pg_losses + coef * abs_kl, pg_losses), rollout_is_weights)
     loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_batch)
     return loss, {"ppo_kl": ppo_kl_abs.detach()}

@@ -30,6 +30,7 @@ import torch
 from .aggregation import GlobalBatch, aggregate_loss
 from .masked import masked_mean, masked_sum
 from .policy_loss import compute_policy_loss_vanilla
+from .registry import register_policy_loss
 
 Tensor = torch.Tensor
 SAFETY_BOUND = 20.0  # verl's: exp(+-20) bounds every exponentiated log-ratio
@@ -241,15 +242,20 @@ def _tensor_metrics(metrics: Dict[str, float], like: Tensor) -> Dict[str, Tensor
     return {k: torch.tensor(v, dtype=like.dtype) for k, v in metrics.items()}
 
 
+@register_policy_loss("bypass_mode")
 def compute_policy_loss_bypass_mode(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
                                     *, loss_agg_mode: str = "token-mean", config: Any = None,
-                                    global_batch: GlobalBatch | None = None,
+                                    global_batch: GlobalBatch | None = None, rollout_is_weights: Tensor | None = None,
                                     rollout_correction: Any = None) -> Tuple[Tensor, Dict[str, Tensor]]:
     """verl 0.9.1's ``bypass_mode`` loss: ``old_log_prob`` are the rollout's log-probs (no old-log-prob forward).
     The IS weights and rejection mask of ``rollout_correction`` are computed here against the current
     (detached) log-probs, per micro-batch; ``loss_type`` ``ppo_clip``: the vanilla PPO loss on the rejected
     mask (its ratio already is pi/pi_rollout: no IS weights, as verl); ``reinforce``:
-    ``-A * log_prob * w`` aggregated with ``loss_agg_mode``.
+    ``-A * log_prob * w`` aggregated with ``loss_agg_mode``. ``rollout_is_weights`` is ignored (computed here,
+    as verl). Registered as ``bypass_mode`` (verl's name); verl's trainer selects it by setting
+    ``policy_loss.loss_mode`` when ``algorithm.rollout_correction.bypass_mode`` is true, and so does
+    ``check_config``'s rule here: ``loss_mode=bypass_mode`` needs ``bypass_mode=true``, whose
+    ``rollout_correction`` the actor passes.
 
     Differences from verl: ``rollout_is_batch_normalize`` divides by the micro-batch's mean weight (verl's by
     an all-reduce over its default process group); metrics are returned as tensors without ``rollout_corr/``
@@ -273,7 +279,8 @@ def compute_policy_loss_bypass_mode(old_log_prob: Tensor, log_prob: Tensor, adva
 
 def check_config(rc: Any, loss_mode: str, temperature: float) -> None:
     """One-line errors for an ``algorithm.rollout_correction`` the run cannot honour: malformed thresholds,
-    greedy rollouts (vLLM's log-probs are taken only when sampling), or IS weights for a loss that takes none."""
+    greedy rollouts (vLLM's log-probs are taken only when sampling), ``loss_mode=bypass_mode`` without
+    ``bypass_mode``, or IS weights for a loss that takes none. Run by ``ExperimentConfig.validate``."""
     import inspect
 
     from .registry import POLICY_LOSSES
@@ -284,7 +291,11 @@ def check_config(rc: Any, loss_mode: str, temperature: float) -> None:
     if active(rc) and temperature == 0:
         raise ValueError("algorithm.rollout_correction needs sampled rollouts (rollout.temperature > 0): greedy "
                          "generation records no rollout log-probs")
-    if rc.rollout_is is not None and not rc.bypass_mode:
+    if loss_mode == "bypass_mode" and not rc.bypass_mode:
+        raise ValueError("actor.policy_loss.loss_mode 'bypass_mode' needs algorithm.rollout_correction.bypass_mode=true "
+                         "(verl's trainer sets that loss from it, with the rollout log-probs as the old ones): set "
+                         "bypass_mode=true and loss_type ppo_clip or reinforce instead")
+    if rc.rollout_is is not None and not rc.bypass_mode:  # every registered loss takes them: a user loss may not
         if "rollout_is_weights" not in inspect.signature(POLICY_LOSSES.get(loss_mode)).parameters:
             raise ValueError(f"algorithm.rollout_correction.rollout_is={rc.rollout_is!r}: actor.policy_loss.loss_mode "
                              f"{loss_mode!r} takes no rollout_is_weights")

@@ -450,6 +450,9 @@ class Prepare:
     enable: bool = False
     data_dir: str = "outputs/quickstart/data"
     base_model_dir: str = "outputs/quickstart/base_model"
+    arch: Literal["qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe"] = "qwen2"  # the tiny base model's
+    num_experts: int = 8  # MoE archs: experts per layer, each token routed to moe_top_k of them
+    moe_top_k: int = 2
     max_operand: int = 99
     n_val: int = 256
     hidden_size: int = 128
@@ -626,3 +629,14 @@ class ExperimentConfig:
                              "replicas: remax generates a greedy baseline per prompt")
         if self.algorithm.adv_estimator == "gae" and self.critic.enable is False:
             raise ValueError("algorithm.adv_estimator 'gae' needs a critic: critic.enable is false")
+        ob = self.reward.overlong_buffer
+        if ob.enable and ob.len > self.data.max_response_length:
+            raise ValueError(f"reward.overlong_buffer.len ({ob.len}) must be <= data.max_response_length "
+                             f"({self.data.max_response_length})")
+        # lazy: these modules import torch; their checks span sections (loss mode, temperature, KL in reward)
+        from hybridflow.algorithms.rollout_correction import check_config as check_rollout_correction
+        from hybridflow.trainer.dynamic_sampling import check_config as check_filter_groups
+
+        check_filter_groups(self.algorithm.filter_groups, self.algorithm)
+        check_rollout_correction(self.algorithm.rollout_correction, self.actor.policy_loss.loss_mode,
+                                 self.rollout.temperature)

@@ -46,6 +46,14 @@ def moe_layer_pattern(hf_config) -> list[int]:
     return [int(i not in dense and (i + 1) % step == 0) for i in range(n)]
 
 
+def moe_layer_pattern_of(tf_config) -> list[int]:
+    """1 per decoder layer with a MoE block, from a TransformerConfig (its moe_layer_freq)."""
+    if not tf_config.num_moe_experts:
+        return [0] * tf_config.num_layers
+    freq = tf_config.moe_layer_freq
+    return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(tf_config.num_layers)]
+
+
 def qk_layernorm(hf_config) -> bool:
     """Qwen3's per-head RMSNorm of queries and keys before RoPE (q_norm/k_norm), megatron's qk_layernorm."""
     return hf_config.model_type in ("qwen3", "qwen3_moe")
@@ -322,8 +330,7 @@ def block_spec(config):
     if not config.num_moe_experts:
         return TransformerBlockSubmodules(layer_specs=[layer_spec(config)] * n, layer_norm=final_norm())
     # Dense layers of a MoE model (Qwen-MoE's mlp_only_layers / decoder_sparse_step) get the dense spec.
-    freq = config.moe_layer_freq
-    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
+    pattern = moe_layer_pattern_of(config)
     dense = copy.copy(config)
     dense.num_moe_experts = None
     specs = {0: layer_spec(dense), 1: layer_spec(config)}

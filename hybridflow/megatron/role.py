@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from hybridflow import device
 from hybridflow.megatron import convert, lr_schedule, parallel
-from hybridflow.megatron.model import build_gpt, transformer_config_from_hf
+from hybridflow.megatron.model import build_gpt, moe_layer_pattern_of, transformer_config_from_hf
 from hybridflow.megatron.offload import Offloader, optimizer_tensors
 from hybridflow.patches import megatron_core
 from hybridflow.util import mean_by_key
@@ -245,10 +245,30 @@ class MegatronRole:
         with megatron_core.cpu_scope():
             ok, grad_norm = megatron_core.optimizer_step(self.optimizer)
         metrics = mean_by_key(outputs)
+        metrics.update(self._router_losses(len(micro_batches)))
         metrics["grad_norm"] = grad_norm
         metrics["update_skipped"] = float(not ok)
         metrics["lr"] = self.lr  # what this step applied
         return metrics
+
+    def _router_losses(self, num_micro_batches: int) -> dict:
+        """The MoE routers' auxiliary losses of this step (load balancing, z-loss: whichever the config turns
+        on), as megatron's routers recorded them (moe_utils.save_to_aux_losses_tracker, summed over layers and
+        micro-batches): ``moe/<name>`` = their mean per MoE layer and micro-batch, unscaled by the coefficient,
+        as Megatron-LM's track_moe_metrics logs them. The tracker is cleared for the next step."""
+        if not self.tf_config.num_moe_experts:
+            return {}
+        from megatron.core.transformer.moe import moe_utils
+
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        out = {}
+        layers = max(1, sum(moe_layer_pattern_of(self.tf_config)))
+        for name, entry in tracker.items():
+            values = entry.get("values")
+            if values is not None:
+                out[f"moe/{name}"] = float(values.sum()) / layers / max(1, num_micro_batches)
+        moe_utils.clear_aux_losses_tracker()
+        return out
 
     # --- export -----------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ LATEST = "latest"
 CONFIG_FILE = "config.yaml"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them: the tokenizer is there
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+DATA_BATCHES = "data_batches"  # the state's count of prompt batches the run had taken from its data stream
 
 
 def root(output_dir: str) -> Path:
@@ -92,6 +93,12 @@ def read_state(path: Path) -> dict:
     return json.loads((path / STATE_FILE).read_text())
 
 
+def data_batches(state: dict) -> int:
+    """Prompt batches taken from the data stream up to the checkpoint (with dynamic sampling, more than one
+    per step); a checkpoint written before the count was kept took one per step."""
+    return state.get(DATA_BATCHES, state["step"])
+
+
 def find_damage(path: Path, roles: tuple[str, ...] = ("actor", "critic"), rng: bool = True) -> str | None:
     """The first missing, cut-short or corrupt file of checkpoint ``path`` that resuming (or, with
     ``roles=("actor",), rng=False``, exporting) reads, in a few words naming it; None when whole. Reads the
@@ -106,6 +113,8 @@ def find_damage(path: Path, roles: tuple[str, ...] = ("actor", "critic"), rng: b
         return f"{STATE_FILE} is not valid JSON ({e})"
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         return f"{STATE_FILE} holds no step"
+    if not isinstance(data_batches(state), int) or data_batches(state) < state["step"]:
+        return f"{STATE_FILE} holds no valid {DATA_BATCHES} (a whole number >= step)"
     if (damage := _yaml_damage(path / CONFIG_FILE)) is not None:
         return damage
     if (damage := _hf_damage(path / "hf")) is not None:

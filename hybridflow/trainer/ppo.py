@@ -8,13 +8,13 @@ import torch
 
 from hybridflow.algorithms import make_kl_controller
 from hybridflow.algorithms.rollout_correction import active as rollout_correction_active
-from hybridflow.algorithms.rollout_correction import check_config as check_rollout_correction, correct
+from hybridflow.algorithms.rollout_correction import correct
 from hybridflow.data.dataset import PromptDataset
 from hybridflow.protocol import Batch
 from hybridflow.rewards import SourceRouter, on_last_token
 from hybridflow.rewards.overlong import overlong_penalty
 from hybridflow.trainer.balance import balance_batch
-from hybridflow.trainer.dynamic_sampling import check_config as check_filter_groups, fill_batch
+from hybridflow.trainer.dynamic_sampling import fill_batch
 from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, as_group_ids, rollout_metrics,
                                           score_responses)
 from hybridflow.trainer.metrics import Timer
@@ -50,14 +50,9 @@ class PPODriver:
             for data in (self.train_data, self.val_data):
                 if data is not None:
                     self.train_scorer.check_dataset(data)
-        ob = cfg.reward.overlong_buffer
-        if ob.enable and ob.len > d.max_response_length:
-            raise ValueError(f"reward.overlong_buffer.len ({ob.len}) must be <= data.max_response_length "
-                             f"({d.max_response_length})")
-        check_filter_groups(cfg.algorithm.filter_groups, cfg.algorithm)
-        check_rollout_correction(cfg.algorithm.rollout_correction, cfg.actor.policy_loss.loss_mode,
-                                 cfg.rollout.temperature)
-        self._more_prompts = None  # dynamic sampling's own prompt stream, when step() is given none
+        # dynamic sampling's own prompt stream, for a caller of step() that passes none (the Trainer passes its
+        # counted data stream, whose position its checkpoints record)
+        self._more_prompts = None
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
         self.actor_rollout.sync_weights()  # vLLM starts with dummy weights: deliver the actor's

@@ -100,8 +100,7 @@ class Trainer:
             self._record_placement()
             state = self._resume() if self.resume_from is not None else None
             self.tracker = Tracker(cfg.trainer, config_to_dict(cfg), resume_step=state and state["step"])
-            self._data = self.ppo.train_data.iterate(cfg.data.batch_size, shuffle=cfg.data.shuffle,
-                                                     seed=cfg.trainer.seed, skip=self.step_count)
+            self._data = data_stream(self.ppo.train_data, cfg, self._resume_state)
             if state is None and cfg.trainer.val_before_train:
                 with self.timer("val"):
                     metrics = self.validate()
@@ -155,7 +154,8 @@ class Trainer:
             self._to_first_step_s = time.time() - psutil.Process().create_time()
         with self._failures_named():
             with self.timer("step"):
-                metrics, n_tokens = self.ppo.step(next(self._data), k, self.timer)
+                # dynamic sampling draws its further prompt batches from the run's own stream (counted)
+                metrics, n_tokens = self.ppo.step(next(self._data), k, self.timer, more_prompts=self._data)
             skipped = check_finite(metrics, k, self.cfg.trainer.on_nonfinite, self.last_checkpoint)
             self.step_count = k
             if due(cfg.val_every, k, self.total_steps):
@@ -217,7 +217,7 @@ class Trainer:
         """Checkpoint the current step into ``<output_dir>/checkpoints/step_<k>`` (atomically)."""
         self.start()
         t = self.cfg.trainer
-        driver_state = {"layout": _layout(self.cfg)}
+        driver_state = {"layout": _layout(self.cfg), checkpoint.DATA_BATCHES: self._data.consumed}
 
         def write_parts(tmp: Path) -> None:
             driver_state.update(self.ppo.save_checkpoint(str(tmp)))
@@ -277,6 +277,32 @@ class Trainer:
             raise RunFailed(f"{stage}{error.summary}; last good checkpoint: {self.last_checkpoint or 'none'}") from error
         except RewardFunctionError as error:
             raise RunFailed(f"{error}; last good checkpoint: {self.last_checkpoint or 'none'}") from error
+
+
+class DataStream:
+    """The run's prompt batches, counting those taken: a step takes one, DAPO's dynamic sampling
+    (``algorithm.filter_groups``) as many more as it needs. The checkpoint records the count
+    (``checkpoint.DATA_BATCHES``) and a resumed run skips exactly that many, so it continues with the batch
+    the uninterrupted run would have drawn next."""
+
+    def __init__(self, batches, consumed: int = 0):
+        self._batches, self.consumed = iter(batches), consumed
+
+    def __iter__(self) -> DataStream:
+        return self
+
+    def __next__(self):
+        batch = next(self._batches)
+        self.consumed += 1
+        return batch
+
+
+def data_stream(train_data, cfg: ExperimentConfig, resume_state: dict | None) -> DataStream:
+    """The training prompts as endless seeded batches, from the position ``resume_state`` (a checkpoint's
+    state) records, or from the start."""
+    consumed = checkpoint.data_batches(resume_state) if resume_state else 0
+    batches = train_data.iterate(cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.trainer.seed, skip=consumed)
+    return DataStream(batches, consumed)
 
 
 def total_steps(cfg: ExperimentConfig, n_train: int) -> int:

@@ -90,7 +90,12 @@ def warm_start(model_dir: str, out_dir: str, train_file: str, *, steps: int, lr:
                 done = step
                 break
     bar.close()
-    save_hf_folder(out_dir, model.config, {k: v.detach() for k, v in model.state_dict().items()}, tokenizer)
+    # The checkpoint's own names, as save_pretrained writes them: transformers 5 fuses MoE experts in memory
+    # (mlp.experts.gate_up_proj) and splits them per expert on disk, where megatron conversion reads them.
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = revert_weight_conversion(model, {k: v.detach() for k, v in model.state_dict().items()})
+    save_hf_folder(out_dir, model.config, state, tokenizer)
     return {"steps": done, "dev_accuracy": accuracy}
 
 
