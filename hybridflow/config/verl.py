@@ -58,6 +58,15 @@ _MEGATRON = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequ
 _OURS_PREFIX = {_A: "actor.", _R: "rollout.", "algorithm.kl_ctrl.": "algorithm.kl_ctrl.",
                 _A + "policy_loss.": "actor.policy_loss."}
 
+_OVERLONG_SECTIONS = ("reward.reward_kwargs.overlong_buffer_cfg", "reward_model.reward_kwargs.overlong_buffer_cfg",
+                      "reward_model.overlong_buffer")
+# verl's reward manager (reward_model.reward_manager is the legacy name verl migrates to reward.reward_manager.name):
+# "naive" scores each response, as the reward path here does; "dapo" also applies the overlong shaping of
+# overlong_buffer_cfg, which the reward path here applies whenever reward.overlong_buffer.enable. So both are
+# accepted, and overlong shaping enabled on a verl command line needs "dapo" (verl's naive manager ignores it).
+REWARD_MANAGER_KEYS = ("reward_model.reward_manager", "reward.reward_manager.name")
+REWARD_MANAGERS = ("naive", "dapo")
+
 RENAMED = {
     "data.train_batch_size": "data.batch_size",
     "data.seed": "trainer.seed",
@@ -86,11 +95,11 @@ RENAMED = {
     "trainer.log_val_generations": "trainer.val_samples",
     "reward_model.model.path": "reward_model.path",
     "reward_model.micro_batch_size_per_gpu": "reward_model.micro_batch_size",
-    # DAPO's overlong shaping: verl 0.9.1's DAPO reward manager reads reward.reward_kwargs.overlong_buffer_cfg;
-    # the DAPO recipe's scripts set reward_model.overlong_buffer
+    # DAPO's overlong shaping: verl 0.9.1's DAPO reward manager reads reward.reward_kwargs.overlong_buffer_cfg
+    # (reward_model.reward_kwargs is moved there by verl's migrate_legacy_reward_impl); the DAPO recipe's older
+    # scripts set reward_model.overlong_buffer
     **{f"{section}.{leaf}": f"reward.overlong_buffer.{leaf}"
-       for section in ("reward.reward_kwargs.overlong_buffer_cfg", "reward_model.overlong_buffer")
-       for leaf in ("enable", "len", "penalty_factor", "log")},
+       for section in _OVERLONG_SECTIONS for leaf in ("enable", "len", "penalty_factor", "log")},
 }
 # Whole dicts passed on: verl section -> ours (their entries are checked where they are used, before start).
 _DICTS = {
@@ -118,6 +127,7 @@ MUST_AGREE = {
     _REF + "log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
     "trainer.critic_warmup": 0,  # no critic warm-up steps here
     "reward.reward_kwargs.max_resp_len": "data.max_response_length",  # the overlong buffer ends at the longest response
+    "reward_model.reward_kwargs.max_resp_len": "data.max_response_length",
     "trainer.device": "cuda",
 }
 _STRATEGY = "an FSDP run becomes megatron data parallelism with the distributed optimizer (this module's docstring)"
@@ -250,6 +260,7 @@ def translate(verl_args: list[str]) -> Translation:
     for an integer key names the verl key), the second names to check once loaded (``check_agreement``),
     and the accepted keys that change nothing. All unsupported keys are named in one ``ConfigError``."""
     ours, implied, agree, no_effect, unsupported, gpus = [], [], {}, {}, [], {}
+    manager, overlong_on = "naive", None  # verl's default manager; the argument enabling overlong shaping
     megatron = any(a.startswith("--config-name=") and "megatron" in a for a in verl_args)
     for arg in verl_args:
         if "=" not in arg:
@@ -258,6 +269,10 @@ def translate(verl_args: list[str]) -> Translation:
         key = key.lstrip("+")  # hydra's "add a key" prefixes (+ and ++)
         if key in _GPU_KEYS:
             gpus[key] = _gpu_count(arg, value)
+        elif key in REWARD_MANAGER_KEYS:
+            manager = value.strip()
+            if manager not in REWARD_MANAGERS:
+                unsupported.append(f"{key}={value} (reward managers here: {', '.join(REWARD_MANAGERS)})")
         elif key in MUST_AGREE:
             agree[arg] = MUST_AGREE[key]
         elif key in NO_EFFECT:
@@ -275,9 +290,14 @@ def translate(verl_args: list[str]) -> Translation:
                 value = f"[{value}]"  # verl takes one file (or logger) as a plain string
             ours.extend(Override(f"{t}={value}", f"verl override '{arg}'")
                         for t in ((target,) if isinstance(target, str) else target))
+        if key in (f"{section}.enable" for section in _OVERLONG_SECTIONS) and _is_true(value):
+            overlong_on = arg
     if unsupported:
         raise ConfigError(f"verl keys not supported by hybridflow: {', '.join(unsupported)} "
                           "(the supported ones: hybridflow/config/verl.py)")
+    if overlong_on is not None and manager != "dapo":
+        raise ConfigError(f"verl override {overlong_on!r}: verl applies overlong shaping only in the dapo reward "
+                          "manager; add reward_model.reward_manager=dapo (its naive manager ignores overlong_buffer_cfg)")
     if gpus:  # one process per GPU, as verl places them
         n = gpus.get("trainer.n_gpus_per_node", 8) * gpus.get("trainer.nnodes", 1)
         ours += [f"resources.n_workers={n}", f"resources.critic_n_workers={n}", "resources.gpus_per_worker=1"]

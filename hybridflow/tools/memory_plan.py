@@ -79,19 +79,35 @@ class Shape:
     vocab: int
     tied: bool
     qkv_bias: bool
+    experts: int = 0  # MoE: routed experts per layer (every layer sparse, as Qwen3-MoE), each this wide
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert
+    qk_norm: bool = False  # Qwen3's per-head q_norm/k_norm
 
     @classmethod
     def from_hf(cls, c: dict) -> "Shape":
         h, a = c["hidden_size"], c["num_attention_heads"]
         return cls(h, c["intermediate_size"], c["num_hidden_layers"], a, c.get("num_key_value_heads", a),
                    c.get("head_dim") or h // a, c["vocab_size"], bool(c.get("tie_word_embeddings", False)),
-                   c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False)))
+                   c.get("model_type") in ("qwen2", "qwen2_moe") or bool(c.get("attention_bias", False)),
+                   c.get("num_experts") or 0, c.get("moe_intermediate_size") or 0,
+                   c.get("shared_expert_intermediate_size") or 0, c.get("model_type") in ("qwen3", "qwen3_moe"))
 
 
 def layer_params(s: Shape) -> int:
+    """One decoder layer's dense parameters (its routed experts: expert_params)."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     attn = s.hidden * (q + 2 * kv) + (q + 2 * kv) * s.qkv_bias + q * s.hidden
-    return attn + 3 * s.hidden * s.intermediate + 2 * s.hidden  # + gate/up/down + two RMSNorms
+    if s.experts:  # router, shared expert and its gate, no dense MLP
+        mlp = s.experts * s.hidden + 3 * s.hidden * s.shared_intermediate + s.hidden * bool(s.shared_intermediate)
+    else:
+        mlp = 3 * s.hidden * s.intermediate  # gate/up/down
+    return attn + mlp + 2 * s.hidden + 2 * s.head_dim * s.qk_norm  # + two RMSNorms (+ Qwen3's q/k norms)
+
+
+def expert_params(s: Shape) -> int:
+    """The routed experts of the whole model (sharded over expert_model_parallel x expert TP, not TP x DP)."""
+    return s.layers * s.experts * 3 * s.hidden * s.moe_intermediate
 
 
 def kv_bytes_per_token(s: Shape, dtype_bytes: int, t_g: int = 1) -> int:
@@ -119,7 +135,7 @@ def step_batch_host_bytes(cfg) -> int:
 def count_params(s: Shape, value_head: bool = False) -> int:
     """The causal LM's parameters, or the critic's (value head hidden x 1 in place of lm_head)."""
     head = s.hidden if value_head else (0 if s.tied else s.vocab * s.hidden)
-    return s.vocab * s.hidden + s.layers * layer_params(s) + s.hidden + head
+    return s.vocab * s.hidden + s.layers * layer_params(s) + s.hidden + head + expert_params(s)
 
 
 @dataclass
@@ -147,16 +163,25 @@ def activation_bytes(s: Shape, b: int, seq: int, mg, out_width: int, backward: b
 
 
 def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width: int, trainable=True) -> Role:
+    """Per-GPU bytes of a megatron role. Dense parameters are split over TP x PP and their optimizer state
+    over DP; routed experts over expert TP x EP x PP and theirs over the expert-data-parallel ranks
+    (n / (etp x ep x pp)), as megatron's distributed optimizer shards each kind in its own group."""
     mg = cfg_role.megatron
     tp = mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size
     d, by = max(1, n // tp), BYTES[mg.dtype]
-    items = {"params": P * by / tp}
+    experts = expert_params(shape)
+    etp = (mg.expert_tensor_parallel_size or mg.tensor_model_parallel_size) * mg.expert_model_parallel_size \
+        * mg.pipeline_model_parallel_size
+    ed = max(1, n // etp)
+    per_gpu = (P - experts) / tp + experts / etp  # parameters on one GPU
+    items = {"params": per_gpu * by}
     off = {"params"} if mg.param_offload else set()
     if not trainable:  # the reference: forward-only log-probs
         act = activation_bytes(shape, cfg_role.log_prob_micro_batch_size_per_gpu, seq, mg, out_width, False)
         return Role(name, items, off, act, f"forward {cfg_role.log_prob_micro_batch_size_per_gpu} x {seq} tokens")
-    items["grads"] = P * 4 / tp
-    items["optimizer"] = P * (12 if by < 4 else 8) / tp / (d if mg.use_distributed_optimizer else 1)
+    items["grads"] = per_gpu * 4
+    sharded = ((P - experts) / tp / d + experts / etp / ed) if mg.use_distributed_optimizer else per_gpu
+    items["optimizer"] = sharded * (12 if by < 4 else 8)
     off |= {k for k, flag in (("grads", mg.grad_offload), ("optimizer", mg.optimizer_offload)) if flag}
     b, fb = cfg_role.ppo_micro_batch_size_per_gpu, cfg_role.log_prob_micro_batch_size_per_gpu
     in_flight = min(mg.pipeline_model_parallel_size, max(1, cfg_role.ppo_mini_batch_size // d // b))
@@ -215,7 +240,8 @@ def plan(cfg, shape: Shape, gpu_mem_gib: float, *, rm_shape: Shape | None = None
     actor = roles[0]
     t_g, by_a = ro.tensor_model_parallel_size, BYTES[cfg.actor.megatron.dtype]
     if ro.resharding == "hybrid":  # assembles one layer (or the embeddings / lm_head) of its t_g shard at a time
-        piece = ("largest piece assembled (hybrid)", max(layer_params(shape), shape.vocab * shape.hidden) * by_a / t_g)
+        layer = layer_params(shape) + expert_params(shape) // max(shape.layers, 1)
+        piece = ("largest piece assembled (hybrid)", max(layer, shape.vocab * shape.hidden) * by_a / t_g)
     else:  # gather_all holds a whole pipeline stage unsharded while converting it
         piece = ("one stage gathered in full (gather_all)", P * by_a / cfg.actor.megatron.pipeline_model_parallel_size)
     transition = ctx + [("vLLM weights (awake)" if asleep else "vLLM (awake, whole budget)", vllm_weights if asleep else budget)]
@@ -228,6 +254,10 @@ def plan(cfg, shape: Shape, gpu_mem_gib: float, *, rm_shape: Shape | None = None
         gathered = ("resharding: gathered generation shard", P * by_a / t_g)
     transition += [("actor params (loaded for the sync)", actor.items["params"]), gathered,
                    (f"resharding: {piece[0]}", piece[1])]
+    mg_a = cfg.actor.megatron
+    if shape.experts and (mg_a.expert_model_parallel_size > 1 or (mg_a.expert_tensor_parallel_size or t) != t):
+        # the expert all-to-all (transition.Resharder._exchange_experts): every expert's 1/t_g slice of the stage
+        transition.append(("resharding: experts in generation form", expert_params(shape) * by_a / (p * t_g)))
     transition += resident(skip={("actor", "params")})
 
     generation = ctx + [(f"vLLM ({ro.gpu_memory_utilization:g} x {gpu_mem_gib:g} GiB: weights + KV cache)", budget)] + resident()

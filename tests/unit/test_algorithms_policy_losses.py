@@ -1,7 +1,8 @@
 """verl 0.9.1's policy losses beyond vanilla (gspo, sapo, gpg, geo_mean, dro, cispo, dppo_tv, dppo_kl, clip_cov,
 kl_cov): each against a per-token re-derivation from its paper's formula in plain Python floats, on rows with
 a multi-turn gap (a mask-0 token inside a response, holding values that must not count) and a one-token
-row, in float32 and float64; plus values of verl's own functions and micro-batch independence."""
+row, in float32 and float64; plus values of verl's own functions, micro-batch independence and rollout
+correction's IS weights (``rollout_is_weights``) applied where verl 0.9.1 applies them."""
 
 from __future__ import annotations
 
@@ -360,9 +361,97 @@ def test_micro_batches_sum_to_the_whole(mode, agg):
 
 def test_every_verl_loss_is_registered_with_one_signature():
     assert set(POLICY_LOSSES.names()) == {"vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro",
-                                          "cispo", "dppo_tv", "dppo_kl"}
+                                          "cispo", "dppo_tv", "dppo_kl", "bypass_mode"}
     old, log_prob, adv, mask = tensors(torch.float32)
-    for mode in POLICY_LOSSES.names():
+    for mode in set(POLICY_LOSSES.names()) - {"bypass_mode"}:  # bypass_mode: tests/unit/test_rollout_correction.py
         loss, _ = POLICY_LOSSES.get(mode)(old, log_prob, adv, mask, loss_agg_mode="token-mean",
                                           config=config(loss_mode=mode, dro_beta=0.1), global_batch=None)
         assert loss.dim() == 0 and torch.isfinite(loss)
+
+
+# ---- rollout correction's IS weights (verl: pg_losses * rollout_is_weights before aggregation) ------------
+
+# Truncated IS weights as rollout_correction.is_weights gives them: <= 2, zero on padding; the gap holds 9.0 (as
+# the gap's log-ratio and advantage, a value that must not count). Per valid token: 2.0, 0.5, 1.5 | 0.3, 1.0,
+# 2.0 | 1.7.
+IS_WEIGHTS = [[2.0, 0.5, 9.0, 1.5], [0.3, 1.0, 2.0, 0.0], [1.7, 0.0, 0.0, 0.0]]
+TOKEN_LEVEL = sorted(set(SPLIT_INDEPENDENT + ("clip_cov", "kl_cov")) - {"geo_mean"})
+
+
+def run_weighted(mode, dtype, agg, is_weights):
+    old, log_prob, adv, mask = tensors(dtype)
+    torch.manual_seed(0)  # clip_cov draws its cut tokens at random (as verl): the same draw with and without
+    loss, _ = POLICY_LOSSES.get(mode)(old, log_prob, adv, mask, loss_agg_mode=agg, rollout_is_weights=is_weights,
+                                      config=config(loss_mode=mode, dro_beta=0.5, clip_cov_ratio=0.3, kl_cov_ratio=0.3))
+    loss.backward()
+    return loss, log_prob.grad, tokens(old, log_prob, adv)
+
+
+@pytest.mark.parametrize("mode", sorted(set(POLICY_LOSSES.names()) - {"bypass_mode"}))
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_weights_of_one_give_the_unweighted_loss(mode, agg):
+    """Weights 1 on the valid tokens (0 on padding, as rollout correction gives them) change nothing."""
+    ones = torch.tensor(MASK, dtype=torch.float64)
+    loss, grad, _ = run_weighted(mode, torch.float64, agg, ones)
+    plain, plain_grad, _ = run_weighted(mode, torch.float64, agg, None)
+    # geo_mean takes log(w + 1e-10), as verl: weights 1 scale the loss by exp(1e-10), above float64's tolerance
+    slack = 200 if mode == "geo_mean" else 1
+    assert_close(loss, plain, dtype=torch.float64, slack=slack, what=f"{mode} loss, weights 1")
+    assert_close(grad, plain_grad, dtype=torch.float64, slack=slack, what=f"{mode} grad, weights 1")
+
+
+@pytest.mark.parametrize("mode", TOKEN_LEVEL)
+def test_token_weights_scale_each_tokens_gradient(mode):
+    """A token-level loss times detached weights: each token's gradient is its weight times the unweighted
+    one (the token selection of clip_cov/kl_cov is made before the weights, as verl)."""
+    w = torch.tensor(IS_WEIGHTS, dtype=torch.float64)
+    _, grad, _ = run_weighted(mode, torch.float64, "token-mean", w)
+    _, plain_grad, _ = run_weighted(mode, torch.float64, "token-mean", None)
+    assert_close(grad, plain_grad * w * torch.tensor(MASK), dtype=torch.float64, what=f"{mode} weighted grad")
+
+
+def _valid_weights():
+    return [IS_WEIGHTS[i][j] for i in range(3) for j in range(4) if MASK[i][j]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_vanilla_weighted_by_hand(dtype, agg):
+    loss, _, toks = run_weighted("vanilla", dtype, agg, torch.tensor(IS_WEIGHTS, dtype=dtype))
+    per_token = []
+    for w, (i, o, lp, a) in zip(_valid_weights(), toks):
+        ppo = _ppo(o, lp, a)
+        per_token.append((i, w * (min(ppo, -a * 3.0) if a < 0 else ppo)))  # dual clip at clip_ratio_c = 3
+    assert_close(loss, aggregate(per_token, agg), dtype=dtype, what="vanilla weighted loss")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_gspo_weighted_by_hand(dtype, agg):
+    """GSPO's sequence ratio is clipped per row; the token weights multiply each token's clipped loss."""
+    loss, _, toks = run_weighted("gspo", dtype, agg, torch.tensor(IS_WEIGHTS, dtype=dtype))
+    seq = {}
+    for i, o, lp, _ in toks:
+        seq.setdefault(i, []).append(lp - o)
+    s = {i: math.exp(sum(v) / len(v)) for i, v in seq.items()}
+    per_token = [(i, w * max(-a * s[i], -a * clip(s[i], 1 - LOW, 1 + HIGH)))
+                 for w, (i, _, _, a) in zip(_valid_weights(), toks)]
+    assert_close(loss, aggregate(per_token, agg), dtype=dtype, what="gspo weighted loss")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_geo_mean_weighted_by_the_rows_geometric_mean_weight(dtype):
+    """verl: the row's loss times exp(mean over its valid tokens of log w) (the gap's 9.0 does not count)."""
+    loss, grad, toks = run_weighted("geo_mean", dtype, "token-mean", torch.tensor(IS_WEIGHTS, dtype=dtype))
+    plain, plain_grad, _ = run_weighted("geo_mean", dtype, "token-mean", None)
+    rows = {}
+    for w, (i, o, lp, a) in zip(_valid_weights(), toks):
+        rows.setdefault(i, []).append((lp - o, a, w))
+    expected, seq_w = 0.0, torch.zeros(3, 1, dtype=torch.float64)
+    for i, v in rows.items():
+        clipped = [min(lr, HIGH) if a > 0 else max(lr, -LOW) for lr, a, _ in v]
+        # verl's log(w + 1e-10): row 0: (2.0 * 0.5 * 1.5)**(1/3), row 1: 0.6**(1/3), row 2: 1.7
+        seq_w[i] = math.exp(sum(math.log(w + 1e-10) for *_, w in v) / len(v))
+        expected += -sum(a for _, a, _ in v) / len(v) * math.exp(sum(clipped) / len(v)) * float(seq_w[i]) / 3
+    assert_close(loss, expected, dtype=dtype, what="geo_mean weighted loss")
+    assert_close(grad, plain_grad * seq_w, dtype=dtype, what="geo_mean weighted grad: row's gradient times its weight")

@@ -215,3 +215,21 @@ def test_main_reads_the_reward_model_shapes(tiny, capsys):
     assert mp.main(args) == 2
     err = capsys.readouterr().err
     assert "reward_model.path /nonexistent/rm" in err and "--reward-model-config" in err
+
+
+def test_moe_counts_and_expert_sharding():
+    """Qwen3-30B-A3B's and Qwen3-8B's sizes as transformers counts them (their models built on the meta
+    device: 30,532,122,624 and 8,190,735,360), and the experts split over EP x expert TP with their optimizer
+    state over the expert-data-parallel ranks, the dense rest over TP x DP."""
+    shape = shipped_shape("qwen3-30b-a3b.json")
+    assert mp.count_params(shape) == 30_532_122_624
+    assert mp.count_params(shipped_shape("qwen3-8b.json")) == 8_190_735_360
+    experts = mp.expert_params(shape)
+    assert experts == 48 * 128 * 3 * 2048 * 768
+    cfg = load_config(ExperimentConfig, ["configs/gsm8k_qwen3_30b_a3b_gspo.yaml"], [])
+    role = mp.make_role("actor", cfg.actor, mp.count_params(shape), shape, 1024, 16, shape.vocab)
+    dense = mp.count_params(shape) - experts
+    per_gpu = dense / 2 + experts / 8  # TP 2; EP 8 x expert TP 1
+    assert role.items["params"] == per_gpu * 2  # bf16
+    assert role.items["grads"] == per_gpu * 4
+    assert role.items["optimizer"] == (dense / 2 / 8 + experts / 8 / 2) * 12  # DP 8; expert DP 16 / 8 = 2

@@ -111,3 +111,49 @@ def test_reward_function_entries_become_columns_for_filtering(tmp_path):
     scored.non_tensors["uid"] = np.array(["g", "g"], dtype=object)
     assert informative_groups(scored, "format_ok")[1:] == (0, 1)  # alike: dropped
     assert informative_groups(scored, "acc")[1:] == (1, 1)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=300", "data.max_response_length=256"],
+     r"reward.overlong_buffer.len \(300\) must be <= data.max_response_length \(256\)"),
+    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward",
+      "algorithm.use_kl_in_reward=true"], "algorithm.filter_groups.metric 'seq_final_reward'"),
+])
+def test_config_errors_come_from_loading_the_config(overrides, message):
+    """Raised by ExperimentConfig.validate, before any worker starts, on one line."""
+    from hybridflow.config import ConfigError, load_config
+    from hybridflow.config.schema import ExperimentConfig
+
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(ExperimentConfig, [{}], ["data.batch_size=16", "actor.ppo_mini_batch_size=16", *overrides])
+    assert "\n" not in str(e.value)
+
+
+def test_resume_skips_the_batches_dynamic_sampling_consumed(tmp_path):
+    """The Trainer's data stream counts every batch taken (a step's first and dynamic sampling's further ones);
+    a checkpoint records the count and the resumed stream continues with the batch the uninterrupted run draws
+    next, across an epoch boundary (90 prompts, 3 batches an epoch). A checkpoint without the count took one
+    batch per step."""
+    from types import SimpleNamespace
+
+    from hybridflow.data.arithmetic import write_arithmetic_parquet
+    from hybridflow.data.dataset import PromptDataset
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.trainer import checkpoint
+    from hybridflow.trainer.session import data_stream
+
+    train, _ = write_arithmetic_parquet(tmp_path, max_operand=9, n_val=10, seed=0)
+    ds = PromptDataset([str(train)], build_char_tokenizer(tmp_path / "tok"), prompt_key="prompt", answer_key="answer",
+                       max_prompt_length=16)
+    cfg = SimpleNamespace(data=SimpleNamespace(batch_size=30, shuffle=True), trainer=SimpleNamespace(seed=3))
+    run = data_stream(ds, cfg, None)
+    for taken in (1, 3):  # step 1: one batch; step 2: its own and two more drawn by dynamic sampling
+        for _ in range(taken):
+            next(run)
+    state = {"step": 2, checkpoint.DATA_BATCHES: run.consumed}
+    assert checkpoint.data_batches(state) == 4
+    resumed = data_stream(ds, cfg, state)
+    for _ in range(3):
+        assert next(resumed).non_tensors["prompt"].tolist() == next(run).non_tensors["prompt"].tolist()
+    assert resumed.consumed == run.consumed == 7
+    assert checkpoint.data_batches({"step": 2}) == 2

@@ -1,5 +1,6 @@
 """Rollout correction (algorithms/rollout_correction.py): truncated and IcePop IS weights, rejection masks and
-the bypass loss against values computed by hand from verl 0.9.1's rollout_corr_helper formulas."""
+the bypass loss against values computed by hand from verl 0.9.1's rollout_corr_helper formulas; the weights
+reaching every policy loss; the config checks raised by loading the config."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from hybridflow.algorithms import GlobalBatch, POLICY_LOSSES
 from hybridflow.algorithms.rollout_correction import (check_config, compute_policy_loss_bypass_mode, correct,
                                                       is_weights, mismatch_metrics, parse_rs, rejection_mask)
-from hybridflow.config.schema import RolloutCorrection
+from hybridflow.config import ConfigError, load_config
+from hybridflow.config.schema import ExperimentConfig, RolloutCorrection
 from tests.numerics import assert_close
 
 DTYPES = [torch.float32, torch.float64]
@@ -166,3 +168,60 @@ def test_config_checks_are_one_line():
         check_config(RolloutCorrection(rollout_rs="token_k2"), "vanilla", 1.0)
     with pytest.raises(ValueError, match="rollout_is_threshold"):
         check_config(SimpleNamespace(**{**vars(RolloutCorrection()), "rollout_is_threshold": "wide"}), "vanilla", 1.0)
+
+
+def _load(*overrides):
+    return load_config(ExperimentConfig, [{}], ["data.batch_size=16", "actor.ppo_mini_batch_size=16", *overrides])
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_truncated_is_weights_reach_the_loss(level):
+    """Decoupled mode end to end: correct()'s truncated weights, passed as the batch carries them, multiply the
+    vanilla loss per token (row 1's sequence ratio 1.5 * 1.2 = 1.8 stays under the threshold, row 0's
+    3 * 0.5 = 1.5 too)."""
+    rollout = torch.log(torch.tensor([[0.5, 0.4, 0.9, 1.0], [0.2, 0.7, 1.0, 1.0]], dtype=torch.float64))
+    old = rollout + _log_ratio(torch.float64) * MASK
+    log_prob = old + 0.05  # ratio exp(0.05): inside the clip range, every token keeps its gradient
+    adv = torch.tensor([[1.0, -1.0, 1.0, 0.0], [-2.0, 2.0, 0.0, 0.0]], dtype=torch.float64)
+    weights, mask, _ = correct(old, rollout, MASK, RolloutCorrection(rollout_is=level, rollout_is_threshold=2.0))
+    assert torch.equal(mask, MASK)  # no rejection configured
+    by_hand = {"token": [[2.0, 0.5, 1.0, 0.0], [1.5, 1.2, 0.0, 0.0]], "sequence": [[1.5] * 3 + [0.0], [1.8] * 2 + [0.0] * 2]}
+    w = torch.tensor(by_hand[level], dtype=torch.float64)
+    assert_close(weights, w, dtype=torch.float64, what=f"{level} weights")
+    loss, _ = POLICY_LOSSES.get("vanilla")(old, log_prob, adv, mask, config=_actor(), rollout_is_weights=weights)
+    expected = (-adv * math.exp(0.05) * w * MASK).sum() / 5
+    assert_close(loss, expected, dtype=torch.float64, what=f"vanilla loss with {level} weights")
+
+
+def test_every_registered_loss_takes_is_weights():
+    for mode in set(POLICY_LOSSES.names()) - {"bypass_mode"}:  # bypass_mode computes its own weights
+        check_config(RolloutCorrection(rollout_is="sequence"), mode, 1.0)
+
+
+def test_bypass_mode_is_a_registered_loss_that_needs_bypass_mode():
+    """verl's trainer sets loss_mode bypass_mode from algorithm.rollout_correction.bypass_mode; the loss alone
+    is refused at load, and the two together are bypass mode."""
+    with pytest.raises(ConfigError, match="bypass_mode=true") as e:
+        _load("actor.policy_loss.loss_mode=bypass_mode")
+    assert "\n" not in str(e.value)
+    cfg = _load("actor.policy_loss.loss_mode=bypass_mode", "algorithm.rollout_correction.bypass_mode=true")
+    assert POLICY_LOSSES.get(cfg.actor.policy_loss.loss_mode) is compute_policy_loss_bypass_mode
+    rollout = torch.log(torch.tensor([[0.5, 0.4, 0.9, 1.0], [0.2, 0.7, 1.0, 1.0]], dtype=torch.float64))
+    log_prob = rollout + _log_ratio(torch.float64) * MASK
+    adv = torch.tensor([[1.0, -1.0, 1.0, 0.0], [-2.0, 2.0, 0.0, 0.0]], dtype=torch.float64)
+    rc = cfg.algorithm.rollout_correction
+    via_registry, _ = POLICY_LOSSES.get("bypass_mode")(rollout, log_prob, adv, MASK, config=cfg.actor,
+                                                        rollout_is_weights=None, rollout_correction=rc)
+    vanilla, _ = POLICY_LOSSES.get("vanilla")(rollout, log_prob, adv, MASK, config=cfg.actor)
+    assert_close(via_registry, vanilla, dtype=torch.float64, what="bypass_mode ppo_clip without RS = vanilla")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.rollout_correction.rollout_is=token", "rollout.temperature=0"], "rollout.temperature > 0"),
+    (["algorithm.rollout_correction.rollout_rs=token_k2"], "rollout_rs_threshold must be set"),
+    (["algorithm.rollout_correction.rollout_is_threshold=wide"], "rollout_is_threshold"),
+])
+def test_config_errors_come_from_loading_the_config(overrides, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        _load(*overrides)
+    assert "\n" not in str(e.value)

@@ -252,11 +252,29 @@ def test_hydra_config_name_with_a_space_and_engine_kwargs():
                                                   "override 'actor_rollout_ref.actor.clip_ratio=wide')"),
     (["trainer.n_gpus_per_node=1.5"], "verl override 'trainer.n_gpus_per_node=1.5': expects a whole number >= 1, got '1.5'"),
     (["trainer.nnodes=0"], "verl override 'trainer.nnodes=0': expects a whole number >= 1, got '0'"),
+    (["reward_model.reward_manager=prime"], "reward_model.reward_manager=prime (reward managers here: naive, dapo)"),
+    (["+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True"],
+     "verl applies overlong shaping only in the dapo reward manager; add reward_model.reward_manager=dapo"),
 ])
 def test_unsupported_or_conflicting_verl_keys_are_one_line(args, message):
     with pytest.raises(ConfigError) as err:
         resolve(args)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_dapo_reward_manager_with_its_overlong_buffer():
+    """verl-recipe DAPO scripts: reward_manager=dapo with reward_kwargs.overlong_buffer_cfg (legacy reward_model.*
+    spellings, which verl migrates to reward.*); the overlong shaping here is reward.overlong_buffer."""
+    cfg = resolve(["reward_model.reward_manager=dapo", "data.max_response_length=512",
+                   "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+                   "+reward_model.reward_kwargs.overlong_buffer_cfg.len=128",
+                   "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+                   "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+                   "+reward_model.reward_kwargs.max_resp_len=512"])
+    ob = cfg.reward.overlong_buffer
+    assert (ob.enable, ob.len, ob.penalty_factor, ob.log) == (True, 128, 1.0, False)
+    assert resolve(["reward.reward_manager.name=dapo"]).reward.overlong_buffer.enable is False  # dapo, no shaping
+    assert resolve(["reward_model.reward_manager=naive"]).reward.overlong_buffer.enable is False
 
 
 def test_gpu_counts_become_workers():
