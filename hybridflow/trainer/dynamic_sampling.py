@@ -89,7 +89,8 @@ def fill_batch(first: Batch, more: Iterator[Batch] | None, generate: Callable[[B
 
 def check_config(fg, algorithm) -> None:
     """``seq_final_reward`` is the reward after the KL penalty, which does not exist yet when groups are
-    filtered here (before the old and reference log-probs): refused with KL in the reward."""
+    filtered here (before the old and reference log-probs): refused with KL in the reward. Run by
+    ``ExperimentConfig.validate``, before any worker starts."""
     if fg.enable and fg.metric == "seq_final_reward" and algorithm.use_kl_in_reward:
         raise ValueError("algorithm.filter_groups.metric 'seq_final_reward' with algorithm.use_kl_in_reward: groups "
                          "are filtered before the KL penalty is known; use 'seq_reward'")
