@@ -1,5 +1,5 @@
-"""`hybridflow check-model` on Qwen3 (through vLLM at generation TP 2) and Qwen3-MoE (expert parallelism 2), on
-a corrupted checkpoint (exit 1 naming the first differing layer) and on an
+"""`hybridflow check-model` on each new architecture (Qwen3 through vLLM at generation TP 2, Qwen3-MoE with expert
+parallelism 2, Qwen2-MoE, Mistral), on a corrupted checkpoint (exit 1 naming the first differing layer) and on an
 unsupported architecture (exit 2, one line)."""
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ def _build(path, arch):
     return str(path)
 
 
-# Every architecture converts at every layout in test_model_archs.py; here the command itself, on a dense
-# model through vLLM and on a MoE model with expert parallelism.
+# Each new architecture once (every layout: test_model_archs.py): Qwen3 through vLLM, Qwen3-MoE with EP 2,
+# the others on one process.
 @pytest.mark.parametrize("arch,args", [("qwen3", ["--tp", "2", "--rollout-tp", "2"]),
-                                       ("qwen3_moe", ["--ep", "2", "--no-vllm"])])
+                                       ("qwen3_moe", ["--ep", "2", "--no-vllm"]),
+                                       ("qwen2_moe", ["--no-vllm"]), ("mistral", ["--no-vllm"])])
 def test_each_architecture_converts(tmp_path, capsys, arch, args):
     assert main(["check-model", _build(tmp_path, arch), *args]) == 0
     out = capsys.readouterr().out
