@@ -243,6 +243,8 @@ class VLLMRollout:
         items = weights.items() if isinstance(weights, dict) else weights
         cast = ((name, device.to_device(t, dtype=self.dtype)) for name, t in items)
         self._worker().reload_weights(weights_iterator=cast, is_checkpoint_format=not shards)
+        if not device.on_accelerator():  # vLLM-CPU skips its MoE prepack on reloads (patches/vllm_engine.py)
+            vllm_engine.repack_cpu_experts(self._worker().model_runner.get_model())
         self.llm.reset_prefix_cache()
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:

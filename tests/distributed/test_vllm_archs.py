@@ -1,8 +1,7 @@
 """Qwen3 (QK-norm) and the MoE models (Qwen3-MoE, Qwen2-MoE) in vLLM: trained with expert parallelism 2 (TP 1
 x DP 2), generated with vLLM TP 2 over the same two ranks (every rank holds every expert, sliced), greedy output
-equal to HF's after the first sync and after an update's in-place reload of the experts. The MoE cases are
-a known vLLM-CPU failure (see _RELOAD_MISMATCH); the transition's shards themselves are checked bit for bit
-in test_moe_resharding.py."""
+equal to HF's after the first sync and after an update's in-place reload of the experts (the transition's shards themselves are checked
+bit for bit in test_moe_resharding.py)."""
 
 from __future__ import annotations
 
@@ -65,16 +64,9 @@ def _rank_fn(rank, world, hf_dir, t_g=2):
     return syncs
 
 
-# vLLM-CPU 0.32's in-place reload of MoE experts (reload/layerwise.py over RoutedExperts + GateLinear) gives
-# other numbers than loading the same tensors fresh: on the same Qwen3-MoE weights the first prompt token's
-# log-prob is -18.985 after reload_weights and -19.080 from LLM(model=folder) and from HF (a fresh load equals
-# HF exactly, and the tensors we hand it equal the HF export bit for bit: test_moe_resharding). Strict: the
-# day vLLM fixes it, these start passing and the marker must go.
-_RELOAD_MISMATCH = pytest.mark.xfail(strict=True, reason="vLLM-CPU in-place reload of MoE experts differs from a fresh load")
-
-
-# Qwen2-MoE's reload takes the same path as Qwen3-MoE's (its shards: test_moe_resharding.py)
-@pytest.mark.parametrize("arch", [ARCHS[0], pytest.param(ARCHS[1], marks=_RELOAD_MISMATCH)])
+# On CPU this needs the experts' prepack after every reload (patches/vllm_engine.py CPU_EXPERTS_REPACK): without
+# it every MoE case here fails from the first sync.
+@pytest.mark.parametrize("arch", ARCHS)
 def test_vllm_greedy_equals_hf_after_each_sync(tmp_path, arch):
     from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.models.tiny_arch import build_tiny

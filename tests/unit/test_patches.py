@@ -28,7 +28,7 @@ EXPECTED = {
     "megatron.optimizer_step_skips_nonfinite", "megatron.cpu_moe_dispatch_without_streams",
     "megatron.cpu_moe_dispatch_stream", "megatron.moe_router_gemm_without_te",
     "vllm.init_model_parallel_group", "vllm.cpu_shm_group_name", "vllm.cpu_worker_set_num_threads",
-    "vllm.cpu_eager_vocab_mask",
+    "vllm.cpu_eager_vocab_mask", "vllm.cpu_moe_repack_after_reload",
     "transformers.rope_init_functions", "ray.daemons_in_own_session",
 }
 
