@@ -90,7 +90,7 @@ def _formula_bytes(state: dict, cfg, tp: int, pp: int, ep: int, rollout_tp: int)
     split = experts = replicated = 0
     for name, t in state.items():
         n = t.numel() * t.element_size()
-        if ".mlp.experts." in name and ep > 1 or ".mlp.experts." in name and tp == 1:
+        if ".mlp.experts." in name and ep > 1:  # exchanged by all-to-all (at EP 1 they are TP-split, in S)
             experts += n
         elif "norm" in name or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
             replicated += n

