@@ -54,3 +54,13 @@ def build_tiny(out_dir: str | Path, tokenizer, arch: str, *, hidden_size: int = 
         return model
 
     return save_random_model(with_noisy_norms, config, out_dir, tokenizer, seed)
+
+
+def build_tiny_folders(root: str | Path, archs, seed: int = 0) -> str:
+    """One tiny model per architecture in ``root/<arch>`` (each with its own char tokenizer, seeds seed,
+    seed + 1, ...); returns ``root`` as a string."""
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+
+    for i, arch in enumerate(archs):
+        build_tiny(Path(root) / arch, build_char_tokenizer(Path(root) / arch), arch, seed=seed + i)
+    return str(root)

@@ -69,13 +69,9 @@ def _run(root, t, p, e):
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    from hybridflow.models.char_tokenizer import build_char_tokenizer
-    from hybridflow.models.tiny_arch import build_tiny
+    from hybridflow.models.tiny_arch import build_tiny_folders
 
-    base = tmp_path_factory.mktemp("archs")
-    for i, arch in enumerate(ARCHS):
-        build_tiny(base / arch, build_char_tokenizer(base / arch), arch, seed=10 + i)
-    return str(base)
+    return build_tiny_folders(tmp_path_factory.mktemp("archs"), ARCHS, seed=10)
 
 
 @pytest.fixture(scope="module")

@@ -39,13 +39,9 @@ def _rank_fn(rank, world, root, t, p, e, t_g):
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    from hybridflow.models.char_tokenizer import build_char_tokenizer
-    from hybridflow.models.tiny_arch import build_tiny
+    from hybridflow.models.tiny_arch import build_tiny_folders
 
-    base = tmp_path_factory.mktemp("moe")
-    for i, arch in enumerate(ARCHS):
-        build_tiny(base / arch, build_char_tokenizer(base / arch), arch, seed=20 + i)
-    return str(base)
+    return build_tiny_folders(tmp_path_factory.mktemp("moe"), ARCHS, seed=20)
 
 
 def _categories(state: dict) -> tuple[int, int, int]:
