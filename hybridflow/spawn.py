@@ -57,3 +57,22 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600) -> list:
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world_size)]
+
+
+def _run_cases(rank, world_size, fn, cases):
+    out = {}
+    for key, args in cases:
+        try:
+            out[key] = fn(rank, world_size, *args)
+        except BaseException as e:  # name the case: the world stops at the first failing one
+            raise RuntimeError(f"case {key} failed on rank {rank}") from e
+    return out
+
+
+def run_cases(fn, world_size: int, cases: dict, *, timeout: float = 600) -> dict:
+    """fn(rank, world_size, *args) for each ``key -> args`` of cases, in order, in ONE world of fresh
+    processes: starting them (importing torch and megatron-core) dominates small distributed tests.
+    fn must leave the process ready for the next case (e.g. tear down megatron's groups). Returns
+    key -> results ordered by rank; any rank's error is re-raised naming its case."""
+    per_rank = run_ranks(_run_cases, world_size, fn, list(cases.items()), timeout=timeout)
+    return {key: [res[key] for res in per_rank] for key in cases}

@@ -1,14 +1,17 @@
 """The hybrid transition of MoE models (Qwen3-MoE, Qwen2-MoE) at training layouts with expert parallelism:
 every rank's generation shard is bit-identical to the single-rank conversion of the same weights
 (vllm_layout.hf_to_vllm_shard), and the bytes each rank receives equal the planner's formula
-(HybridPlan.moe_bytes_received) within 0.1%."""
+(HybridPlan.moe_bytes_received) within 0.1%.
+
+All layouts of one world size run in one spawned world (starting processes dominates these tests), one
+after another: each sets up megatron's groups for its layout and tears them down after."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybridflow.spawn import run_ranks
+from hybridflow.spawn import run_cases
 
 pytestmark = pytest.mark.distributed
 
@@ -16,18 +19,33 @@ ARCHS = ("qwen3_moe", "qwen2_moe")
 # (t, p, e, t_g): EP with generation TP above training TP, TP 2 x EP 2 (expert TP 1), TP-split
 # experts (EP 1, expert TP = TP) into a smaller generation TP, and two pipeline stages gathered.
 LAYOUTS = [(1, 1, 2, 2), (2, 1, 2, 2), (2, 1, 1, 1), (1, 2, 2, 1)]
+IDS = [f"t{t}p{p}e{e}_to_tg{g}" for t, p, e, g in LAYOUTS]
 
 
 def _rank_fn(rank, world, root, t, p, e, t_g):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import parallel
+
+    parallel.init_model_parallel(t, p, seed=1, ep=e, etp=1 if e > 1 else None)
+    try:
+        return _transition(rank, root, t, p, t_g)
+    finally:
+        # Ready for the next layout: megatron's groups (and global buffers) dropped, so that a second
+        # initialize_model_parallel is allowed; init_model_parallel reseeds the RNG tracker itself. The
+        # dropped groups and the Resharder's stay registered with torch.distributed until the process ends:
+        # harmless, every rank creates them in the same order.
+        ps.destroy_model_parallel()
+
+
+def _transition(rank, root, t, p, t_g):
+    from megatron.core import parallel_state as ps
+
     from hybridflow.megatron.role import MegatronRole
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.resharding.transition import Resharder
     from hybridflow.workers.common import open_hf_folder
 
-    parallel.init_model_parallel(t, p, seed=1, ep=e, etp=1 if e > 1 else None)
     plan = HybridPlan(Layout(p, t, ps.get_data_parallel_world_size()), 1, t_g)
     out = {"k": plan.ranks[rank].gen_tp_rank}
     for arch in ARCHS:
@@ -44,6 +62,34 @@ def root(tmp_path_factory):
     return build_tiny_folders(tmp_path_factory.mktemp("moe"), ARCHS, seed=20)
 
 
+@pytest.fixture(scope="module")
+def layout_results(root):
+    """layout id -> per-rank results; on first use of a world size, every layout of that size in one world."""
+    worlds = {}
+
+    def get(layout_id: str) -> list:
+        world = _world(dict(zip(IDS, LAYOUTS))[layout_id])
+        if world not in worlds:
+            batch = {i: (root, *lay) for i, lay in zip(IDS, LAYOUTS) if _world(lay) == world}
+            try:
+                worlds[world] = run_cases(_rank_fn, world, batch)
+            except RuntimeError as e:  # kept: each of this world's tests reports it
+                worlds[world] = e
+        res = worlds[world]
+        if isinstance(res, RuntimeError):
+            if f"case {layout_id} failed " in str(res):
+                raise res
+            pytest.fail(f"not checked: the {world}-rank world stopped at another layout:\n{res}")
+        return res[layout_id]
+
+    return get
+
+
+def _world(layout) -> int:
+    t, p, e, _ = layout
+    return t * p * e
+
+
 def _categories(state: dict) -> tuple[int, int, int]:
     """(TP-split dense, expert, replicated) bytes of a HF state dict."""
     split = experts = replicated = 0
@@ -58,14 +104,14 @@ def _categories(state: dict) -> tuple[int, int, int]:
     return split, experts, replicated
 
 
-@pytest.mark.parametrize("t,p,e,t_g", LAYOUTS, ids=[f"t{t}p{p}e{e}_to_tg{g}" for t, p, e, g in LAYOUTS])
-def test_generation_shards_equal_single_rank_conversion_and_bytes_the_formula(root, t, p, e, t_g):
+@pytest.mark.parametrize("t,p,e,t_g", LAYOUTS, ids=IDS)
+def test_generation_shards_equal_single_rank_conversion_and_bytes_the_formula(root, layout_results, t, p, e, t_g):
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.resharding.vllm_layout import hf_to_vllm_shard
     from hybridflow.workers.common import load_hf_folder
 
     world = t * p * e
-    results = run_ranks(_rank_fn, world, root, t, p, e, t_g)
+    results = layout_results(IDS[LAYOUTS.index((t, p, e, t_g))])
     plan = HybridPlan(Layout(p, t, world // (t * p)), 1, t_g)
     for arch in ARCHS:
         cfg, state = load_hf_folder(f"{root}/{arch}")

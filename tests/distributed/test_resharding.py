@@ -1,14 +1,17 @@
 """The 3D-HybridEngine transition on real gloo ranks: every rank's vLLM-layout generation shard is
 bit-identical to a single-rank HF->vLLM conversion, contains the rank's own training shard (zero
 redundancy; with t_g a multiple of t it is a slice of it), and the bytes each rank receives are exactly
-what the plan says (and the paper's formula: none at all when t_g is a multiple of t and p = 1)."""
+what the plan says (and the paper's formula: none at all when t_g is a multiple of t and p = 1).
+
+All cases of one world size run in one spawned world (starting processes dominates these tests), one
+after another: each sets up megatron's groups for its layout and tears them down after."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybridflow.spawn import run_ranks
+from hybridflow.spawn import run_cases
 
 pytestmark = pytest.mark.distributed
 
@@ -18,6 +21,7 @@ CASES = [((1, 2, 1), 1), ((1, 2, 2), 1), ((1, 4, 1), 2), ((2, 2, 1), 1), ((2, 2,
          # and with p = 2 after the pipeline gather
          ((1, 1, 2), 2), ((1, 2, 2), 4), ((2, 1, 2), 2)]  # ((p, t, d), t_g)
 KV_HEADS = {((1, 2, 2), 4): 2}  # else 4
+IDS = [f"p{p}t{t}d{d}_to_tg{g}" for (p, t, d), g in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +41,35 @@ def hf_dirs(tmp_path_factory):
         return built[kv_heads]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def case_results(hf_dirs):
+    """case id -> per-rank results; on first use of a world size, every case of that size in one world."""
+    worlds = {}
+
+    def get(case_id: str) -> list:
+        world = _world(dict(zip(IDS, CASES))[case_id])
+        if world not in worlds:
+            batch = {i: (hf_dirs(KV_HEADS.get(c, 4)), c[0][0], c[0][1], c[1])
+                     for i, c in zip(IDS, CASES) if _world(c) == world}
+            try:
+                worlds[world] = run_cases(_rank_fn, world, batch)
+            except RuntimeError as e:  # kept: each of this world's tests reports it
+                worlds[world] = e
+        res = worlds[world]
+        if isinstance(res, RuntimeError):
+            if f"case {case_id} failed " in str(res):
+                raise res
+            pytest.fail(f"not checked: the {world}-rank world stopped at another case:\n{res}")
+        return res[case_id]
+
+    return get
+
+
+def _world(case) -> int:
+    (p, t, d), _ = case
+    return p * t * d
 
 
 class _TENamed:
@@ -61,12 +94,26 @@ def _rank_fn(rank, world, hf_dir, p, t, t_g):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import parallel
+
+    parallel.init_model_parallel(t, p, seed=1)
+    try:
+        return _transition(rank, hf_dir, p, t, t_g)
+    finally:
+        # Ready for the next case's layout: megatron's groups (and global buffers) dropped, so that a second
+        # initialize_model_parallel is allowed; init_model_parallel reseeds the RNG tracker itself. The
+        # dropped groups and the Resharder's stay registered with torch.distributed until the process ends:
+        # harmless, every rank creates them in the same order.
+        ps.destroy_model_parallel()
+
+
+def _transition(rank, hf_dir, p, t, t_g):
+    from megatron.core import parallel_state as ps
+
     from hybridflow.megatron.role import MegatronRole
     from hybridflow.resharding.transition import Resharder
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.workers.common import load_hf_folder
 
-    parallel.init_model_parallel(t, p, seed=1)
     cfg, state = load_hf_folder(hf_dir)
     role = MegatronRole(cfg, state)
     layout = Layout(p, t, ps.get_data_parallel_world_size())
@@ -80,8 +127,8 @@ def _rank_fn(rank, world, hf_dir, p, t, t_g):
     return out
 
 
-@pytest.mark.parametrize("layout,t_g", CASES, ids=[f"p{p}t{t}d{d}_to_tg{g}" for (p, t, d), g in CASES])
-def test_transition(hf_dirs, layout, t_g):
+@pytest.mark.parametrize("layout,t_g", CASES, ids=IDS)
+def test_transition(hf_dirs, case_results, layout, t_g):
     from hybridflow.megatron.convert import tp_split_dim
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.resharding.vllm_layout import hf_to_vllm_shard
@@ -90,7 +137,7 @@ def test_transition(hf_dirs, layout, t_g):
     p, t, d = layout
     hf_dir = hf_dirs(KV_HEADS.get((layout, t_g), 4))
     cfg, hf = load_hf_folder(hf_dir)
-    results = run_ranks(_rank_fn, p * t * d, hf_dir, p, t, t_g)
+    results = case_results(IDS[CASES.index((layout, t_g))])
     plan = HybridPlan(Layout(p, t, d), 1, t_g)
     model_bytes = sum(v.numel() * v.element_size() for v in hf.values())
     for res in results:
