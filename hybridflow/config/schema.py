@@ -206,6 +206,27 @@ class Critic:
 
 
 @dataclass
+class MultiTurn:
+    """Multi-turn rollouts with tool calls (verl 0.9.1 rollout.multi_turn: same names and defaults). Each
+    prompt is a conversation; per turn the active trajectories generate together, tool calls in the assistant
+    turn are parsed (``format``) and run, and their responses join the trajectory as non-trained tokens."""
+
+    enable: bool = False
+    max_assistant_turns: int | None = None  # None: until the response budget (data.max_response_length)
+    max_user_turns: int | None = None  # tool-response turns at most (None: no limit)
+    max_parallel_calls: int = 1  # tool calls run per assistant turn (further calls in the turn are ignored)
+    max_tool_response_length: int = 256  # characters of a tool's response kept
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    format: str = "hermes"  # tool-call parser: a name in agent.parsers.PARSERS
+    tool_config_path: str | None = None  # verl's tool YAML: tools: [{class_name, config, tool_schema}]
+
+    def validate(self):
+        _check_sizes(self, "max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length")
+        if self.enable and not self.tool_config_path:
+            raise ValueError("rollout.multi_turn.tool_config_path is required when rollout.multi_turn.enable is true")
+
+
+@dataclass
 class Rollout:
     name: Literal["vllm"] = "vllm"
     n: int = 1  # responses sampled per prompt (group size for GRPO/RLOO)
@@ -230,6 +251,7 @@ class Rollout:
     # Further vllm.LLM(...) arguments as given (verl's engine_kwargs.vllm); ones this suite sets itself
     # (model, tensor_parallel_size, dtype, ...) are refused before start.
     engine_kwargs: dict = field(default_factory=dict)
+    multi_turn: MultiTurn = field(default_factory=MultiTurn)
 
     def validate(self):
         _check_sizes(self, "n", "tensor_model_parallel_size", "kv_cache_gib", "max_num_batched_tokens", "max_num_seqs")
@@ -448,12 +470,16 @@ class Prepare:
     """How `make run` builds the quickstart's tokenizer, tiny model, data and warm start when absent."""
 
     enable: bool = False
+    # addition: 2-digit sums (data/arithmetic.py); multiplication_tools: 3-digit x 2-digit products with the
+    # calculator tool (data/multiplication.py; needs rollout.multi_turn.tool_config_path with "calculator")
+    task: Literal["addition", "multiplication_tools"] = "addition"
     data_dir: str = "outputs/quickstart/data"
     base_model_dir: str = "outputs/quickstart/base_model"
     arch: Literal["qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe"] = "qwen2"  # the tiny base model's
     num_experts: int = 8  # MoE archs: experts per layer, each token routed to moe_top_k of them
     moe_top_k: int = 2
-    max_operand: int = 99
+    max_operand: int = 99  # addition's operands: 0 .. max_operand
+    n_train: int = 20000  # multiplication_tools' training prompts (addition trains on every pair not held out)
     n_val: int = 256
     hidden_size: int = 128
     num_layers: int = 4

@@ -42,6 +42,8 @@ _SAME_LEAVES = {
                           "dro_beta"),
     "algorithm.kl_ctrl.": ("type", "kl_coef", "target_kl", "horizon"),
     "algorithm.filter_groups.": ("enable", "metric", "max_num_gen_batches"),
+    _R + "multi_turn.": ("enable", "max_assistant_turns", "max_user_turns", "max_parallel_calls",
+                         "max_tool_response_length", "tool_response_truncate_side", "format", "tool_config_path"),
     "algorithm.rollout_correction.": ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
                                       "rollout_rs_threshold", "bypass_mode", "loss_type"),
     "data.": ("train_files", "val_files", "prompt_key", "max_prompt_length", "max_response_length", "shuffle",
@@ -56,6 +58,7 @@ _MEGATRON = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequ
              "use_distributed_optimizer", "dtype", "param_offload", "grad_offload", "optimizer_offload",
              "expert_model_parallel_size", "expert_tensor_parallel_size")
 _OURS_PREFIX = {_A: "actor.", _R: "rollout.", "algorithm.kl_ctrl.": "algorithm.kl_ctrl.",
+                _R + "multi_turn.": "rollout.multi_turn.",
                 _A + "policy_loss.": "actor.policy_loss."}
 
 _OVERLONG_SECTIONS = ("reward.reward_kwargs.overlong_buffer_cfg", "reward_model.reward_kwargs.overlong_buffer_cfg",
@@ -154,7 +157,11 @@ NO_EFFECT = {  # verl key -> why it changes nothing here
     "data.filter_overlong_prompts_workers": "filtering runs in the loading process",
     "data.dataloader_num_workers": "prompts are tokenized once at load",
     _R + "mode": "one batched vLLM call per step gives the samples verl's sync and async modes give",
-    _R + "multi_turn.format": "single-turn rollouts (multi_turn.enable is false)",
+    _R + "multi_turn.use_inference_chat_template": "tool responses are rendered with the tokenizer's chat template",
+    _R + "multi_turn.tokenization_sanity_check_mode": "sampled tokens are kept as sampled (token-in, token-out): "
+                                                      "no re-tokenization to check",
+    _R + "agent.default_agent_loop": "rollout.multi_turn.enable picks the tool agent loop for every row",
+    _R + "agent.num_workers": "the agent loop runs in each rollout worker, batched per turn",
     _R + "load_format": "weights reach vLLM through the resharding engine, not a load format",
     _R + "calculate_log_probs": "sampled rollouts always carry vLLM's log-probs (rollout_log_probs)",
     _R + "engine_kwargs.sglang.attention_backend": "sglang is not used (vLLM is the rollout engine)",

@@ -77,11 +77,13 @@ class PromptDataset:
                         for name in names}
 
     @classmethod
-    def from_config(cls, files: list[str], tokenizer, data) -> PromptDataset:
-        """The dataset the ``data`` config section describes."""
+    def from_config(cls, files: list[str], tokenizer, data, tools: list[dict] | None = None) -> PromptDataset:
+        """The dataset the ``data`` config section describes; chat prompts are rendered showing ``tools`` (OpenAI
+        function schemas: the multi-turn rollout's tools) when given."""
+        kwargs = {**data.apply_chat_template_kwargs, **({"tools": tools} if tools else {})}
         return cls(files, tokenizer, prompt_key=data.prompt_key, answer_key=data.answer_key,
                    max_prompt_length=data.max_prompt_length, filter_overlong_prompts=data.filter_overlong_prompts,
-                   truncation=data.truncation, chat_template_kwargs=data.apply_chat_template_kwargs)
+                   truncation=data.truncation, chat_template_kwargs=kwargs)
 
     def where(self, row: int) -> str:
         """Dataset row ``row`` as a user finds it: its file and row there."""

@@ -52,21 +52,43 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 CHAT_ALPHABET = "0123456789+-*=:?,.!'()/$# \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# With tools: Qwen2.5's tool turns (Hermes tool calls; tool responses in a user turn), without its system prompt
+# listing the tools' schemas (it would not fit a tiny context either).
+CHATML_TOOLS_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{{- '<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{%- if call['function']['arguments'] is string %}{{- call['function']['arguments'] }}"
+    "{%- else %}{{- call['function']['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 
-def build_chat_tokenizer(out_dir: str | Path, alphabet: str = CHAT_ALPHABET):
+def build_chat_tokenizer(out_dir: str | Path, alphabet: str = CHAT_ALPHABET, tools: bool = False):
     """A char-level tokenizer with Qwen's ChatML chat template: ``<|im_start|>``/``<|im_end|>`` are special
     tokens of their own and ``<|im_end|>`` ends a turn (the eos token, as in Qwen's instruct models). The
     alphabet holds the newline the template puts after each role and turn. Loaded back by AutoTokenizer from
     a Qwen2 model folder, transformers 5 builds a Qwen2Tokenizer whose byte-level pre-tokenizer drops this
     char-level vocabulary's whitespace (the newlines too), as it does for the quickstart's tokenizer; the
-    special tokens and every other character stay."""
+    special tokens and every other character stay. With ``tools``, Hermes tool calls and tool responses have
+    special tokens of their own too, and the alphabet gains JSON's characters."""
     from hybridflow.models.char_tokenizer import build_char_tokenizer
 
-    tokenizer = build_char_tokenizer(out_dir, alphabet)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(CHATML_TOKENS)})
+    tokenizer = build_char_tokenizer(out_dir, alphabet + ('{}"_[]' if tools else ""))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(CHATML_TOKENS) + (list(TOOL_TOKENS) if tools else [])})
     tokenizer.eos_token = CHATML_TOKENS[1]
-    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.chat_template = CHATML_TOOLS_TEMPLATE if tools else CHATML_TEMPLATE
     tokenizer.save_pretrained(str(out_dir))
     return tokenizer
 

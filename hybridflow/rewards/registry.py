@@ -32,10 +32,14 @@ def score_batch(scorer, texts: list[str], answers, response_mask: torch.Tensor) 
 
 
 def on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Token-level [b, R] tensor holding each sequence score on its last valid response token
-    (empty responses get none)."""
+    """Token-level [b, R] tensor holding each sequence score on its last valid response token (empty responses
+    get none). With gaps in the mask (a multi-turn response's tool tokens) that is the last sampled token: verl
+    0.9.1 puts it on the last token of the response, which is the same one unless tool messages end the
+    trajectory (then verl rewards a token the loss never sees)."""
     token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
-    lengths = response_mask.sum(-1).long()
-    rows = torch.nonzero(lengths > 0).flatten()
-    token_scores[rows, lengths[rows] - 1] = scores[rows].float()
+    valid = response_mask.bool()
+    width = response_mask.shape[-1]
+    last = width - 1 - valid.flip(-1).long().argmax(-1)  # the last 1 in each row
+    rows = torch.nonzero(valid.any(-1)).flatten()
+    token_scores[rows, last[rows]] = scores[rows].float()
     return token_scores

@@ -6,7 +6,7 @@
     math_dapo, math, math_dapo_reasoning, aime*                      -> math_dapo
 
 The source is the row's ``data.reward_fn_key`` column. Rows without one (the column absent, or null) and
-rows of this suite's own quickstart task (source "arithmetic") use ``reward.name``, so the quickstart's
+rows of this suite's own quickstart tasks (sources "arithmetic", "multiplication") use ``reward.name``, so the quickstart's
 scorer stays configurable. Any other source is an error when the data is loaded (``check``), before a run
 starts; verl's further sources (code, geometry, search, numina) are not implemented here: a
 custom_reward_function scores them.
@@ -20,7 +20,7 @@ from hybridflow.rewards.registry import get_scorer
 
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")  # and every source starting with "aime"
-OWN_SOURCES = ("arithmetic",)  # hybridflow.data.arithmetic's: scored by reward.name
+OWN_SOURCES = ("arithmetic", "multiplication")  # the quickstarts' tasks (hybridflow/data): scored by reward.name
 # verl routes these to scorers this suite does not carry
 VERL_ONLY_SOURCES = ("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
                      "numina_cn_k12", "numina_olympiads", "codecontests", "apps", "codeforces", "taco",

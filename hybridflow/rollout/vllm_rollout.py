@@ -254,19 +254,28 @@ class VLLMRollout:
         return [ids for ids, _ in self.generate_with_log_probs(prompt_ids, sampling, log_probs=False)]
 
     def generate_with_log_probs(self, prompt_ids: list[list[int]], sampling: SamplingSettings, *,
-                                log_probs: bool = True) -> list[tuple[list[int], list[float] | None]]:
+                                log_probs: bool = True, max_new_tokens: list[int] | None = None,
+                                stop_token_ids: list[int] | None = None) -> list[tuple[list[int], list[float] | None]]:
         """``generate``, with vLLM's log-prob of each sampled token when ``log_probs`` (``logprobs=0``: the
         sampled token's only). vLLM's default ``logprobs_mode`` is ``raw_logprobs``: the model's distribution
-        before temperature, top-k/top-p (config/model.py), which is what the trainer's log-probs are too."""
+        before temperature, top-k/top-p (config/model.py), which is what the trainer's log-probs are too.
+        ``max_new_tokens``: a budget per prompt (the agent loop's remaining response length) instead of the
+        sampling settings' one; ``stop_token_ids``: tokens that end generation besides EOS (an assistant turn's
+        end), kept in the output as EOS is (vLLM v1/core/sched/utils.py check_stop)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         greedy = sampling.temperature == 0
-        params = SamplingParams(
-            temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
-            top_k=-1 if greedy else sampling.top_k, max_tokens=sampling.max_new_tokens, skip_special_tokens=False,
-            logprobs=0 if log_probs else None,
-            detokenize=False)  # the caller scores decoded ids itself; vLLM's per-token detokenizing is waste
+
+        def params_for(budget: int) -> SamplingParams:
+            return SamplingParams(
+                temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
+                top_k=-1 if greedy else sampling.top_k, max_tokens=budget, skip_special_tokens=False,
+                logprobs=0 if log_probs else None, stop_token_ids=stop_token_ids,
+                detokenize=False)  # the caller scores decoded ids itself; vLLM's per-token detokenizing is waste
+
+        params = (params_for(sampling.max_new_tokens) if max_new_tokens is None
+                  else [params_for(budget) for budget in max_new_tokens])
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
                                  use_tqdm=False)
         results = []

@@ -19,8 +19,7 @@ def score_responses(batch: Batch, tokenizer, scorer) -> Batch:
     ``(response, answer) -> float``. A user reward function that fails is a one-line ``RewardFunctionError``
     naming the row (its prompt and response)."""
     mask = batch.tensors["response_mask"]
-    texts = [tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
-             for r, m in zip(batch.tensors["responses"], mask)]
+    texts = [sampled_text(tokenizer, r, m) for r, m in zip(batch.tensors["responses"], mask)]
     answers = list(batch.non_tensors["answer"])
     if isinstance(scorer, (CustomScorer, SourceRouter)):
         sources = batch.non_tensors.get(scorer.source_key)
@@ -42,6 +41,21 @@ def score_responses(batch: Batch, tokenizer, scorer) -> Batch:
     return batch.union(Batch.from_dict(tensors={"scores": scores, "token_level_scores": token_scores},
                                        non_tensors={"response_text": np.array(texts, dtype=object),
                                                     **returned_entries(entries)}))
+
+
+def sampled_text(tokenizer, response: torch.Tensor, mask: torch.Tensor) -> str:
+    """The text the model wrote: each run of sampled tokens decoded on its own, runs joined by newlines. A
+    multi-turn response's tool messages (mask 0) are left out, so a scorer never rewards text a tool wrote; verl
+    0.9.1 decodes the whole response, tool messages included (a deliberate difference)."""
+    m = mask.bool().tolist()
+    ids, runs, start = response.tolist(), [], None
+    for i, on in enumerate(m + [False]):
+        if on and start is None:
+            start = i
+        elif not on and start is not None:
+            runs.append(tokenizer.decode(ids[start:i], skip_special_tokens=True))
+            start = None
+    return "\n".join(runs)
 
 
 def returned_entries(entries: list[dict]) -> dict:
@@ -114,13 +128,19 @@ def add_advantages(batch: Batch, algo) -> Batch:
     return batch.union(Batch.from_dict(tensors={"advantages": adv, "returns": returns}))
 
 
+def response_lengths(batch: Batch) -> torch.Tensor:
+    """Tokens per response, a multi-turn response's tool messages included (verl's valid_response_length)."""
+    t = batch.tensors
+    return t["attention_mask"][:, -t["responses"].shape[1]:].sum(-1)
+
+
 def rollout_metrics(batch: Batch) -> dict:
     t = batch.tensors
     mask = t["response_mask"].float()
     out = {
         "reward/score_mean": t["scores"].mean().item(),
         **({"reward/rule_score_mean": t["rule_scores"].mean().item()} if "rule_scores" in t else {}),
-        "response/length_mean": mask.sum(-1).mean().item(),
+        "response/length_mean": response_lengths(batch).float().mean().item(),
     }
     if "overlong_reward" in t:  # reward.overlong_buffer.log: DAPO's overlong penalty (verl's overlong_reward)
         out["reward/overlong_reward_mean"] = t["overlong_reward"].mean().item()

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
+from hybridflow.agent.loop import agent_metrics
 from hybridflow.algorithms import make_kl_controller
 from hybridflow.algorithms.rollout_correction import active as rollout_correction_active
 from hybridflow.algorithms.rollout_correction import correct
@@ -15,8 +16,8 @@ from hybridflow.rewards import SourceRouter, on_last_token
 from hybridflow.rewards.overlong import overlong_penalty
 from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.dynamic_sampling import fill_batch
-from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, as_group_ids, rollout_metrics,
-                                          score_responses)
+from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, as_group_ids, response_lengths,
+                                          rollout_metrics, score_responses)
 from hybridflow.trainer.metrics import Timer
 from hybridflow.trainer.placement import WorkerGroups
 from hybridflow.util import mean_by_key
@@ -35,6 +36,16 @@ def training_scorer(cfg):
     return adapt_to_scorer(load_custom_reward_function(c.path, c.name), timeout_s=c.timeout_s, source_key=key)
 
 
+def tool_schemas(cfg) -> list[dict] | None:
+    """The tools' OpenAI function schemas, which the chat template shows the model in the prompt (as verl passes
+    ``tools=`` when it renders the first turn); None for single-turn rollouts."""
+    if not cfg.rollout.multi_turn.enable:
+        return None
+    from hybridflow.agent.tools import load_tools
+
+    return [tool.schema for tool in load_tools(cfg.rollout.multi_turn.tool_config_path).values()]
+
+
 class PPODriver:
     """The single controller's algorithm: holds the prompts, scorers and KL controller, and calls the worker
     groups, which hold the models, through their typed interfaces (workers/interfaces.py)."""
@@ -42,9 +53,9 @@ class PPODriver:
     def __init__(self, cfg, tokenizer, workers: WorkerGroups):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.actor_rollout, self.critic, self.reward_model = workers.actor_rollout, workers.critic, workers.reward_model
-        d = cfg.data
-        self.train_data = PromptDataset.from_config(d.train_files, tokenizer, d)
-        self.val_data = PromptDataset.from_config(d.val_files, tokenizer, d) if d.val_files else None
+        d, tools = cfg.data, tool_schemas(cfg)
+        self.train_data = PromptDataset.from_config(d.train_files, tokenizer, d, tools=tools)
+        self.val_data = PromptDataset.from_config(d.val_files, tokenizer, d, tools=tools) if d.val_files else None
         self.train_scorer = training_scorer(cfg)  # training reward and validation accuracy
         if isinstance(self.train_scorer, SourceRouter):  # sources no scorer takes fail here, not at a step
             for data in (self.train_data, self.val_data):
@@ -101,6 +112,8 @@ class PPODriver:
             with t("gen"):
                 batch = self.actor_rollout.generate(prompts.repeat(cfg.rollout.n, interleave=True))
             metrics.update(batch.meta.pop("memory", {}))
+            if cfg.rollout.multi_turn.enable:
+                metrics.update(agent_metrics(batch.tensors, batch.non_tensors))
             with t("reward"):
                 batch = self.reward(batch)
                 if cfg.algorithm.adv_estimator == "remax":
@@ -175,7 +188,7 @@ class PPODriver:
         if not ob.enable:
             return batch
         mask = batch.tensors["response_mask"]
-        penalty = overlong_penalty(mask.sum(-1), self.cfg.data.max_response_length, ob.len, ob.penalty_factor)
+        penalty = overlong_penalty(response_lengths(batch), self.cfg.data.max_response_length, ob.len, ob.penalty_factor)
         tensors = {**batch.tensors, "token_level_scores": batch.tensors["token_level_scores"] + on_last_token(penalty, mask)}
         if ob.log:
             tensors["overlong_reward"] = penalty

@@ -51,8 +51,24 @@ def check_config(cfg: ExperimentConfig) -> None:
             check_transformer_overrides(getattr(cfg, role).megatron.override_transformer_config,
                                         f"{role}.megatron.override_transformer_config")
         check_engine_kwargs(cfg.rollout.engine_kwargs)
+        check_multi_turn(cfg.rollout.multi_turn)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_multi_turn(m) -> None:
+    """rollout.multi_turn's tool config loads (each tool's class, config and schema; the python tool's
+    sandbox) and its tool-call format has a parser."""
+    if not m.enable:
+        return
+    from hybridflow.agent.parsers import get_parser
+    from hybridflow.agent.tools import check_tool_config
+
+    get_parser(m.format)
+    try:
+        check_tool_config(m.tool_config_path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"rollout.multi_turn.tool_config_path: {e}") from None
 
 
 def check_roles(cfg: ExperimentConfig, model, n_train: int) -> None:
@@ -88,6 +104,7 @@ def check_files(cfg: ExperimentConfig):
     check_output_dir(cfg.trainer.output_dir, save_hf=cfg.trainer.save_hf_at_end)
     from hybridflow.data.dataset import PromptDataset
     from hybridflow.rewards.routing import SourceRouter
+    from hybridflow.trainer.ppo import tool_schemas
 
     # a custom reward function scores every source; else each row's source must have a rule scorer
     router = SourceRouter(cfg.reward.name, d.reward_fn_key) if cfg.custom_reward_function.path is None else None
@@ -95,7 +112,7 @@ def check_files(cfg: ExperimentConfig):
         if not files:
             continue
         try:
-            data = PromptDataset.from_config(files, tokenizer, d)
+            data = PromptDataset.from_config(files, tokenizer, d, tools=tool_schemas(cfg))
             if router is not None:
                 router.check_dataset(data)
         except (OSError, ValueError) as e:
@@ -108,6 +125,13 @@ def check_files(cfg: ExperimentConfig):
                               f"data.batch_size={d.batch_size}")
         if key == "data.train_files":
             n_train = len(data)
+    if cfg.rollout.multi_turn.enable:
+        from hybridflow.agent.chat import ChatFormat
+
+        try:  # the chat template tells where an assistant turn ends and renders tool messages
+            ChatFormat(tokenizer, d.apply_chat_template_kwargs).tool_message_ids(["0"])
+        except ValueError as e:
+            raise ConfigError(f"model.path: {e}") from None
     check_layouts(cfg, model)
     return model, tokenizer, n_train
 

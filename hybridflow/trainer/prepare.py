@@ -8,6 +8,10 @@ from pathlib import Path
 
 def prepare_quickstart(cfg) -> None:
     p = cfg.prepare
+    if p.task == "multiplication_tools":
+        from hybridflow.trainer.prepare_tools import prepare_tools_quickstart
+
+        return prepare_tools_quickstart(cfg)
     data_dir = Path(p.data_dir)
     if not (data_dir / "train.parquet").exists() or not (data_dir / "val.parquet").exists():
         from hybridflow.data.arithmetic import write_arithmetic_parquet

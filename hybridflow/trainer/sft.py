@@ -9,20 +9,25 @@ import pyarrow.parquet as pq
 import torch
 
 
-def _sft_batch(tokenizer, pairs: list[tuple[str, str]]):
-    """Left-padded prompt+answer+EOS sequences; loss only on the answer tokens."""
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    seqs = [(tokenizer(p).input_ids, tokenizer(a).input_ids + [eos]) for p, a in pairs]
-    width = max(len(p) + len(a) for p, a in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+def _sft_batch(pad_id: int, sequences: list[tuple[list[int], list[int]]]):
+    """Left-padded (ids, loss mask) sequences as (input ids, attention mask, labels): the loss only where the
+    mask is 1."""
+    width = max(len(ids) for ids, _ in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     labels = torch.full_like(ids, -100)
     mask = torch.zeros_like(ids)
-    for i, (p, a) in enumerate(seqs):
-        off = width - len(p) - len(a)
-        ids[i, off:] = torch.tensor(p + a)
+    for i, (seq, loss_mask) in enumerate(sequences):
+        off = width - len(seq)
+        ids[i, off:] = torch.tensor(seq)
         mask[i, off:] = 1
-        labels[i, off + len(p):] = torch.tensor(a)
+        labels[i, off:] = torch.where(torch.tensor(loss_mask, dtype=torch.bool), torch.tensor(seq), -100)
     return ids, mask, labels
+
+
+def answer_sequence(tokenizer, prompt: str, answer: str) -> tuple[list[int], list[int]]:
+    """prompt + answer + EOS, the loss on the answer and EOS."""
+    p, a = tokenizer(prompt).input_ids, tokenizer(answer).input_ids + [tokenizer.eos_token_id]
+    return p + a, [0] * len(p) + [1] * len(a)
 
 
 @torch.no_grad()
@@ -55,6 +60,28 @@ def warm_start(model_dir: str, out_dir: str, train_file: str, *, steps: int, lr:
     greedy accuracy on them reaches the target (checked every ``eval_every`` steps), so the warm start
     lands at the same skill on any machine (CPU kernels differ, and a fixed step count overshoots on some)
     and leaves RL room to show its gain."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    table = pq.read_table(train_file, columns=[prompt_key, answer_key])
+    pairs = list(zip(table[prompt_key].to_pylist(), table[answer_key].to_pylist()))
+    dev, rng = [], random.Random(seed)
+    if target_accuracy is not None:
+        rng.shuffle(pairs)
+        dev, pairs = pairs[:dev_size], pairs[dev_size:]
+    sequences = [answer_sequence(tokenizer, p, a) for p, a in pairs]
+    evaluate = (lambda model: greedy_accuracy(model, tokenizer, dev, scorer, max_new_tokens)) if dev else None
+    return train_sequences(model_dir, out_dir, sequences, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
+                           log_every=log_every, target_accuracy=target_accuracy, evaluate=evaluate,
+                           eval_every=eval_every, rng=rng)
+
+
+def train_sequences(model_dir: str, out_dir: str, sequences: list[tuple[list[int], list[int]]], *, steps: int,
+                    lr: float, batch_size: int, seed: int, log_every: int = 100, target_accuracy: float | None = None,
+                    evaluate=None, eval_every: int = 20, rng: random.Random | None = None) -> dict:
+    """Fine-tune on (ids, loss mask) ``sequences`` for at most ``steps`` steps, stopping once ``evaluate(model)``
+    (checked every ``eval_every`` steps) reaches ``target_accuracy``; save to ``out_dir``; returns {"steps",
+    "dev_accuracy"}. ``rng`` draws the batches (default: seeded with ``seed``)."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -63,19 +90,13 @@ def warm_start(model_dir: str, out_dir: str, train_file: str, *, steps: int, lr:
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    table = pq.read_table(train_file, columns=[prompt_key, answer_key])
-    pairs = list(zip(table[prompt_key].to_pylist(), table[answer_key].to_pylist()))
-    rng = random.Random(seed)
-    dev = []
-    if target_accuracy is not None:
-        rng.shuffle(pairs)
-        dev, pairs = pairs[:dev_size], pairs[dev_size:]
+    rng = rng or random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     bar = tqdm(range(1, steps + 1), desc="sft warm start", dynamic_ncols=True)
     accuracy, done = None, steps
     for step in bar:
-        ids, mask, labels = _sft_batch(tokenizer, rng.sample(pairs, batch_size))
+        ids, mask, labels = _sft_batch(tokenizer.pad_token_id, rng.sample(sequences, batch_size))
         loss = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                      labels=labels).loss
         opt.zero_grad()
@@ -83,8 +104,8 @@ def warm_start(model_dir: str, out_dir: str, train_file: str, *, steps: int, lr:
         opt.step()
         if step % log_every == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
-        if dev and step % eval_every == 0:
-            accuracy = greedy_accuracy(model, tokenizer, dev, scorer, max_new_tokens)
+        if evaluate is not None and target_accuracy is not None and step % eval_every == 0:
+            accuracy = evaluate(model)
             bar.set_postfix(loss=f"{loss.item():.3f}", dev_acc=f"{accuracy:.3f}")
             if accuracy >= target_accuracy:
                 done = step

@@ -45,6 +45,30 @@ def responses_to_batch(prompts: Batch, responses: list[list[int]], max_len: int,
     })
 
 
+def trajectories_to_batch(prompts: Batch, trajectories, max_len: int, pad_id: int) -> Batch:
+    """Multi-turn trajectories (agent/loop.py) in verl's layout: ``responses`` hold sampled and tool-message
+    tokens, ``attention_mask`` is 1 on both, ``response_mask`` only on sampled ones, ``rollout_log_probs`` is
+    vLLM's log-prob on sampled tokens (0 elsewhere), plus the per-row agent statistics."""
+    from hybridflow.agent.loop import trajectory_columns
+
+    n = len(trajectories)
+    resp = torch.full((n, max_len), pad_id, dtype=torch.long)
+    resp_mask, real = torch.zeros((n, max_len), dtype=torch.long), torch.zeros((n, max_len), dtype=torch.long)
+    log_probs = torch.zeros((n, max_len), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        k = min(len(t.response_ids), max_len)
+        resp[i, :k] = torch.tensor(t.response_ids[:k], dtype=torch.long)
+        resp_mask[i, :k] = torch.tensor(t.response_mask[:k], dtype=torch.long)
+        real[i, :k] = 1
+        log_probs[i, :k] = torch.tensor(t.log_probs[:k], dtype=torch.float32)
+    attention = torch.cat([prompts.tensors["attention_mask"], real], dim=1)
+    tensors, non_tensors = trajectory_columns(trajectories)
+    return Batch.from_dict(tensors={
+        "responses": resp, "response_mask": resp_mask, "input_ids": torch.cat([prompts.tensors["input_ids"], resp], dim=1),
+        "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+        "rollout_log_probs": log_probs, **tensors}, non_tensors=non_tensors)
+
+
 def rollout_log_probs(log_probs: list[list[float]], response_mask: torch.Tensor) -> torch.Tensor:
     """vLLM's per-token log-probs as a float32 [b, R] tensor aligned with ``responses``, 0 at padding (a
     response cut at EOS or max length keeps the log-probs of the tokens it keeps)."""
@@ -52,6 +76,20 @@ def rollout_log_probs(log_probs: list[list[float]], response_mask: torch.Tensor)
     for i, (lp, n) in enumerate(zip(log_probs, response_mask.sum(-1).tolist())):
         out[i, :n] = torch.tensor(lp[:n], dtype=torch.float32)
     return out
+
+
+def build_agent_loop(cfg, tokenizer):
+    """The multi-turn agent loop of ``rollout.multi_turn``: its tools (verl's tool config), tool-call parser and
+    the tokenizer's chat template."""
+    from hybridflow.agent.chat import ChatFormat
+    from hybridflow.agent.loop import AgentLoop, AgentSettings
+    from hybridflow.agent.parsers import get_parser
+    from hybridflow.agent.tools import load_tools
+
+    m = cfg.rollout.multi_turn
+    return AgentLoop(tokenizer, load_tools(m.tool_config_path), get_parser(m.format),
+                     AgentSettings.from_config(m, cfg.data.max_response_length),
+                     ChatFormat(tokenizer, cfg.data.apply_chat_template_kwargs))
 
 
 class ActorRolloutRefWorker(Worker):
@@ -93,6 +131,7 @@ class ActorRolloutRefWorker(Worker):
             # ranks of one generation TP group must sample identically: seed per replica
             seed=cfg.trainer.seed + self.rollout_layout.ranks[self.rank].replica,
             generation_groups=self.rollout_layout.replicas)
+        self.agent = build_agent_loop(cfg, self.tokenizer) if r.multi_turn.enable else None
 
     def dispatch_info(self, mesh: str = "train") -> dict:
         """'train': megatron's DP shards; 'rollout': one shard per generation replica."""
@@ -136,16 +175,24 @@ class ActorRolloutRefWorker(Worker):
             max_new_tokens=prompts.meta.get("max_new_tokens", self.cfg.data.max_response_length))
         ids, mask = prompts.tensors["input_ids"], prompts.tensors["attention_mask"].bool()
         prompt_ids = [row[m].tolist() for row, m in zip(ids, mask)]
+        sampled = sampling.temperature > 0  # sampled rollouts carry vLLM's log-prob of each token; greedy ones none
         self.rollout.wake_up(["weights", "kv_cache"])
-        # sampled rollouts carry vLLM's log-prob of each token (rollout correction); greedy ones need none
-        outs = self.rollout.generate_with_log_probs(prompt_ids, sampling, log_probs=sampling.temperature > 0)
-        self.rollout.sleep()
-        new = responses_to_batch(prompts, [o for o, _ in outs], self.cfg.data.max_response_length,
-                                 self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
-        if sampling.temperature > 0:
-            new.tensors["rollout_log_probs"] = rollout_log_probs([lp for _, lp in outs], new.tensors["response_mask"])
+        if self.agent is not None:  # multi-turn: turns of generation and tool calls (agent/loop.py)
+            trajectories = self.agent.run(self.rollout, prompt_ids, sampling, log_probs=sampled)
+            self.rollout.sleep()
+            new = trajectories_to_batch(prompts, trajectories, self.cfg.data.max_response_length,
+                                        self.tokenizer.pad_token_id)
+            if not sampled:
+                del new.tensors["rollout_log_probs"]
+        else:
+            outs = self.rollout.generate_with_log_probs(prompt_ids, sampling, log_probs=sampled)
+            self.rollout.sleep()
+            new = responses_to_batch(prompts, [o for o, _ in outs], self.cfg.data.max_response_length,
+                                     self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
+            if sampled:
+                new.tensors["rollout_log_probs"] = rollout_log_probs([lp for _, lp in outs], new.tensors["response_mask"])
         kept = {k: v for k, v in prompts.tensors.items() if k not in new.tensors}
-        return Batch(tensors={**kept, "prompts": ids, **new.tensors}, non_tensors=prompts.non_tensors,
+        return Batch(tensors={**kept, "prompts": ids, **new.tensors}, non_tensors={**prompts.non_tensors, **new.non_tensors},
                      meta={**prompts.meta, "memory": device.memory_stats("memory/generate")})
 
     # --- log-probs and update -------------------------------------------------------------------
@@ -173,6 +220,8 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def close(self) -> None:
         """Release the rollout engine's shared resources before the process is killed."""
+        if self.agent is not None:
+            self.agent.close()
         self.rollout.close()
 
     # --- checkpoints ------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Multi-turn agent loop: tools, sandbox, parsers and the rollout loop."""
