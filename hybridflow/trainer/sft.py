@@ -30,22 +30,16 @@ def answer_sequence(tokenizer, prompt: str, answer: str) -> tuple[list[int], lis
     return p + a, [0] * len(p) + [1] * len(a)
 
 
-@torch.no_grad()
 def greedy_accuracy(model, tokenizer, pairs: list[tuple[str, str]], scorer, max_new_tokens: int) -> float:
     """Mean score of greedy answers to ``pairs`` (the evaluation PPO's validation uses: greedy decoding,
     special tokens dropped, the task's rule scorer)."""
-    model.eval()
-    prompts = [tokenizer(p).input_ids for p, _ in pairs]
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    model.train()
+    from hybridflow.agent.hf_engine import HFEngine
+    from hybridflow.rollout.vllm_rollout import SamplingSettings
+
+    outs = HFEngine(model, tokenizer.pad_token_id).generate_with_log_probs(
+        [tokenizer(p).input_ids for p, _ in pairs], SamplingSettings(temperature=0.0, max_new_tokens=max_new_tokens),
+        stop_token_ids=[tokenizer.eos_token_id])
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in outs]
     return sum(scorer(t, a) for t, (_, a) in zip(texts, pairs)) / len(pairs)
 
 
@@ -111,6 +105,8 @@ def train_sequences(model_dir: str, out_dir: str, sequences: list[tuple[list[int
                 done = step
                 break
     bar.close()
+    if evaluate is not None and accuracy is None:  # no target: the accuracy reached, reported
+        accuracy = evaluate(model)
     # The checkpoint's own names, as save_pretrained writes them: transformers 5 fuses MoE experts in memory
     # (mlp.experts.gate_up_proj) and splits them per expert on disk, where megatron conversion reads them.
     from transformers.core_model_loading import revert_weight_conversion

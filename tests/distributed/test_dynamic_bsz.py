@@ -2,14 +2,17 @@
 (block-diagonal mask and explicit positions on CPU, with or without a GRPO group's prompt shared), give the
 log-probs, entropy, values, losses and gradients of the fixed micro-batch run, at DP 1/2 x TP 1/2 (sequence
 parallel) and PP 2, with data-parallel ranks running different numbers of micro-batches. And the entropy
-bonus: its gradient through the whole model equals Hugging Face's in float64."""
+bonus: its gradient through the whole model equals Hugging Face's in float64.
+
+All cases of one world size (layouts and entropy checks) run in one spawned world, one after another
+(test_layouts.Worlds)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybridflow.spawn import run_ranks
+from tests.distributed.test_layouts import Worlds
 from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
@@ -103,11 +106,20 @@ def hf_dir(tmp_path_factory):
 
 
 LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 1)]  # (tp, pp, dp)
+IDS = [f"tp{t}_pp{p}_dp{d}" for t, p, d in LAYOUTS]
+ENTROPY_TP = [1, 2]
 
 
-@pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=[f"tp{t}_pp{p}_dp{d}" for t, p, d in LAYOUTS])
-def test_dynamic_bsz_equals_fixed_micro_batches(hf_dir, tp, pp, dp):
-    results = run_ranks(_rank_fn, tp * pp * dp, hf_dir, tp, pp)
+@pytest.fixture(scope="module")
+def case_results(hf_dir):
+    cases = {i: (t * p * d, _rank_fn, (hf_dir, t, p)) for i, (t, p, d) in zip(IDS, LAYOUTS)}
+    cases.update({f"entropy_tp{tp}": (tp, _entropy_rank_fn, (hf_dir, tp)) for tp in ENTROPY_TP})
+    return Worlds(cases)
+
+
+@pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=IDS)
+def test_dynamic_bsz_equals_fixed_micro_batches(case_results, tp, pp, dp):
+    results = case_results(IDS[LAYOUTS.index((tp, pp, dp))])
     counts = {}
     for r in results:
         fixed = r["fixed"]
@@ -169,9 +181,9 @@ def _entropy_rank_fn(rank, world, hf_dir, tp):
                 hf_entropy=mean_entropy.item())
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_entropy_bonus_gradient_equals_hf_float64(hf_dir, tp):
-    for r in run_ranks(_entropy_rank_fn, tp, hf_dir, tp):
+@pytest.mark.parametrize("tp", ENTROPY_TP)
+def test_entropy_bonus_gradient_equals_hf_float64(case_results, tp):
+    for r in case_results(f"entropy_tp{tp}"):
         # HF's unfused kernels in float64 against megatron's fp32: 10x the same-kernel tolerance
         assert_close(r["entropy"], r["hf_entropy"], slack=10, what=f"tp{tp}: entropy (token-mean)")
         assert_close(r["grads"], r["hf_grads"], slack=10, what=f"tp{tp}: gradient of -entropy")

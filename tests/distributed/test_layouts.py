@@ -3,6 +3,9 @@
 On a fixed rollout-like batch: actor log-probs (vs single rank within fp32 rounding, vs HF transformers within
 10x that: other kernels), critic values, one PPO policy update and one value update (gathered weights), and export to
 a HF folder then re-import into the same layout is bit-identical.
+
+All layouts of one world size run in one spawned world (starting processes dominates these tests), one after
+another: ``Worlds`` below, which test_model_archs.py, test_dynamic_bsz.py and test_shared_prompt_rows.py use too.
 """
 
 from __future__ import annotations
@@ -10,13 +13,56 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.spawn import run_ranks
+from hybridflow.spawn import run_cases
 from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2)]  # (t, p, d)
+IDS = [f"tp{t}_pp{p}_dp{d}" for t, p, d in LAYOUTS]
 P, R, B = 10, 5, 8  # prompt width, response width, rows
+
+
+def _one_case(rank, world, fn, *args):
+    """fn(rank, world, *args) as in a fresh process: fn sets up megatron's groups with
+    parallel.init_model_parallel (which also reseeds torch's generator and megatron's RNG tracker), and they
+    are dropped after it, so that the next case may build another layout. What else a case leaves behind is
+    the same for every case (CPU patches installed once, the MoE loss tracker cleared after each step); the
+    dropped groups stay registered with torch.distributed until the process ends: harmless, every rank
+    creates them in the same order."""
+    from megatron.core import parallel_state as ps
+
+    assert not ps.model_parallel_is_initialized() and torch.is_grad_enabled()
+    assert torch.get_default_dtype() == torch.float32
+    try:
+        return fn(rank, world, *args)
+    finally:
+        ps.destroy_model_parallel()  # megatron's groups and global memory buffers
+
+
+class Worlds:
+    """case id -> that case's per-rank results, from ``cases``: id -> (world size, fn, args). On first use of
+    a world size, every case of that size runs, in order, in ONE spawned world (hybridflow.spawn.run_cases):
+    starting the processes (importing torch and megatron-core) dominates these tests. A failing case fails
+    its own test; the cases of its world that it stopped report that they were not checked."""
+
+    def __init__(self, cases: dict):
+        self.cases, self.done = cases, {}
+
+    def __call__(self, case_id: str) -> list:
+        world = self.cases[case_id][0]
+        if world not in self.done:
+            batch = {i: (fn, *args) for i, (w, fn, args) in self.cases.items() if w == world}
+            try:
+                self.done[world] = run_cases(_one_case, world, batch)
+            except RuntimeError as e:  # kept: each of this world's tests reports it
+                self.done[world] = e
+        res = self.done[world]
+        if isinstance(res, RuntimeError):
+            if f"case {case_id} failed " in str(res):
+                raise res
+            pytest.fail(f"not checked: the {world}-rank world stopped at another case:\n{res}")
+        return res[case_id]
 
 
 def rollout_batch():
@@ -97,8 +143,7 @@ def _rank_fn(rank, world, hf_dir, tp, pp):
     return out
 
 
-def _run(hf_dir, t, p, d):
-    results = run_ranks(_rank_fn, t * p * d, hf_dir, t, p)
+def _merged(results, d):
     collected = sorted((r for r in results if r["collect"]), key=lambda r: r["dp_rank"])
     assert [r["dp_rank"] for r in collected] == list(range(d))
     merged = {k: torch.cat([r[k] for r in collected]) for k in ("log_probs", "entropy", "values")}
@@ -125,8 +170,13 @@ def hf_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single_rank(hf_dir):
-    return _run(hf_dir, 1, 1, 1)
+def layout_results(hf_dir):
+    return Worlds({i: (t * p * d, _rank_fn, (hf_dir, t, p)) for i, (t, p, d) in zip(IDS, LAYOUTS)})
+
+
+@pytest.fixture(scope="module")
+def single_rank(layout_results):
+    return _merged(layout_results(IDS[0]), 1)
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +204,9 @@ def test_single_rank_matches_hf(hf_dir, single_rank, hf_log_probs):
     assert moved > 1e-4, "the PPO update did not change the actor"
 
 
-@pytest.mark.parametrize("t,p,d", LAYOUTS[1:], ids=[f"tp{t}_pp{p}_dp{d}" for t, p, d in LAYOUTS[1:]])
-def test_layout_reproduces_single_rank(hf_dir, single_rank, hf_log_probs, t, p, d):
-    got = _run(hf_dir, t, p, d)
+@pytest.mark.parametrize("t,p,d", LAYOUTS[1:], ids=IDS[1:])
+def test_layout_reproduces_single_rank(layout_results, single_rank, hf_log_probs, t, p, d):
+    got = _merged(layout_results(IDS[LAYOUTS.index((t, p, d))]), d)
     valid = rollout_batch().tensors["response_mask"].bool()
     assert_close(got["log_probs"][valid], hf_log_probs[valid], slack=10, what="log-probs vs HF")
     for key in ("log_probs", "entropy", "values"):

@@ -1,14 +1,15 @@
 """Qwen3, Qwen3-MoE and Qwen2-MoE as megatron-core models at every (TP, PP, EP) layout that 4 gloo
 processes allow: log-probs equal HF transformers', one PPO update equals the single-rank one (gathered
-weights, experts included), and export -> re-import is bit-identical on every rank."""
+weights, experts included), and export -> re-import is bit-identical on every rank.
+
+All layouts of one world size run in one spawned world, one after another (test_layouts.Worlds)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybridflow.spawn import run_ranks
-from tests.distributed.test_layouts import P, R, _settings, rollout_batch
+from tests.distributed.test_layouts import P, R, Worlds, _settings, rollout_batch
 from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
@@ -18,6 +19,7 @@ ARCHS = ("qwen3", "qwen3_moe", "qwen2_moe")
 # (t, p, e); data parallel = e. TP 2 with EP 2 keeps the experts whole (expert TP 1): with both above 1,
 # megatron's dispatcher all-gathers uneven token counts, which gloo cannot (preflight.check_expert_layout).
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)]
+IDS = [f"tp{t}_pp{p}_ep{e}" for t, p, e in LAYOUTS]
 
 
 def _rank_fn(rank, world, root, tp, pp, ep):
@@ -56,8 +58,7 @@ def _rank_fn(rank, world, root, tp, pp, ep):
     return out
 
 
-def _run(root, t, p, e):
-    results = run_ranks(_rank_fn, t * p * e, root, t, p, e)
+def _merged(results):
     collected = sorted((r for r in results if r["collect"]), key=lambda r: r["dp_rank"])
     out = {}
     for arch in ARCHS:
@@ -90,15 +91,20 @@ def hf_log_probs(root):
 
 
 @pytest.fixture(scope="module")
-def single_rank(root):
-    return _run(root, 1, 1, 1)
+def layout_results(root):
+    return Worlds({i: (t * p * e, _rank_fn, (root, t, p, e)) for i, (t, p, e) in zip(IDS, LAYOUTS)})
 
 
-@pytest.mark.parametrize("t,p,e", LAYOUTS, ids=[f"tp{t}_pp{p}_ep{e}" for t, p, e in LAYOUTS])
-def test_layout_matches_hf_and_the_single_rank_update(root, hf_log_probs, single_rank, t, p, e):
+@pytest.fixture(scope="module")
+def single_rank(layout_results):
+    return _merged(layout_results(IDS[0]))
+
+
+@pytest.mark.parametrize("t,p,e", LAYOUTS, ids=IDS)
+def test_layout_matches_hf_and_the_single_rank_update(root, layout_results, hf_log_probs, single_rank, t, p, e):
     from hybridflow.workers.common import load_hf_folder
 
-    got = single_rank if (t, p, e) == (1, 1, 1) else _run(root, t, p, e)
+    got = single_rank if (t, p, e) == (1, 1, 1) else _merged(layout_results(IDS[LAYOUTS.index((t, p, e))]))
     valid = rollout_batch().tensors["response_mask"].bool()
     for arch in ARCHS:
         mine = got[arch]

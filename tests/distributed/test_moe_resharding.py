@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.spawn import run_cases
+from tests.distributed.batched import batched_worlds
 
 pytestmark = pytest.mark.distributed
 
@@ -65,24 +65,7 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def layout_results(root):
     """layout id -> per-rank results; on first use of a world size, every layout of that size in one world."""
-    worlds = {}
-
-    def get(layout_id: str) -> list:
-        world = _world(dict(zip(IDS, LAYOUTS))[layout_id])
-        if world not in worlds:
-            batch = {i: (root, *lay) for i, lay in zip(IDS, LAYOUTS) if _world(lay) == world}
-            try:
-                worlds[world] = run_cases(_rank_fn, world, batch)
-            except RuntimeError as e:  # kept: each of this world's tests reports it
-                worlds[world] = e
-        res = worlds[world]
-        if isinstance(res, RuntimeError):
-            if f"case {layout_id} failed " in str(res):
-                raise res
-            pytest.fail(f"not checked: the {world}-rank world stopped at another layout:\n{res}")
-        return res[layout_id]
-
-    return get
+    return batched_worlds(_rank_fn, {i: (_world(lay), (root, *lay)) for i, lay in zip(IDS, LAYOUTS)})
 
 
 def _world(layout) -> int:

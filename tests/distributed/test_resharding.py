@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.spawn import run_cases
+from tests.distributed.batched import batched_worlds
 
 pytestmark = pytest.mark.distributed
 
@@ -46,25 +46,8 @@ def hf_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def case_results(hf_dirs):
     """case id -> per-rank results; on first use of a world size, every case of that size in one world."""
-    worlds = {}
-
-    def get(case_id: str) -> list:
-        world = _world(dict(zip(IDS, CASES))[case_id])
-        if world not in worlds:
-            batch = {i: (hf_dirs(KV_HEADS.get(c, 4)), c[0][0], c[0][1], c[1])
-                     for i, c in zip(IDS, CASES) if _world(c) == world}
-            try:
-                worlds[world] = run_cases(_rank_fn, world, batch)
-            except RuntimeError as e:  # kept: each of this world's tests reports it
-                worlds[world] = e
-        res = worlds[world]
-        if isinstance(res, RuntimeError):
-            if f"case {case_id} failed " in str(res):
-                raise res
-            pytest.fail(f"not checked: the {world}-rank world stopped at another case:\n{res}")
-        return res[case_id]
-
-    return get
+    return batched_worlds(_rank_fn, {i: (_world(c), (hf_dirs(KV_HEADS.get(c, 4)), c[0][0], c[0][1], c[1]))
+                                     for i, c in zip(IDS, CASES)})
 
 
 def _world(case) -> int:

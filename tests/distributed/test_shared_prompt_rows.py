@@ -1,14 +1,16 @@
 """The shared-prompt layout (row_layout.shared_prompt_rows, the CPU path for GRPO groups): one packed row per
 group of rows with the same prompt gives the same log-probs, entropy, values and gradient as the rotated
 one-row-per-sample layout, for prompts of different lengths, responses of 0 to R tokens, and groups cut by
-a micro-batch boundary; at TP=2 with sequence parallel too."""
+a micro-batch boundary; at TP=2 with sequence parallel too.
+
+The cases of one world size run in one spawned world, one after another (test_layouts.Worlds)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybridflow.spawn import run_ranks
+from tests.distributed.test_layouts import Worlds
 from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
@@ -17,6 +19,8 @@ P, R = 9, 6
 PROMPT_LENS = [4, 9, 6, 2]  # one per group of GROUP rows
 GROUP = 3
 RESPONSE_LENS = [6, 1, 3, 0, 2, 6, 5, 5, 1, 4, 6, 2]
+CASES = [(1, 12), (1, 5), (2, 12)]  # (tp, micro-batch rows)
+IDS = [f"{tp}-{micro}" for tp, micro in CASES]  # pytest's own ids for these parameters
 
 
 def grouped_batch():
@@ -64,10 +68,18 @@ def _rank_fn(rank, world, hf_dir, tp, micro):
     return out
 
 
-@pytest.mark.parametrize("tp,micro", [(1, 12), (1, 5), (2, 12)])
-def test_shared_prompt_rows_equal_rotated_rows(tmp_path, tp, micro):
+@pytest.fixture(scope="module")
+def case_results(tmp_path_factory):
     from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+
+    root = tmp_path_factory.mktemp("shared_prompt")
+    build_tiny_qwen2(root, build_char_tokenizer(root), hidden_size=64, num_layers=2, seed=11)
+    return Worlds({i: (tp, _rank_fn, (str(root), tp, micro)) for i, (tp, micro) in zip(IDS, CASES)})
+
+
+@pytest.mark.parametrize("tp,micro", CASES, ids=IDS)
+def test_shared_prompt_rows_equal_rotated_rows(case_results, tp, micro):
     from hybridflow.workers import row_layout
 
     packed = row_layout.shared_prompt_rows(grouped_batch(), P)
@@ -75,8 +87,7 @@ def test_shared_prompt_rows_equal_rotated_rows(tmp_path, tp, micro):
     assert packed["input_ids"].shape[1] == max(PROMPT_LENS[g] + sum(RESPONSE_LENS[g * GROUP:(g + 1) * GROUP])
                                               for g in range(len(PROMPT_LENS)))
 
-    build_tiny_qwen2(tmp_path, build_char_tokenizer(tmp_path), hidden_size=64, num_layers=2, seed=11)
-    rank0 = run_ranks(_rank_fn, tp, str(tmp_path), tp, micro)[0]
+    rank0 = case_results(IDS[CASES.index((tp, micro))])[0]
     rotated, shared = rank0[False], rank0[True]
     for key in ("log_probs", "entropy"):
         assert_close(shared["lp"][key], rotated["lp"][key], what=key)

@@ -46,12 +46,12 @@ def test_tools_overlay_trains_multi_turn(tmp_path, ray_cluster):
     base = [f"prepare.data_dir={tmp_path}/data", f"prepare.base_model_dir={tmp_path}/base",
             f"model.path={tmp_path}/sft", "prepare.num_layers=2", "prepare.n_train=2000", "prepare.n_val=16"]
     prep = load_config(ExperimentConfig, ["configs/quickstart_tools_cpu.yaml"],
-                       [*base, "prepare.sft_steps=80", "prepare.sft_target_accuracy=null"])
+                       [*base, "prepare.sft_steps=80", "prepare.tool_trace_fraction=1.0"])
     prepare_quickstart(prep)  # a short warm start: enough to call the calculator; the closing note has the learning
     cfg = load_config(ExperimentConfig, ["configs/quickstart_tools_cpu.yaml"], [
         *base, f"data.train_files=[{tmp_path}/data/train.parquet]", f"data.val_files=[{tmp_path}/data/val.parquet]",
         f"trainer.output_dir={tmp_path}/run", "prepare.enable=false", "data.batch_size=8",
-        "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8", "ray.num_cpus=2"])
+        "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=4", "ray.num_cpus=2"])
     assert cfg.rollout.multi_turn.enable
 
     def check(trainer, step, metrics):

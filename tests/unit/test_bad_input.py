@@ -78,6 +78,13 @@ def _damaged_weights(good, tmp_path, how):
     return dst
 
 
+def _verl_tool_config(tmp_path) -> str:
+    path = tmp_path / "verl_tools.yaml"
+    path.write_text("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    config: {type: native}\n"
+                    "    tool_schema: {type: function, function: {name: calc_gsm8k_reward, parameters: {type: object}}}\n")
+    return str(path)
+
+
 def _non_utf8_config(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes(b"trainer:\n  experiment_name: caf\xe9\n")  # Latin-1, as an old editor saves it
@@ -256,6 +263,20 @@ CASES = {
                                                f"ray.temp_dir: /tmp/{'x' * 40} is too long: Ray's socket paths in it reach 109 "
                                                "bytes (<temp_dir>/session_2000-01-01_00-00-00_000000_4194304/sockets/plasma_store), "
                                                "over the 107-byte limit of Unix sockets; keep the absolute path within 43 bytes"),
+    # multi-turn rollouts with tools
+    "multi-turn without a tool config": (lambda g, t: ["rollout.multi_turn.enable=true"],
+                                         "tool_config_path is required when rollout.multi_turn.enable is true"),
+    "tool config not found": (lambda g, t: ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={t}/tools.yaml"],
+                              "rollout.multi_turn.tool_config_path: {t}/tools.yaml: cannot read the tool config"),
+    "verl's own tool class": (lambda g, t: ["rollout.multi_turn.enable=true",
+                                            f"rollout.multi_turn.tool_config_path={_verl_tool_config(t)}"],
+                              "tools[0].class_name 'verl.tools.gsm8k_tool.Gsm8kTool' is one of verl's tools"),
+    "unknown tool-call format": (lambda g, t: ["rollout.multi_turn.enable=true", "rollout.multi_turn.format=xml",
+                                               "rollout.multi_turn.tool_config_path=configs/tools/calculator.yaml"],
+                                 "rollout.multi_turn.format: unknown tool-call format 'xml'"),
+    "multi-turn with a tokenizer without chat template": (
+        lambda g, t: ["rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=configs/tools/calculator.yaml"],
+        "model.path: rollout.multi_turn needs a chat template"),
     # runs, checkpoints and trackers
     "output_dir holds a run, resume disabled": (lambda g, t: [*_old_run(t), "trainer.resume_mode=disable"],
                                                 "already holds a run; continue it with trainer.resume_mode=auto"),
