@@ -30,3 +30,22 @@ def batched_worlds(fn, cases: dict[str, tuple[int, tuple]]):
         return res[case_id]
 
     return get
+
+
+def one_case(rank, world, fn, *args):
+    """fn(rank, world, *args) as in a fresh process: fn sets up megatron's groups with
+    parallel.init_model_parallel (which also reseeds torch's generator and megatron's RNG tracker), and they
+    are dropped after it, so that the next case may build another layout. What else a case leaves behind is
+    the same for every case (CPU patches installed once, the MoE loss tracker cleared after each step); the
+    dropped groups stay registered with torch.distributed until the process ends: harmless, every rank
+    creates them in the same order."""
+    from megatron.core import parallel_state as ps
+
+    import torch
+
+    assert not ps.model_parallel_is_initialized() and torch.is_grad_enabled()
+    assert torch.get_default_dtype() == torch.float32
+    try:
+        return fn(rank, world, *args)
+    finally:
+        ps.destroy_model_parallel()  # megatron's groups and global memory buffers

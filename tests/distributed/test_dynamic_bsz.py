@@ -5,14 +5,14 @@ parallel) and PP 2, with data-parallel ranks running different numbers of micro-
 bonus: its gradient through the whole model equals Hugging Face's in float64.
 
 All cases of one world size (layouts and entropy checks) run in one spawned world, one after another
-(test_layouts.Worlds)."""
+(tests/distributed/batched.py), each torn down by test_layouts.one_case."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.distributed.test_layouts import Worlds
+from tests.distributed.batched import batched_worlds, one_case
 from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
@@ -112,9 +112,9 @@ ENTROPY_TP = [1, 2]
 
 @pytest.fixture(scope="module")
 def case_results(hf_dir):
-    cases = {i: (t * p * d, _rank_fn, (hf_dir, t, p)) for i, (t, p, d) in zip(IDS, LAYOUTS)}
-    cases.update({f"entropy_tp{tp}": (tp, _entropy_rank_fn, (hf_dir, tp)) for tp in ENTROPY_TP})
-    return Worlds(cases)
+    cases = {i: (t * p * d, (_rank_fn, hf_dir, t, p)) for i, (t, p, d) in zip(IDS, LAYOUTS)}
+    cases.update({f"entropy_tp{tp}": (tp, (_entropy_rank_fn, hf_dir, tp)) for tp in ENTROPY_TP})
+    return batched_worlds(one_case, cases)
 
 
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=IDS)

@@ -5,7 +5,8 @@ On a fixed rollout-like batch: actor log-probs (vs single rank within fp32 round
 a HF folder then re-import into the same layout is bit-identical.
 
 All layouts of one world size run in one spawned world (starting processes dominates these tests), one after
-another: ``Worlds`` below, which test_model_archs.py, test_dynamic_bsz.py and test_shared_prompt_rows.py use too.
+another (tests/distributed/batched.py), each case torn down by ``one_case`` below, which test_model_archs.py,
+test_dynamic_bsz.py and test_shared_prompt_rows.py use too.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.spawn import run_cases
+from tests.distributed.batched import batched_worlds, one_case
 from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
@@ -21,48 +22,6 @@ pytestmark = pytest.mark.distributed
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2)]  # (t, p, d)
 IDS = [f"tp{t}_pp{p}_dp{d}" for t, p, d in LAYOUTS]
 P, R, B = 10, 5, 8  # prompt width, response width, rows
-
-
-def _one_case(rank, world, fn, *args):
-    """fn(rank, world, *args) as in a fresh process: fn sets up megatron's groups with
-    parallel.init_model_parallel (which also reseeds torch's generator and megatron's RNG tracker), and they
-    are dropped after it, so that the next case may build another layout. What else a case leaves behind is
-    the same for every case (CPU patches installed once, the MoE loss tracker cleared after each step); the
-    dropped groups stay registered with torch.distributed until the process ends: harmless, every rank
-    creates them in the same order."""
-    from megatron.core import parallel_state as ps
-
-    assert not ps.model_parallel_is_initialized() and torch.is_grad_enabled()
-    assert torch.get_default_dtype() == torch.float32
-    try:
-        return fn(rank, world, *args)
-    finally:
-        ps.destroy_model_parallel()  # megatron's groups and global memory buffers
-
-
-class Worlds:
-    """case id -> that case's per-rank results, from ``cases``: id -> (world size, fn, args). On first use of
-    a world size, every case of that size runs, in order, in ONE spawned world (hybridflow.spawn.run_cases):
-    starting the processes (importing torch and megatron-core) dominates these tests. A failing case fails
-    its own test; the cases of its world that it stopped report that they were not checked."""
-
-    def __init__(self, cases: dict):
-        self.cases, self.done = cases, {}
-
-    def __call__(self, case_id: str) -> list:
-        world = self.cases[case_id][0]
-        if world not in self.done:
-            batch = {i: (fn, *args) for i, (w, fn, args) in self.cases.items() if w == world}
-            try:
-                self.done[world] = run_cases(_one_case, world, batch)
-            except RuntimeError as e:  # kept: each of this world's tests reports it
-                self.done[world] = e
-        res = self.done[world]
-        if isinstance(res, RuntimeError):
-            if f"case {case_id} failed " in str(res):
-                raise res
-            pytest.fail(f"not checked: the {world}-rank world stopped at another case:\n{res}")
-        return res[case_id]
 
 
 def rollout_batch():
@@ -171,7 +130,7 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def layout_results(hf_dir):
-    return Worlds({i: (t * p * d, _rank_fn, (hf_dir, t, p)) for i, (t, p, d) in zip(IDS, LAYOUTS)})
+    return batched_worlds(one_case, {i: (t * p * d, (_rank_fn, hf_dir, t, p)) for i, (t, p, d) in zip(IDS, LAYOUTS)})
 
 
 @pytest.fixture(scope="module")

@@ -2,14 +2,16 @@
 processes allow: log-probs equal HF transformers', one PPO update equals the single-rank one (gathered
 weights, experts included), and export -> re-import is bit-identical on every rank.
 
-All layouts of one world size run in one spawned world, one after another (test_layouts.Worlds)."""
+All layouts of one world size run in one spawned world, one after another (tests/distributed/batched.py),
+each torn down by test_layouts.one_case."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.distributed.test_layouts import P, R, Worlds, _settings, rollout_batch
+from tests.distributed.batched import batched_worlds, one_case
+from tests.distributed.test_layouts import P, R, _settings, rollout_batch
 from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
@@ -92,7 +94,7 @@ def hf_log_probs(root):
 
 @pytest.fixture(scope="module")
 def layout_results(root):
-    return Worlds({i: (t * p * e, _rank_fn, (root, t, p, e)) for i, (t, p, e) in zip(IDS, LAYOUTS)})
+    return batched_worlds(one_case, {i: (t * p * e, (_rank_fn, root, t, p, e)) for i, (t, p, e) in zip(IDS, LAYOUTS)})
 
 
 @pytest.fixture(scope="module")

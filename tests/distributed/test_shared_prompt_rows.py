@@ -3,14 +3,15 @@ group of rows with the same prompt gives the same log-probs, entropy, values and
 one-row-per-sample layout, for prompts of different lengths, responses of 0 to R tokens, and groups cut by
 a micro-batch boundary; at TP=2 with sequence parallel too.
 
-The cases of one world size run in one spawned world, one after another (test_layouts.Worlds)."""
+The cases of one world size run in one spawned world, one after another (tests/distributed/batched.py),
+each torn down by test_layouts.one_case."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.distributed.test_layouts import Worlds
+from tests.distributed.batched import batched_worlds, one_case
 from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
@@ -75,7 +76,7 @@ def case_results(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("shared_prompt")
     build_tiny_qwen2(root, build_char_tokenizer(root), hidden_size=64, num_layers=2, seed=11)
-    return Worlds({i: (tp, _rank_fn, (str(root), tp, micro)) for i, (tp, micro) in zip(IDS, CASES)})
+    return batched_worlds(one_case, {i: (tp, (_rank_fn, str(root), tp, micro)) for i, (tp, micro) in zip(IDS, CASES)})
 
 
 @pytest.mark.parametrize("tp,micro", CASES, ids=IDS)
