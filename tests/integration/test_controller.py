@@ -174,7 +174,7 @@ def test_stopped_worker_is_named_within_the_call_timeout(ray_cluster):
     pool = ResourcePool("stuck", world_size=2, cpus_per_bundle=0.25)
     wg = RayWorkerGroup(pool, DPWorker, name_prefix="stuck", call_timeout_s=3)
     try:
-        pids = wg.pid()
+        pids = _first_answer(wg.pid)  # the workers' start-up is not what this test times
         os.kill(pids[1], signal.SIGSTOP)
         start = time.monotonic()
         try:
@@ -190,6 +190,18 @@ def test_stopped_worker_is_named_within_the_call_timeout(ray_cluster):
     finally:
         wg.shutdown()
         pool.remove()
+
+
+def _first_answer(call, within_s: float = 120):
+    """``call()`` once the group's workers have started: on a loaded machine their start-up alone can outlast a
+    short call timeout."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return call()
+        except WorkerGroupError:
+            if time.monotonic() > deadline:
+                raise
 
 
 class BrokenWorker(Worker):
