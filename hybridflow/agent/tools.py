@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["DEFAULT_TIMEOUT_S", "TOOLS", "Tool", "ToolResult", "check_arguments", "check_tool_config",
+__all__ = ["DEFAULT_TIMEOUT_S", "TOOLS", "Tool", "ToolResult", "check_arguments", "check_tool_config", "tool_schemas",
            "load_tools", "register_tool"]
 
 DEFAULT_TIMEOUT_S = 10.0  # config key "timeout_s": a call's wall-clock bound, for every tool
@@ -323,3 +323,11 @@ def check_tool_config(path: str) -> dict[str, Tool]:
         except ValueError as e:
             raise ValueError(f"{Path(path).name}: tools[{i}] ({name}): {_one_line(e)}") from None
     return tools
+
+
+def tool_schemas(multi_turn) -> list[dict] | None:
+    """The OpenAI function schemas of ``rollout.multi_turn``'s tools, which the chat template shows the model in
+    the prompt (verl passes ``tools=`` when it renders the first turn); None for single-turn rollouts."""
+    if not multi_turn.enable:
+        return None
+    return [tool.schema for tool in load_tools(multi_turn.tool_config_path).values()]

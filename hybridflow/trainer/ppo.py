@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import torch
 
 from hybridflow.agent.loop import agent_metrics
+from hybridflow.agent.tools import tool_schemas
 from hybridflow.algorithms import make_kl_controller
 from hybridflow.algorithms.rollout_correction import active as rollout_correction_active
 from hybridflow.algorithms.rollout_correction import correct
@@ -36,16 +37,6 @@ def training_scorer(cfg):
     return adapt_to_scorer(load_custom_reward_function(c.path, c.name), timeout_s=c.timeout_s, source_key=key)
 
 
-def tool_schemas(cfg) -> list[dict] | None:
-    """The tools' OpenAI function schemas, which the chat template shows the model in the prompt (as verl passes
-    ``tools=`` when it renders the first turn); None for single-turn rollouts."""
-    if not cfg.rollout.multi_turn.enable:
-        return None
-    from hybridflow.agent.tools import load_tools
-
-    return [tool.schema for tool in load_tools(cfg.rollout.multi_turn.tool_config_path).values()]
-
-
 class PPODriver:
     """The single controller's algorithm: holds the prompts, scorers and KL controller, and calls the worker
     groups, which hold the models, through their typed interfaces (workers/interfaces.py)."""
@@ -53,7 +44,7 @@ class PPODriver:
     def __init__(self, cfg, tokenizer, workers: WorkerGroups):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.actor_rollout, self.critic, self.reward_model = workers.actor_rollout, workers.critic, workers.reward_model
-        d, tools = cfg.data, tool_schemas(cfg)
+        d, tools = cfg.data, tool_schemas(cfg.rollout.multi_turn)
         self.train_data = PromptDataset.from_config(d.train_files, tokenizer, d, tools=tools)
         self.val_data = PromptDataset.from_config(d.val_files, tokenizer, d, tools=tools) if d.val_files else None
         self.train_scorer = training_scorer(cfg)  # training reward and validation accuracy

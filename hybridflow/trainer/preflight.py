@@ -104,15 +104,16 @@ def check_files(cfg: ExperimentConfig):
     check_output_dir(cfg.trainer.output_dir, save_hf=cfg.trainer.save_hf_at_end)
     from hybridflow.data.dataset import PromptDataset
     from hybridflow.rewards.routing import SourceRouter
-    from hybridflow.trainer.ppo import tool_schemas
+    from hybridflow.agent.tools import tool_schemas
 
     # a custom reward function scores every source; else each row's source must have a rule scorer
     router = SourceRouter(cfg.reward.name, d.reward_fn_key) if cfg.custom_reward_function.path is None else None
+    tools = tool_schemas(cfg.rollout.multi_turn)  # shown in chat prompts: they count in the prompt length
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         if not files:
             continue
         try:
-            data = PromptDataset.from_config(files, tokenizer, d, tools=tool_schemas(cfg))
+            data = PromptDataset.from_config(files, tokenizer, d, tools=tools)
             if router is not None:
                 router.check_dataset(data)
         except (OSError, ValueError) as e:

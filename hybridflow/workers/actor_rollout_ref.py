@@ -35,14 +35,16 @@ def responses_to_batch(prompts: Batch, responses: list[list[int]], max_len: int,
             r = r[: r.index(eos_id) + 1]  # EOS is part of the response (it is an action)
         resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         resp_mask[i, : len(r)] = 1
-    attention = torch.cat([prompts.tensors["attention_mask"], resp_mask], dim=1)
-    return Batch.from_dict(tensors={
-        "responses": resp,
-        "response_mask": resp_mask,
-        "input_ids": torch.cat([prompts.tensors["input_ids"], resp], dim=1),
-        "attention_mask": attention,
-        "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
-    })
+    return Batch.from_dict(tensors=_after_prompts(prompts, resp, resp_mask, resp_mask))
+
+
+def _after_prompts(prompts: Batch, responses: torch.Tensor, response_mask: torch.Tensor, real: torch.Tensor) -> dict:
+    """The responses appended to the left-padded prompts: ``real`` marks the response's tokens (padding 0),
+    ``response_mask`` those the model sampled."""
+    attention = torch.cat([prompts.tensors["attention_mask"], real], dim=1)
+    return {"responses": responses, "response_mask": response_mask,
+            "input_ids": torch.cat([prompts.tensors["input_ids"], responses], dim=1), "attention_mask": attention,
+            "position_ids": (attention.cumsum(-1) - 1).clamp(min=0)}
 
 
 def trajectories_to_batch(prompts: Batch, trajectories, max_len: int, pad_id: int) -> Batch:
@@ -61,12 +63,9 @@ def trajectories_to_batch(prompts: Batch, trajectories, max_len: int, pad_id: in
         resp_mask[i, :k] = torch.tensor(t.response_mask[:k], dtype=torch.long)
         real[i, :k] = 1
         log_probs[i, :k] = torch.tensor(t.log_probs[:k], dtype=torch.float32)
-    attention = torch.cat([prompts.tensors["attention_mask"], real], dim=1)
     tensors, non_tensors = trajectory_columns(trajectories)
-    return Batch.from_dict(tensors={
-        "responses": resp, "response_mask": resp_mask, "input_ids": torch.cat([prompts.tensors["input_ids"], resp], dim=1),
-        "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
-        "rollout_log_probs": log_probs, **tensors}, non_tensors=non_tensors)
+    return Batch.from_dict(tensors={**_after_prompts(prompts, resp, resp_mask, real), "rollout_log_probs": log_probs,
+                                    **tensors}, non_tensors=non_tensors)
 
 
 def rollout_log_probs(log_probs: list[list[float]], response_mask: torch.Tensor) -> torch.Tensor:
