@@ -40,6 +40,7 @@ from .policy_losses import (
     compute_policy_loss_geo_mean,
     compute_policy_loss_gpg,
     compute_policy_loss_gspo,
+    compute_policy_loss_reinforce,
     compute_policy_loss_sapo,
 )
 from .policy_losses_cov import compute_policy_loss_clip_cov, compute_policy_loss_kl_cov
@@ -56,7 +57,7 @@ from .advantages_otb import (
     compute_optimal_token_baseline_advantage,
 )
 from .value_loss import value_loss
-from .kl import kl_abs, kl_k1, kl_k2, kl_k3, kl_penalty
+from .kl import kl_abs, kl_k1, kl_k2, kl_k3, kl_loss, kl_penalty
 from .kl_controller import AdaptiveKLController, FixedKLController, make_kl_controller
 
 __all__ = [
@@ -102,6 +103,7 @@ __all__ = [
     "compute_policy_loss_gspo",
     "compute_policy_loss_sapo",
     "compute_policy_loss_gpg",
+    "compute_policy_loss_reinforce",
     "compute_policy_loss_geo_mean",
     "compute_policy_loss_dro",
     "compute_policy_loss_cispo",
@@ -113,6 +115,7 @@ __all__ = [
     "value_loss",
     # kl
     "kl_penalty",
+    "kl_loss",
     "kl_k1",
     "kl_abs",
     "kl_k2",

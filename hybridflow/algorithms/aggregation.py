@@ -7,14 +7,26 @@ mini-batch's loss, divided by counts of the whole mini-batch (all micro-batches 
 * ``token-mean``: sum over valid tokens / valid tokens of the mini-batch.
 * ``token-sum``: plain sum over valid tokens.
 * ``seq-mean-token-sum``: per-sequence sums, summed / sequences (with a valid token) of the mini-batch.
-* ``seq-mean-token-mean``: per-sequence means, summed / sequences of the mini-batch.
+* ``seq-mean-token-mean``: per-sequence means (token sum / token count), summed / sequences of the mini-batch.
 * ``seq-mean-token-sum-norm`` (Dr. GRPO): ``seq-mean-token-sum`` divided by ``loss_scale_factor``
   (default: the padded response length), a constant that does not depend on response lengths.
 
 Without a :class:`GlobalBatch` the micro-batch is the whole batch. Sequences without a valid token never
-count, and an all-zero mask gives 0 rather than NaN. verl also multiplies by the data-parallel size to undo
-the gradient averaging of its backends; here that belongs to the engine (workers/role_ops.py), which
-undoes megatron's averaging over micro-batches and data-parallel ranks, so these stay pure functions.
+count. The divisors are verl 0.9.1's (``agg_loss``) as its actor computes them, with one deliberate difference:
+
+* A sequence's mean divides by its token count. verl's ``agg_loss`` writes ``count + 1e-8``, but its actor
+  passes a bool mask (workers/utils/losses.py), so ``count`` is int64 and ``count + 1e-8`` a float32, which
+  is ``count`` exactly for every non-empty row: these equal verl's actor to the last bit. (Called with a
+  float mask, verl's own function divides by ``count + 1e-8`` in float64, ~1e-8 relative away.)
+* The mini-batch's token or sequence count has no epsilon in verl either. Here it is clamped at 1: an empty
+  mini-batch (all of it rejected by rollout correction, say) gives a loss of 0 and no gradient, where verl's
+  ``0 / 0`` is NaN and poisons the step (the deliberate difference; any non-empty count is >= 1).
+
+tests/fixtures/verl/rollout_corr_metrics.json holds verl's ``agg_loss`` outputs the unit tests compare with.
+
+verl also multiplies by the data-parallel size to undo the gradient averaging of its backends; here that
+belongs to the engine (workers/role_ops.py), which undoes megatron's averaging over micro-batches and
+data-parallel ranks, so these stay pure functions.
 """
 
 from __future__ import annotations
@@ -42,6 +54,8 @@ class GlobalBatch:
 
 
 def _divide(total: torch.Tensor, count) -> torch.Tensor:
+    # the mini-batch's token or sequence count, as verl's; clamped at 1 only so that an empty mini-batch (every
+    # token rejected) gives 0 where verl's 0 / 0 is NaN (the deliberate difference, module docstring)
     return total / torch.as_tensor(count, dtype=total.dtype, device=total.device).clamp(min=1)
 
 
@@ -71,7 +85,8 @@ def _seq_mean_token_sum(loss_mat: torch.Tensor, mask: torch.Tensor, batch: Globa
 def _seq_mean_token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, batch: GlobalBatch | None) -> torch.Tensor:
     m = _as_mask(mask, loss_mat)
     counts = m.sum(dim=-1)
-    # clamp only guards the empty rows, which _seq_mean drops anyway
+    # the row's token count: verl's count + 1e-8 as its actor computes it (module docstring); the clamp only
+    # guards the empty rows, which _seq_mean drops anyway
     return _seq_mean(masked_sum(loss_mat, m, dim=-1) / counts.clamp(min=1), counts > 0, batch)
 
 

@@ -16,8 +16,11 @@ a loss.
 
 from __future__ import annotations
 
+from typing import Any, Dict, Tuple
+
 import torch
 
+from .aggregation import GlobalBatch, aggregate_loss
 from .registry import KL_PENALTIES, UnknownNameError, register_kl_penalty
 
 Tensor = torch.Tensor
@@ -84,3 +87,14 @@ def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
         return forward
     backward = kl_k2(log_prob, ref_log_prob)
     return backward + (forward - backward).detach()
+
+
+def kl_loss(log_prob: Tensor, ref_log_prob: Tensor, response_mask: Tensor, config: Any,
+            global_batch: GlobalBatch | None = None) -> Tuple[Tensor, Dict[str, Any]]:
+    """The actor's KL-to-reference loss (``actor.use_kl_loss``), as verl 0.9.1's ``ppo_loss``
+    (workers/utils/losses.py): the ``config.kl_loss_type`` estimate aggregated with ``config.loss_agg_mode``
+    over the mini-batch; the caller adds ``kl_loss_coef`` times it to the loss. Metrics by verl's names (its
+    trainer prefixes ``actor/``): ``kl_loss``, the aggregated term, and ``kl_coef``, ``kl_loss_coef``."""
+    kl = aggregate_loss(kl_penalty(log_prob, ref_log_prob, config.kl_loss_type), response_mask, config.loss_agg_mode,
+                        global_batch)
+    return kl, {"kl_loss": kl.detach(), "kl_coef": float(config.kl_loss_coef)}

@@ -1,6 +1,7 @@
 """verl 0.9.1's policy losses beyond ``vanilla`` (``trainer/ppo/core_algos.py``), by verl's names, settings
 and numbers: ``gspo``, ``sapo``, ``gpg``, ``geo_mean``, ``dro``, ``cispo``, ``dppo_tv``, ``dppo_kl``
-(``clip_cov``/``kl_cov``: :mod:`.policy_losses_cov`).
+(``clip_cov``/``kl_cov``: :mod:`.policy_losses_cov`), and ``reinforce`` (``compute_policy_loss_reinforce``, which
+verl calls from its ``bypass_mode`` loss).
 
 The signature, the settings they read and what they return: :mod:`.policy_loss`. Each normalizes over the
 whole mini-batch through ``global_batch`` (:func:`aggregate_loss`), so its gradient does not depend on how
@@ -97,6 +98,24 @@ def compute_policy_loss_gpg(old_log_prob: Tensor, log_prob: Tensor, advantages: 
     clip; ``old_log_prob`` is unused. No metrics (verl returns none)."""
     pg_losses = weighted(-log_prob * advantages, rollout_is_weights)
     return aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_batch), {}
+
+
+@register_policy_loss("reinforce")
+def compute_policy_loss_reinforce(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                                  *, loss_agg_mode: str = "seq-mean-token-sum", config: Any = None,
+                                  global_batch: GlobalBatch | None = None,
+                                  rollout_is_weights: Tensor | None = None) -> Result:
+    """verl 0.9.1's ``compute_policy_loss_reinforce``: REINFORCE, ``-A_t * log pi_t``, times the caller's
+    (detached) IS weights ``w_t`` when given, ``-A_t * log pi_t * w_t``; no ratio, no clip; aggregated with
+    ``loss_agg_mode`` (verl's default for this function: ``seq-mean-token-sum``). ``old_log_prob`` is the
+    rollout's (verl's ``rollout_log_prob``), used only for ``ppo_kl = mean(log pi_old - log pi)``.
+
+    verl registers no name for it (its ``bypass_mode`` loss calls it for ``loss_type=reinforce``, and so does
+    :func:`~.rollout_correction.compute_policy_loss_bypass_mode`); here it is also ``loss_mode=reinforce``, so
+    the decoupled mode's weights (``algorithm.rollout_correction.rollout_is``) can drive a REINFORCE update."""
+    pg_losses = weighted(-advantages * log_prob, rollout_is_weights)
+    loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_batch)
+    return loss, {"ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).detach()}
 
 
 @register_policy_loss("geo_mean")

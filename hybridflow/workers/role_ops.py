@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow import device
-from hybridflow.algorithms import (POLICY_LOSSES, GlobalBatch, aggregate_loss, kl_penalty, masked_mean,
+from hybridflow.algorithms import (POLICY_LOSSES, GlobalBatch, aggregate_loss, kl_loss, masked_mean,
                                    value_loss)
 from hybridflow.algorithms.rollout_correction import compute_policy_loss_bypass_mode, mismatch_metrics
 from hybridflow.megatron.model import te_available
@@ -235,8 +235,9 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
             loss, m = POLICY_LOSSES.get(a.policy_loss.loss_mode)(
                 old, log_prob, mb["advantages"], mask, loss_agg_mode=a.loss_agg_mode, config=a, global_batch=whole,
                 **weights)
-        # names with a section (rollout_corr/..., training/...) are logged as they are, as verl does
-        metrics = {"actor/pg_loss": loss.detach(), **{k if "/" in k else f"actor/{k}": v for k, v in m.items()}}
+        # verl's trainer prefixes every update metric with actor/ (rename_dict): bypass_mode's rollout_corr/...
+        # become actor/rollout_corr/...
+        metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
         if measure:
             with torch.no_grad():
                 metrics.update(mismatch_metrics(log_prob.detach(), mb["rollout_log_probs"], mask,
@@ -251,11 +252,10 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
             with torch.no_grad():
                 metrics["actor/entropy"] = masked_mean(response_entropy(logits, mb) if entropy is None else entropy,
                                                        mask)
-        if a.use_kl_loss:
-            kl = aggregate_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode,
-                                whole)
+        if a.use_kl_loss:  # verl's actor/kl_loss and actor/kl_coef
+            kl, kl_metrics = kl_loss(log_prob, mb["ref_log_prob"], mask, a, whole)
             loss = loss + a.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = kl.detach()
+            metrics.update({f"actor/{k}": v for k, v in kl_metrics.items()})
         return loss, metrics
 
     metrics = _train(role, batch, name="actor", mini_batch_size=a.ppo_mini_batch_size * rollout_n // dp_size,

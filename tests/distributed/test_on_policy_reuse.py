@@ -56,6 +56,7 @@ def test_reused_log_probs_give_the_recomputed_update(tmp_path, dp):
     m0, m1 = recomputed["metrics"], reused["metrics"]
     for key in ("actor/pg_loss", "actor/kl_loss"):
         assert_close(m1[key], m0[key], what=key)
+    assert m0["actor/kl_coef"] == m1["actor/kl_coef"] == 0.1  # verl's key with use_kl_loss
     assert m1["actor/pg_clipfrac"] == 0.0 and m1["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7)
     # one micro-batch mean per rank and micro-batch: the token mean only when their token counts agree
     assert m1["actor/entropy"] == pytest.approx(rank0[True]["entropy"], rel=0.15)

@@ -1,9 +1,13 @@
-"""aggregate_loss modes on a mask with a gap, an empty row, and an empty mask."""
+"""aggregate_loss modes on a mask with a gap, an empty row, and an empty mask; against verl 0.9.1's agg_loss."""
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from hybridflow.algorithms import GlobalBatch, UnknownNameError, aggregate_loss
+from tests.numerics import assert_close
 
 LOSS = torch.tensor(
     [[1.0, 2.0, 3.0, 10.0], [4.0, 5.0, 6.0, 10.0], [7.0, 8.0, 9.0, 10.0]], dtype=torch.float64
@@ -90,3 +94,25 @@ def test_loss_scale_factor_replaces_the_padded_length():
 def test_dtype_is_kept(mode):
     assert aggregate_loss(LOSS, MASK, mode, GlobalBatch(3, 2, 7)).dtype == torch.float64
     assert aggregate_loss(LOSS.float(), MASK, mode).dtype == torch.float32
+
+
+# verl 0.9.1's agg_loss on one batch (tests/fixtures/verl/make_rollout_corr_metrics.py ran verl's source)
+VERL = json.loads((Path(__file__).parents[1] / "fixtures" / "verl" / "rollout_corr_metrics.json").read_text())
+
+
+@pytest.mark.parametrize("mode", sorted(EXPECTED))
+def test_divisors_are_verls_actor(mode):
+    """Equal to verl's agg_loss as its actor calls it (a bool mask: seq-mean-token-mean's count + 1e-8 is a
+    float32, the count itself), with a float or a bool mask here; verl's function given a float mask divides by
+    count + 1e-8 in float64 instead, a documented ~1e-8 relative difference (aggregation.py)."""
+    x = {k: torch.tensor(v, dtype=torch.float64) for k, v in VERL["inputs"].items()}
+    adv, mask = x["advantages"], x["response_mask"]
+    batch = GlobalBatch(loss_scale_factor=VERL["losses"]["loss_scale_factor"])
+    for m in (mask, mask.bool()):
+        assert_close(aggregate_loss(adv, m, mode, batch), VERL["losses"]["agg_loss"][mode], dtype=torch.float64,
+                     what=f"{mode} vs verl's actor")
+    float_mask = VERL["losses"]["agg_loss_float_mask"][mode]
+    ours = aggregate_loss(adv, mask, mode, batch).item()
+    assert abs(ours - float_mask) <= 1e-7 * abs(float_mask)
+    if mode == "seq-mean-token-mean":  # the +1e-8 shows: far above float64 noise (1e-16)
+        assert abs(ours - float_mask) > 1e-10 * abs(float_mask)

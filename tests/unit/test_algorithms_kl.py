@@ -8,10 +8,13 @@ import torch
 from hybridflow.algorithms import (
     AdaptiveKLController,
     FixedKLController,
+    GlobalBatch,
     UnknownNameError,
+    kl_loss,
     kl_penalty,
     make_kl_controller,
 )
+from hybridflow.config.schema import Actor
 
 LOGP = [0.0, -1.0, 0.3, -50.0, 0.0, 0.0, 0.0]
 REF = [0.0, -0.5, -0.2, 0.0, -50.0, -3.0, 2.0]
@@ -72,6 +75,20 @@ def test_unknown_kind(kind):
     logp, ref = tensors()
     with pytest.raises(UnknownNameError, match="low_var_kl"):
         kl_penalty(logp, ref, kind)
+
+
+def test_kl_loss_reports_verls_kl_loss_and_kl_coef():
+    """actor.use_kl_loss: the kl_loss_type estimate aggregated with loss_agg_mode over the mini-batch, and
+    verl's metrics kl_loss and kl_coef (actor/kl_loss, actor/kl_coef once the actor prefixes them)."""
+    logp, ref = tensors()
+    mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1]])
+    cfg = Actor(use_kl_loss=True, kl_loss_coef=0.25, kl_loss_type="k2", loss_agg_mode="token-mean")
+    kl, metrics = kl_loss(logp, ref, mask, cfg, GlobalBatch(num_tokens=10.0))
+    want = sum(0.5 * d * d for d, m in zip(D, mask[0].tolist()) if m) / 10
+    assert kl.item() == pytest.approx(want) and kl.requires_grad
+    assert set(metrics) == {"kl_loss", "kl_coef"}
+    assert metrics["kl_coef"] == 0.25 and metrics["kl_loss"].item() == pytest.approx(want)
+    assert not metrics["kl_loss"].requires_grad
 
 
 def test_fixed_controller():

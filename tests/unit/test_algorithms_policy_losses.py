@@ -1,12 +1,14 @@
 """verl 0.9.1's policy losses beyond vanilla (gspo, sapo, gpg, geo_mean, dro, cispo, dppo_tv, dppo_kl, clip_cov,
-kl_cov): each against a per-token re-derivation from its paper's formula in plain Python floats, on rows with
+kl_cov, reinforce): each against a per-token re-derivation from its paper's formula in plain Python floats, on rows with
 a multi-turn gap (a mask-0 token inside a response, holding values that must not count) and a one-token
 row, in float32 and float64; plus values of verl's own functions, micro-batch independence and rollout
 correction's IS weights (``rollout_is_weights``) applied where verl 0.9.1 applies them."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -318,6 +320,41 @@ def test_clip_cov_cuts_the_gradient_of_tokens_in_the_covariance_band(dtype):
     assert len(set(cut) & set(in_band)) == 1
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_reinforce_is_weighted_log_prob_gradient(dtype, agg):
+    """verl's compute_policy_loss_reinforce: -A log pi (times the caller's detached weights), no ratio; its
+    ppo_kl is the mean of log pi_old - log pi (pi_old: the rollout's)."""
+    loss, metrics, grad, toks = run("reinforce", dtype, agg, config())
+    assert_close(loss, aggregate([(i, -a * lp) for i, o, lp, a in toks], agg), dtype=dtype, what="reinforce loss")
+    assert_close(grad, grad_matrix(token_grads(toks, lambda o, lp, a: -a), agg, dtype), dtype=dtype,
+                 what="reinforce grad")
+    assert_close(metrics["ppo_kl"], sum(o - lp for _, o, lp, _ in toks) / N_METRIC, dtype=dtype, what="ppo_kl")
+    loss, grad, toks = run_weighted("reinforce", dtype, agg, torch.tensor(IS_WEIGHTS, dtype=dtype))
+    w = _valid_weights()
+    assert_close(loss, aggregate([(i, -a * lp * w[k]) for k, (i, o, lp, a) in enumerate(toks)], agg), dtype=dtype,
+                 what="weighted reinforce loss")
+
+
+_VERL = json.loads((Path(__file__).parents[1] / "fixtures" / "verl" / "rollout_corr_metrics.json").read_text())
+VERL_LOSSES, VERL_FIXTURE_INPUTS = _VERL["losses"], _VERL["inputs"]
+
+
+@pytest.mark.parametrize("case", VERL_LOSSES["reinforce"], ids=lambda c: f"{c['loss_agg_mode']}-{c['with_weights']}")
+def test_reinforce_values_of_verl(case):
+    """verl 0.9.1's own compute_policy_loss_reinforce (tests/fixtures/verl/make_rollout_corr_metrics.py), as its
+    actor calls it (bool mask), with and without IS weights, for every loss_agg_mode."""
+    x = {k: torch.tensor(v, dtype=torch.float64) for k, v in VERL_FIXTURE_INPUTS.items()}
+    weights = torch.tensor(VERL_LOSSES["reinforce_weights"], dtype=torch.float64) if case["with_weights"] else None
+    loss, metrics = POLICY_LOSSES.get("reinforce")(
+        x["rollout_log_prob"], x["old_log_prob"], x["advantages"], x["response_mask"].bool(),
+        loss_agg_mode=case["loss_agg_mode"], config=config(), rollout_is_weights=weights,
+        global_batch=GlobalBatch(loss_scale_factor=VERL_LOSSES["loss_scale_factor"]))
+    assert_close(loss, case["loss"], dtype=torch.float64, what="reinforce loss")
+    # float32: verl's masked_mean of a bool mask divides by an int64 count + 1e-8, a float32
+    assert_close(metrics["ppo_kl"], case["metrics"]["actor/ppo_kl"], dtype=torch.float32, what="ppo_kl")
+
+
 # ---- verl's own numbers, micro-batch independence, dispatch ------------------------------------------
 
 # verl 0.9.1's functions (core_algos.py, loaded with torch only in a scratch interpreter) on this file's
@@ -336,7 +373,7 @@ def test_values_of_verl(mode):
 
 
 # clip_cov and kl_cov choose tokens by statistics of the micro-batch they see (as verl): not split-independent
-SPLIT_INDEPENDENT = ("vanilla", "gspo", "sapo", "gpg", "geo_mean", "dro", "cispo", "dppo_tv", "dppo_kl")
+SPLIT_INDEPENDENT = ("vanilla", "gspo", "sapo", "gpg", "geo_mean", "dro", "cispo", "dppo_tv", "dppo_kl", "reinforce")
 
 
 @pytest.mark.parametrize("mode", SPLIT_INDEPENDENT)
@@ -361,7 +398,7 @@ def test_micro_batches_sum_to_the_whole(mode, agg):
 
 def test_every_verl_loss_is_registered_with_one_signature():
     assert set(POLICY_LOSSES.names()) == {"vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro",
-                                          "cispo", "dppo_tv", "dppo_kl", "bypass_mode"}
+                                          "cispo", "dppo_tv", "dppo_kl", "bypass_mode", "reinforce"}
     old, log_prob, adv, mask = tensors(torch.float32)
     for mode in set(POLICY_LOSSES.names()) - {"bypass_mode"}:  # bypass_mode: tests/unit/test_rollout_correction.py
         loss, _ = POLICY_LOSSES.get(mode)(old, log_prob, adv, mask, loss_agg_mode="token-mean",

@@ -4,15 +4,18 @@ reaching every policy loss; the config checks raised by loading the config."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hybridflow.algorithms import GlobalBatch, POLICY_LOSSES
-from hybridflow.algorithms.rollout_correction import (check_config, compute_policy_loss_bypass_mode, correct,
-                                                      is_weights, mismatch_metrics, parse_rs, rejection_mask)
+from hybridflow.algorithms.rollout_correction import (HYBRIDFLOW_ONLY_METRICS, check_config,
+                                                      compute_policy_loss_bypass_mode, correct, is_weights,
+                                                      mismatch_metrics, parse_rs, rejection_mask)
 from hybridflow.config import ConfigError, load_config
 from hybridflow.config.schema import ExperimentConfig, RolloutCorrection
 from tests.numerics import assert_close
@@ -225,3 +228,41 @@ def test_config_errors_come_from_loading_the_config(overrides, message):
     with pytest.raises(ConfigError, match=message) as e:
         _load(*overrides)
     assert "\n" not in str(e.value)
+
+
+# verl 0.9.1's own outputs on one batch (tests/fixtures/verl/make_rollout_corr_metrics.py ran verl's source)
+VERL = json.loads((Path(__file__).parents[1] / "fixtures" / "verl" / "rollout_corr_metrics.json").read_text())
+
+
+def _verl_inputs():
+    x = {k: torch.tensor(v, dtype=torch.float64) for k, v in VERL["inputs"].items()}
+    return x["old_log_prob"], x["rollout_log_prob"], x["response_mask"]
+
+
+@pytest.mark.parametrize("case", VERL["rollout_correction"], ids=lambda c: ",".join(map(str, c["config"].values())))
+def test_metrics_are_verls_names_and_values(case):
+    """Every metric verl's trainer logs for this rollout_correction (compute_rollout_correction_and_rejection_mask
+    and calculate_debug_metrics) exists under its name with its value; the IS weights and the rejected mask are
+    verl's. The inputs have junk in the padding, an empty row and a +25 log-ratio (the +-20 safety bound)."""
+    old, rollout, mask = _verl_inputs()
+    weights, kept, ours = correct(old, rollout, mask, RolloutCorrection(**case["config"]))
+    verl = case["metrics"]
+    assert set(ours) - HYBRIDFLOW_ONLY_METRICS == set(verl), sorted(set(ours) ^ set(verl) - HYBRIDFLOW_ONLY_METRICS)
+    for key, value in verl.items():
+        # float32: verl takes its fractions through .float(); everything else is float64 on both sides
+        assert_close(ours[key], value, dtype=torch.float32, what=key)
+    assert kept.tolist() == case["response_mask"]
+    if case["rollout_is_weights"] is None:
+        assert weights is None
+    else:
+        assert_close(weights, torch.tensor(case["rollout_is_weights"], dtype=torch.float64), dtype=torch.float64,
+                     what="IS weights")
+
+
+def test_the_verl_cases_cover_every_is_mode_and_rs_option():
+    configs = [c["config"] for c in VERL["rollout_correction"]]
+    is_modes = {(c["rollout_is"], "_" in str(c["rollout_is_threshold"]), c["rollout_is_batch_normalize"])
+                for c in configs if c.get("rollout_is")}
+    assert len(is_modes) == 8  # token/sequence x TIS/IcePop x normalized or not
+    options = {o for c in configs if c.get("rollout_rs") for o in c["rollout_rs"].split(",")}
+    assert options == set(parse_rs.__globals__["RS_OPTIONS"])
