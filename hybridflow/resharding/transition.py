@@ -106,10 +106,11 @@ class Resharder:
             group = dist.new_group(list(members))
             if self.rank in members:
                 self.slice_group = group
-        local = self._expert_meta(_local_shard(module))
+        local = _local_shard(module)
         self.device = next(iter(local.values())).device
-        split = [(k, tuple(v.shape), v.dtype) for k, v in sorted(local.items()) if self._split_dim(k) is not None]
-        replicated = [(k, tuple(v.shape), v.dtype) for k, v in sorted(local.items()) if self._split_dim(k) is None]
+        meta = self._meta(local)
+        split = [(k, *meta[k]) for k in sorted(meta) if self._split_dim(k) is not None]
+        replicated = [(k, *meta[k]) for k in sorted(meta) if self._split_dim(k) is None]
         metas = [None] * len(self.me.micro_dp_group)
         dist.all_gather_object(metas, split, group=self.micro_group)
         self.split_meta = dict(zip(self.me.micro_dp_group, metas))
@@ -130,21 +131,24 @@ class Resharder:
     def _split_dim(self, name: str) -> int | None:
         return None if self._generation_expert(name) else convert.tp_split_dim(name)
 
-    def _expert_meta(self, local: dict) -> dict:
-        """``local`` with its experts replaced by empty tensors shaped as their generation form (what
-        _exchange_experts returns): for the group metadata, computed before any exchange."""
+    def _meta(self, local: dict) -> dict:
+        """``{name: (shape, dtype)}`` of what the transition exchanges: ``local``'s tensors, its experts in
+        their generation form (what _exchange_experts returns) where they are exchanged. Shapes only: the
+        Resharder is built while parameters may be offloaded (``param_offload``: no storage to read), and
+        nothing of an expert's generation form is allocated before the first sync."""
+        meta = {k: (tuple(v.shape), v.dtype) for k, v in local.items()
+                if not (self.expert_exchange and convert.is_expert_param(k))}
         if not self.expert_exchange:
-            return local
-        out = {k: v for k, v in local.items() if not convert.is_expert_param(k)}
+            return meta
         for name, fc1 in local.items():
             m = _LOCAL_EXPERT.match(name)
             if m and m[3] == "linear_fc1.weight" and m[2] == "0":
                 fc2 = local[name.replace("linear_fc1", "linear_fc2")]
-                gate_up, down = vllm_layout.expert_generation_shard(fc1, fc2, 0, self.plan.t_g)
+                gate_up, down = vllm_layout.expert_generation_shapes(fc1.shape, fc2.shape, self.plan.t_g)
                 for x in range(self.num_experts):
-                    out[f"{m[1]}{x}.gate_up_proj.weight"] = gate_up.new_empty(gate_up.shape)
-                    out[f"{m[1]}{x}.down_proj.weight"] = down.new_empty(down.shape)
-        return out
+                    meta[f"{m[1]}{x}.gate_up_proj.weight"] = (gate_up, fc1.dtype)
+                    meta[f"{m[1]}{x}.down_proj.weight"] = (down, fc2.dtype)
+        return meta
 
     def _exchange_experts(self, local: dict, stats: TransitionStats) -> dict:
         """Every expert of this rank's stage as its vLLM TP shard k (``expert_generation_shard``), from the
@@ -177,9 +181,9 @@ class Resharder:
                 n = _nbytes(pieces[0])
                 stats.bytes_received += n * (e - 1)
                 stats.bytes_sent += n * (e - 1)
-            fc1 = local[f"{prefix}local_experts.0.linear_fc1.weight"]
-            gu_shape = (fc1.shape[0] // t_g, fc1.shape[1])
-            down_shape = (fc1.shape[1], fc1.shape[0] // 2 // t_g)
+            gu_shape, down_shape = vllm_layout.expert_generation_shapes(
+                local[f"{prefix}local_experts.0.linear_fc1.weight"].shape,
+                local[f"{prefix}local_experts.0.linear_fc2.weight"].shape, t_g)
             offset = 0
             for q in range(e):
                 for i in range(per_rank):

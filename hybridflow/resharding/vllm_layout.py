@@ -112,6 +112,12 @@ def layer_from_megatron_shards(shards: list[dict], prefix: str, cfg, t: int) -> 
     return out
 
 
+def expert_generation_shapes(fc1_shape, fc2_shape, t_g: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The shapes of ``expert_generation_shard``'s (gate_up, down), from the expert's shapes alone (no data is
+    read: offloaded experts have no storage)."""
+    return (fc1_shape[0] // t_g, fc1_shape[1]), (fc2_shape[0], fc2_shape[1] // t_g)
+
+
 def expert_generation_shard(fc1: torch.Tensor, fc2: torch.Tensor, k: int, t_g: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One whole expert (megatron's fc1 = [gate; up], fc2) -> its vLLM TP shard k of t_g: (gate_up, down)."""
     gate, up = torch.chunk(fc1, 2, dim=0)

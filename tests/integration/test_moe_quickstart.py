@@ -1,6 +1,7 @@
 """The MoE quickstart overlay (configs/quickstart_moe_cpu.yaml): a tiny Qwen3-MoE with expert parallelism 2 in
 the actor, 3 GRPO steps through Ray, megatron-core and vLLM with finite metrics and the routers'
-load-balancing loss logged every step."""
+load-balancing loss logged every step. The actor's parameters are offloaded between uses (param_offload): the
+resharder is built while the experts have no storage, from their shapes alone."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_moe_overlay_trains_with_expert_parallelism(assets, tmp_path, ray_cluste
         "prepare.vocab_multiple=128", *SMALL, "prepare.sft_steps=20", "prepare.sft_target_accuracy=null"])
     prepare_quickstart(prep)  # a short warm start: this checks the mechanics, the closing note the learning
     cfg = make_cfg(assets, tmp_path, f"model.path={model}/sft", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
-                   config="configs/quickstart_moe_cpu.yaml")
+                   "actor.megatron.param_offload=true", config="configs/quickstart_moe_cpu.yaml")
     assert cfg.actor.megatron.expert_model_parallel_size == 2 and cfg.resources.n_workers == 2
     history = run_steps(cfg, 3)
     assert len(history) == 3
