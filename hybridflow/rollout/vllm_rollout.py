@@ -90,6 +90,8 @@ OWN_ENGINE_ARGS = {
     "load_format": None, "distributed_executor_backend": None, "pipeline_parallel_size": None,
     "data_parallel_size": None, "enable_prefix_caching": None, "disable_log_stats": None,
     "disable_custom_all_reduce": None,
+    # the trainer's log-probs are of the tempered policy (verl 0.9.1's rollout.logprobs_mode default)
+    "logprobs_mode": "rollout.temperature",
 }
 
 
@@ -193,7 +195,10 @@ class VLLMRollout:
                            enforce_eager=enforce_eager or not on_gpu, max_model_len=max_model_len,
                            tensor_parallel_size=tensor_parallel_size, seed=seed,
                            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
-                           disable_log_stats=True, disable_custom_all_reduce=True, **kwargs)
+                           disable_log_stats=True, disable_custom_all_reduce=True,
+                           # On GPU this costs FlashInfer's sampler: vLLM falls back to its native top-k/top-p
+                           # sampler for processed log-probs (v1/sample/ops/topk_topp_sampler.py, __init__).
+                           logprobs_mode="processed_logprobs", **kwargs)
         self.sleep()  # until the first sync: the dummy weights and the KV cache take nothing from training
         _report_reload_warnings_once()
 
@@ -257,8 +262,11 @@ class VLLMRollout:
                                 log_probs: bool = True, max_new_tokens: list[int] | None = None,
                                 stop_token_ids: list[int] | None = None) -> list[tuple[list[int], list[float] | None]]:
         """``generate``, with vLLM's log-prob of each sampled token when ``log_probs`` (``logprobs=0``: the
-        sampled token's only). vLLM's default ``logprobs_mode`` is ``raw_logprobs``: the model's distribution
-        before temperature, top-k/top-p (config/model.py), which is what the trainer's log-probs are too.
+        sampled token's only), of the distribution it sampled from: the engine runs with ``logprobs_mode=
+        "processed_logprobs"`` (log-softmax after temperature and top-k/top-p, v1/sample/sampler.py), as verl
+        0.9.1 does (rollout.logprobs_mode), and the trainer's log-probs divide the logits by the temperature
+        (workers/role_ops.py). With top-k/top-p on, vLLM's are of the truncated distribution and the trainer's
+        are not (verl's choice too).
         ``max_new_tokens``: a budget per prompt (the agent loop's remaining response length) instead of the
         sampling settings' one; ``stop_token_ids``: tokens that end generation besides EOS (an assistant turn's
         end), kept in the output as EOS is (vLLM v1/core/sched/utils.py check_stop)."""

@@ -166,11 +166,13 @@ class ActorRolloutRefWorker(Worker):
         """Sample one response per row (repeat rows beforehand for n > 1); each generation replica
         gets its own prompts. The weights are the last ``sync_weights``'.
 
-        ``prompts.meta`` may override sampling: ``temperature`` (0 = greedy), ``max_new_tokens``.
+        ``prompts.meta`` may override sampling: ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (validation's
+        rollout.val_kwargs), ``max_new_tokens``.
         """
-        r = self.cfg.rollout
+        r, meta = self.cfg.rollout, prompts.meta
         sampling = SamplingSettings(
-            temperature=prompts.meta.get("temperature", r.temperature), top_p=r.top_p, top_k=r.top_k,
+            temperature=meta.get("temperature", r.temperature), top_p=meta.get("top_p", r.top_p),
+            top_k=meta.get("top_k", r.top_k),
             max_new_tokens=prompts.meta.get("max_new_tokens", self.cfg.data.max_response_length))
         ids, mask = prompts.tensors["input_ids"], prompts.tensors["attention_mask"].bool()
         prompt_ids = [row[m].tolist() for row, m in zip(ids, mask)]
@@ -201,19 +203,21 @@ class ActorRolloutRefWorker(Worker):
         # the optimal token baselines also need sum_vocab p^2 per position (verl's actor.calculate_sum_pi_squared)
         otb = self.cfg.algorithm.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline")
         out = role_ops.log_probs(self.actor, batch, role_ops.log_prob_batching(self.cfg.actor), with_entropy=True,
-                                 with_sum_pi_squared=otb)
+                                 with_sum_pi_squared=otb, temperature=role_ops.logit_temperature(self.cfg.rollout))
         extra = {"sum_pi_squared": out["sum_pi_squared"]} if otb else {}
         return role_ops.last_stage_batch(old_log_probs=out["log_probs"], entropy=out["entropy"], **extra)
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        out = role_ops.log_probs(self.ref, batch, role_ops.log_prob_batching(self.cfg.actor, ref=True))
+        out = role_ops.log_probs(self.ref, batch, role_ops.log_prob_batching(self.cfg.actor, ref=True),
+                                 temperature=role_ops.logit_temperature(self.cfg.rollout))
         return role_ops.last_stage_batch(ref_log_prob=out["log_probs"])
 
     @register(Dispatch.DP_COMPUTE_PROTO_3D)
     def update_actor(self, batch: Batch) -> dict:
         metrics = role_ops.update_policy(self.actor, batch, self.cfg.actor, parallel.dispatch_info()["dp_size"],
-                                         self.cfg.rollout.n, rollout_correction=self.cfg.algorithm.rollout_correction)
+                                         self.cfg.rollout.n, rollout_correction=self.cfg.algorithm.rollout_correction,
+                                         temperature=role_ops.logit_temperature(self.cfg.rollout))
         return {**metrics, **device.memory_stats("memory/update_actor")}
 
     @register(Dispatch.ONE_TO_ALL)

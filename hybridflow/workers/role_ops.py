@@ -30,23 +30,38 @@ def _valid(x: torch.Tensor, mb: dict) -> torch.Tensor:
     return torch.where(mb["response_valid"].bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def response_log_probs(logits: torch.Tensor, mb: dict) -> torch.Tensor:
-    """log p(response token) [N, R] from vocab-parallel logits [rows, s, V/t] (differentiable)."""
-    return _valid(token_log_probs(_picked(logits, mb), mb["response_labels"]), mb)
+def logit_temperature(rollout_cfg) -> float:
+    """The temperature the actor's and reference's log-probs divide their logits by: the rollout's, so the
+    trainer's policy is the one vLLM sampled from (verl 0.9.1: ``logits.div_(temperature)`` in
+    workers/engine/megatron/transformer_impl.py, with ``rollout.temperature``). Greedy rollouts (0) have no
+    sampled distribution: 1."""
+    return rollout_cfg.temperature if rollout_cfg.temperature > 0 else 1.0
 
 
-def response_entropy(logits: torch.Tensor, mb: dict) -> torch.Tensor:
-    return _valid(vocab_parallel_entropy(_picked(logits, mb)), mb)
+def _picked_logits(logits: torch.Tensor, mb: dict, temperature: float) -> torch.Tensor:
+    """The logits [N, R, V/t] that predict each response token, divided by ``temperature``."""
+    z = _picked(logits, mb)
+    return z if temperature == 1.0 else z / temperature
 
 
-def response_sum_pi_squared(logits: torch.Tensor, mb: dict) -> torch.Tensor:
+def response_log_probs(logits: torch.Tensor, mb: dict, temperature: float = 1.0) -> torch.Tensor:
+    """log p(response token) [N, R] from vocab-parallel logits [rows, s, V/t] at ``temperature``
+    (differentiable)."""
+    return _valid(token_log_probs(_picked_logits(logits, mb, temperature), mb["response_labels"]), mb)
+
+
+def response_entropy(logits: torch.Tensor, mb: dict, temperature: float = 1.0) -> torch.Tensor:
+    return _valid(vocab_parallel_entropy(_picked_logits(logits, mb, temperature)), mb)
+
+
+def response_sum_pi_squared(logits: torch.Tensor, mb: dict, temperature: float = 1.0) -> torch.Tensor:
     """sum over the vocabulary of p^2 at each response position [N, R] (verl's actor.calculate_sum_pi_squared,
     the optimal token baselines' input), from vocab-parallel logits without gradient: S2 / S0^2 with
     S0 = sum exp(z - m), S2 = sum exp(2 (z - m)), both summed over the TP ranks (m the global max), as
     ``vocab_parallel_entropy`` sums its statistics."""
     from megatron.core import parallel_state as ps
 
-    z = _picked(logits, mb).detach().float()
+    z = _picked_logits(logits, mb, temperature).detach().float()
     m = z.max(dim=-1, keepdim=True).values
     tp = ps.get_tensor_model_parallel_world_size() > 1
     if tp:
@@ -122,16 +137,16 @@ def _update_batching(role_cfg, name: str) -> int | TokenBudget:
 
 
 def log_probs(role: MegatronRole, batch: Batch, micro: int | TokenBudget, with_entropy: bool = False,
-              with_sum_pi_squared: bool = False) -> dict:
+              with_sum_pi_squared: bool = False, temperature: float = 1.0) -> dict:
     """{'log_probs': [b, R], 'entropy': [b, R], 'sum_pi_squared': [b, R]} of the response tokens (the last two
-    when asked; None off the last stage); ``micro``: rows per micro-batch, or a token budget
-    (``log_prob_batching``)."""
+    when asked; None off the last stage) under the policy at ``temperature`` (``logit_temperature``);
+    ``micro``: rows per micro-batch, or a token budget (``log_prob_batching``)."""
     def output_fn(mb, logits):
-        out = {"log_probs": response_log_probs(logits, mb)}
+        out = {"log_probs": response_log_probs(logits, mb, temperature)}
         if with_entropy:
-            out["entropy"] = response_entropy(logits, mb)
+            out["entropy"] = response_entropy(logits, mb, temperature)
         if with_sum_pi_squared:
-            out["sum_pi_squared"] = response_sum_pi_squared(logits, mb)
+            out["sum_pi_squared"] = response_sum_pi_squared(logits, mb, temperature)
         return out
 
     mbs, order = _micro_batches(role, batch, micro)
@@ -202,11 +217,12 @@ def _train(role, batch, *, name, mini_batch_size, micro, epochs, keys, loss_fn, 
 
 
 def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rollout_n: int = 1,
-                  rollout_correction=None) -> dict:
+                  rollout_correction=None, temperature: float = 1.0) -> dict:
     """PPO clipped policy loss (- entropy_coeff x entropy, + optional KL-to-reference loss) over mini-batches of
     this DP shard; a mini-batch is ``ppo_mini_batch_size`` prompts with their ``rollout_n`` responses each
-    (verl's meaning). The entropy bonus is verl 0.9.1's (workers/utils/losses.py ``ppo_loss``): the entropy
-    of the response tokens, with its gradient, aggregated with ``loss_agg_mode`` over the mini-batch.
+    (verl's meaning), under the policy at ``temperature`` (``logit_temperature``). The entropy bonus is verl
+    0.9.1's (workers/utils/losses.py ``ppo_loss``): the entropy of the response tokens, with its gradient,
+    aggregated with ``loss_agg_mode`` over the mini-batch.
 
     Rollout correction (``algorithm.rollout_correction``, algorithms/rollout_correction.py): the batch's
     ``rollout_is_weights`` go to the loss, as verl passes them; in ``bypass_mode`` the old log-probs are the
@@ -224,7 +240,7 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
         ["rollout_is_weights"] if "rollout_is_weights" in batch.tensors else [])
 
     def loss_fn(mb, logits, whole):
-        log_prob = response_log_probs(logits, mb)
+        log_prob = response_log_probs(logits, mb, temperature)
         mask = mb["response_mask"]
         old = log_prob.detach() if on_policy else mb["old_log_probs"]
         if bypass:  # verl's apply_bypass_mode: loss_mode becomes bypass_mode
@@ -244,14 +260,15 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
                                                 2.0 if rc is None else rc.rollout_is_threshold))
         entropy = None
         if a.entropy_coeff:
-            entropy = response_entropy(logits, mb)
+            entropy = response_entropy(logits, mb, temperature)
             entropy_loss = aggregate_loss(entropy, mask, a.loss_agg_mode, whole)
             loss = loss - a.entropy_coeff * entropy_loss
             metrics["actor/entropy_loss"] = entropy_loss.detach()
         if on_policy:
             with torch.no_grad():
-                metrics["actor/entropy"] = masked_mean(response_entropy(logits, mb) if entropy is None else entropy,
-                                                       mask)
+                if entropy is None:
+                    entropy = response_entropy(logits, mb, temperature)
+                metrics["actor/entropy"] = masked_mean(entropy, mask)
         if a.use_kl_loss:  # verl's actor/kl_loss and actor/kl_coef
             kl, kl_metrics = kl_loss(log_prob, mb["ref_log_prob"], mask, a, whole)
             loss = loss + a.kl_loss_coef * kl

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hybridflow.spawn import run_ranks
-from tests.numerics import assert_close
+from tests.numerics import assert_close, used_fraction
 
 pytestmark = pytest.mark.distributed
 
@@ -48,8 +48,9 @@ def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
     return ~(causal[None] & attention_mask.bool()[:, None, :])[:, None]
 
 
-def _masked_reference(role, batch):
-    """Log-probs, entropy and values with the padding mask, in the original (left-padded) layout."""
+def _masked_reference(role, batch, temperature: float = 1.0):
+    """Log-probs, entropy and values with the padding mask, in the original (left-padded) layout; log-probs and
+    entropy of the policy at ``temperature`` (log-softmax of logits / T)."""
     from hybridflow.megatron.role import token_log_probs, vocab_parallel_entropy
 
     t = batch.tensors
@@ -59,6 +60,7 @@ def _masked_reference(role, batch):
     valid = t["response_mask"].bool()
     if role.value_head:
         return {"values": torch.where(valid, out[..., 0][:, P - 1:P - 1 + R].float(), 0.0)}
+    out = out / temperature
     lp = token_log_probs(out, torch.roll(t["input_ids"], -1, 1))[:, P - 1:P - 1 + R]
     ent = vocab_parallel_entropy(out)[:, P - 1:P - 1 + R]
     return {"log_probs": torch.where(valid, lp, 0.0), "entropy": torch.where(valid, ent, 0.0)}
@@ -93,6 +95,12 @@ def _rank_fn(rank, world, hf_dir, critic_dir):
         got["values"] = role_ops.values(value, batch, 4)
         want = {**_masked_reference(policy, batch), **_masked_reference(value, batch)}
         out[f"padding_{name}"] = {k: (got[k], want[k]) for k in want}
+        # the rollout's temperature: the trainer's policy is the tempered one vLLM samples from
+        got = role_ops.log_probs(policy, batch, 4, with_entropy=True, temperature=0.7)
+        want = _masked_reference(policy, batch, temperature=0.7)
+        out[f"tempered_{name}"] = {k: (got[k], want[k]) for k in ("log_probs", "entropy")}
+        untempered = role_ops.log_probs(policy, batch, 4)["log_probs"]
+        out[f"tempered_{name}"]["untempered"] = (untempered, got["log_probs"])
 
         trained = {}
         for offload in (False, True):
@@ -178,6 +186,19 @@ def test_causal_only_forward_equals_masked_forward(results, dtype):
         assert torch.equal(got[~valid], torch.zeros_like(got[~valid])), f"{key}: outputs past a response's end"
         assert_close(got[valid].float(), want[valid].float(), dtype=getattr(torch, dtype),
                      what=f"{key} ({dtype}) vs the masked forward")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_log_probs_at_the_rollout_temperature_are_the_tempered_policy(results, dtype):
+    """log-softmax(logits / 0.7) of the response tokens and its entropy, as vLLM's processed log-probs."""
+    valid = uneven_batch().tensors["response_mask"].bool()
+    case = dict(results[f"tempered_{dtype}"])
+    untempered, tempered = case.pop("untempered")
+    for key, (got, want) in case.items():
+        assert_close(got[valid].float(), want[valid].float(), dtype=getattr(torch, dtype),
+                     what=f"{key} at T=0.7 ({dtype}) vs log-softmax(logits / T)")
+    if dtype == "float32":  # the comparison tells the two apart (the tiny model's logits are near-uniform)
+        assert used_fraction(untempered[valid], tempered[valid]) > 10, "the temperature changed nothing"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

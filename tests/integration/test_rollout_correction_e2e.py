@@ -1,7 +1,9 @@
 """Rollout correction end to end: vLLM returns the log-prob of every sampled token, the trainer logs its mismatch
 to its own log-probs each step. With vLLM and megatron running the same weights in float32 the mismatch is
 float32 noise; once the rollout's weights are perturbed (after the step's weight sync, so the next generation
-uses them) it grows by orders of magnitude. Both places the mismatch is measured are covered: the driver (a
+uses them) it grows by orders of magnitude. The rollout samples at temperature 0.7: vLLM's log-probs are of the
+tempered distribution it samples from, and so are the trainer's (logits / T, as verl), or the mismatch would
+not be noise. Both places the mismatch is measured are covered: the driver (a
 separate old-log-prob forward, PPO with KL in the reward, with token-level rejection applied to the loss mask)
 and the update itself (GRPO with on-policy log-prob reuse: no old-log-prob forward)."""
 
@@ -51,7 +53,7 @@ def _max_abs_log_ratio(m: dict) -> float:
 def test_mismatch_is_noise_for_equal_weights_and_grows_when_perturbed(case, assets, tmp_path, ray_cluster):
     if case == "driver_with_rejection":  # quickstart PPO: KL in the reward needs the old-log-prob forward
         cfg = make_cfg(assets, tmp_path, "algorithm.rollout_correction.rollout_rs=token_k1",
-                       "algorithm.rollout_correction.rollout_rs_threshold=1.05")
+                       "algorithm.rollout_correction.rollout_rs_threshold=1.05", "rollout.temperature=0.7")
     else:  # GRPO, one on-policy update: the update's own detached log-probs are the old ones
         cfg = make_cfg(assets, tmp_path, "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
                        "actor.use_kl_loss=true", "rollout.n=2", "data.batch_size=8", "actor.ppo_mini_batch_size=8")
