@@ -31,35 +31,18 @@ def prepare_tools_quickstart(cfg) -> None:
 
 
 def warm_start_on_tool_traces(cfg, base_dir: str, train_file: str, dev_size: int = 128) -> dict:
-    """SFT on demonstrations of calling the calculator and answering with its result (data/multiplication.py
-    tool_trace; prepare.tool_trace_fraction of them, the others answering directly), evaluated on ``dev_size``
-    held-out training prompts by the agent loop itself."""
+    """SFT on demonstrations of calling the calculator and answering with its result (``tool_trace_sequences``),
+    evaluated on ``dev_size`` held-out training prompts by the agent loop itself."""
     from transformers import AutoTokenizer
 
     from hybridflow.agent.chat import ChatFormat
-    from hybridflow.agent.tools import load_tools
-    from hybridflow.data.dataset import PromptDataset
-    from hybridflow.data.multiplication import direct_trace, tool_trace
     from hybridflow.trainer.sft import train_sequences
 
     p, tokenizer = cfg.prepare, AutoTokenizer.from_pretrained(base_dir)
-    tools = load_tools(cfg.rollout.multi_turn.tool_config_path)
-    if "calculator" not in tools:
-        raise ValueError(f"{cfg.rollout.multi_turn.tool_config_path}: prepare.task multiplication_tools needs the "
-                         "calculator tool")
+    tools = calculator_tools(cfg)
     chat = ChatFormat(tokenizer, cfg.data.apply_chat_template_kwargs)
-    data = PromptDataset.from_config([train_file], tokenizer, cfg.data, tools=[t.schema for t in tools.values()])
-    rows = list(range(len(data)))
     rng = random.Random(cfg.trainer.seed)
-    rng.shuffle(rows)
-    dev, train = rows[:dev_size], rows[dev_size:]
-    extra = data.columns["extra_info"]
-    # a share of the demonstrations answer directly: the warm start uses the calculator only sometimes
-    sequences = [tool_trace(tokenizer, chat, tools["calculator"], data.prompt_ids[r], extra[r]["a"], extra[r]["b"])
-                 if rng.random() < p.tool_trace_fraction else
-                 direct_trace(tokenizer, chat, data.prompt_ids[r], extra[r]["a"], extra[r]["b"]) for r in train]
-    dev_prompts = [data.prompt_ids[r] for r in dev]
-    dev_answers = [str(data.columns["answer"][r]) for r in dev]
+    sequences, dev_prompts, dev_answers = tool_trace_sequences(cfg, tokenizer, chat, tools, train_file, dev_size, rng)
 
     def evaluate(model) -> float:
         return multi_turn_greedy_accuracy(cfg, model, tokenizer, tools, chat, dev_prompts, dev_answers)
@@ -67,6 +50,34 @@ def warm_start_on_tool_traces(cfg, base_dir: str, train_file: str, dev_size: int
     return train_sequences(base_dir, cfg.model.path, sequences, steps=p.sft_steps, lr=p.sft_lr,
                            batch_size=p.sft_batch_size, seed=cfg.trainer.seed, target_accuracy=p.sft_target_accuracy,
                            evaluate=evaluate, eval_every=p.sft_eval_every, rng=rng)
+
+
+def calculator_tools(cfg) -> dict:
+    from hybridflow.agent.tools import load_tools
+
+    tools = load_tools(cfg.rollout.multi_turn.tool_config_path)
+    if "calculator" not in tools:
+        raise ValueError(f"{cfg.rollout.multi_turn.tool_config_path}: prepare.task multiplication_tools needs the "
+                         "calculator tool")
+    return tools
+
+
+def tool_trace_sequences(cfg, tokenizer, chat, tools, train_file: str, dev_size: int, rng: random.Random):
+    """(the warm start's (ids, loss mask) demonstrations, the held-out prompts' ids, their answers): a
+    prepare.tool_trace_fraction share of the demonstrations call the calculator (data/multiplication.py
+    tool_trace), the others answer directly."""
+    from hybridflow.data.dataset import PromptDataset
+    from hybridflow.data.multiplication import direct_trace, tool_trace
+
+    data = PromptDataset.from_config([train_file], tokenizer, cfg.data, tools=[t.schema for t in tools.values()])
+    rows = list(range(len(data)))
+    rng.shuffle(rows)
+    dev, train = rows[:dev_size], rows[dev_size:]
+    extra = data.columns["extra_info"]
+    sequences = [tool_trace(tokenizer, chat, tools["calculator"], data.prompt_ids[r], extra[r]["a"], extra[r]["b"])
+                 if rng.random() < cfg.prepare.tool_trace_fraction else
+                 direct_trace(tokenizer, chat, data.prompt_ids[r], extra[r]["a"], extra[r]["b"]) for r in train]
+    return sequences, [data.prompt_ids[r] for r in dev], [str(data.columns["answer"][r]) for r in dev]
 
 
 def multi_turn_greedy_accuracy(cfg, model, tokenizer, tools, chat, prompts: list[list[int]], answers: list[str]) -> float:
