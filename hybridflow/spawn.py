@@ -16,7 +16,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue):
+def _entry(rank, world_size, port, fn, args, queue, backend="gloo"):
     # One torch thread per rank unless HYBRIDFLOW_RANK_THREADS says otherwise (tests/numerics_sweep.sh).
     threads = os.environ.get("HYBRIDFLOW_RANK_THREADS", "1")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -26,7 +26,7 @@ def _entry(rank, world_size, port, fn, args, queue):
 
     torch.set_num_threads(int(threads))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         # plain pickle: tensors travel by value (torch would share fds that die with this process)
         queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
@@ -36,12 +36,15 @@ def _entry(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 600) -> list:
-    """fn(rank, world_size, *args) on every rank; results ordered by rank; any rank's error re-raised."""
+def run_ranks(fn, world_size: int, *args, timeout: float = 600, backend: str = "gloo") -> list:
+    """fn(rank, world_size, *args) on every rank; results ordered by rank; any rank's error re-raised.
+    ``backend``: torch.distributed's; "cpu:gloo,cuda:nccl" where ranks compute on GPUs (CUDA tensors' collectives
+    through NCCL, as megatron and vLLM expect there; gloo covers only some of them for CUDA tensors)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, backend))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results = {}

@@ -278,13 +278,21 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
 
 
 def te_available() -> bool:
+    """Transformer Engine usable here: a GPU, and TE's torch bindings import. ``import transformer_engine``
+    alone proves nothing: its __init__ swallows an ImportError of ``transformer_engine.pytorch`` (a missing
+    or mismatched torch extension; TransformerEngine transformer_engine/__init__.py ``try: from . import
+    pytorch except (ImportError, StopIteration): pass``). megatron-core's own ``HAVE_TE`` of the layer specs
+    (gpt_layer_specs.py, which imports megatron.core.extensions.transformer_engine and with it
+    ``transformer_engine.pytorch.fp8``) must agree, or the TE spec it would build is not there."""
     if not device.has_gpu():
         return False
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
     except ImportError:
         return False
-    return True
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return bool(gpt_layer_specs.HAVE_TE)
 
 
 def layer_spec(config):
@@ -297,6 +305,8 @@ def layer_spec(config):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm)
+    if config.num_moe_experts:  # the router reads moe_utils.te_general_gemm, undefined without TE (any device)
+        megatron_core.define_missing_router_gemm()
     if te_available():
         return specs.get_gpt_layer_with_transformer_engine_spec(**moe)
     if config.sequence_parallel:

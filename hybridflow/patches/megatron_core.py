@@ -7,8 +7,9 @@ are thread-local: a global one would leak into, or miss, other threads), and the
 named states on the CPU generator; activation recompute saves and replays those, with no CUDA generator
 state, and re-runs its forwards inside that mode. All of it is inert when a GPU is visible.
 
-Everywhere: a sequence-parallel torch norm, HF's scaled-RoPE frequencies, rotary positions for packed
-rows, and an optimizer step that never applies a non-finite update.
+Everywhere: MoE's router GEMM without Transformer Engine (``define_missing_router_gemm``), a
+sequence-parallel torch norm, HF's scaled-RoPE frequencies, rotary positions for packed rows, and an
+optimizer step that never applies a non-finite update.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ MOE_ROUTER_GEMM = declare(
     "megatron.core.transformer.moe.moe_utils:te_general_gemm",
     "without Transformer Engine moe_utils never defines te_general_gemm (its import sits in the failed TE "
     "try block) but RouterGatingLinearFunction reads it for any router dtype but fp64 (NameError): "
-    "defined as None, so the router takes its torch.mm path. Untouched where TE is installed")
+    "defined as None, so the router takes its torch.mm path; on every device (a GPU without TE too: "
+    "megatron.model.layer_spec defines it for MoE layers). Untouched where TE's import succeeded")
 
 _lock = threading.Lock()
 _cpu_enabled = False
@@ -173,7 +175,7 @@ def enable_cpu() -> None:
                 yield
 
         RECOMPUTE_SCOPE.replace(fork_in_cpu_scope)
-        _define_missing_router_gemm()
+        define_missing_router_gemm()
         MOE_DTOH.replace(_moe_split_sizes_on_host)
         MOE_DTOH_STREAM.replace("no CUDA stream on CPU")
         _cpu_enabled = True
@@ -192,7 +194,10 @@ def _moe_split_sizes_on_host(self, point, tokens_per_expert=None):
     return tokens_per_expert
 
 
-def _define_missing_router_gemm() -> None:
+def define_missing_router_gemm() -> None:
+    """``moe_utils.te_general_gemm = None`` where megatron's TE import failed, on any device: the GPU path
+    without TE (megatron-core 0.16.1 moe_utils.py imports it inside ``try: import transformer_engine``;
+    RouterGatingLinearFunction.forward tests ``te_general_gemm is not None``, a NameError when undefined)."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, MOE_ROUTER_GEMM.attribute):  # nothing to replace: defined

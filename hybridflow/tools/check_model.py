@@ -1,19 +1,30 @@
 """``hybridflow check-model MODEL_DIR [--tp N --pp N --ep N --rollout-tp N]``: does this HF model convert?
 
-Builds the megatron model at the given layout from the folder (gloo processes on this machine), runs a few
+Builds the megatron model at the given layout from the folder (one process per rank), runs a few
 fixed prompts through it and through transformers, compares every decoder layer's output and the logits,
 pushes the weights through the hybrid transition into vLLM at the generation TP, and prints the largest
 logit difference, the greedy agreement between vLLM and transformers, and the transition's bytes per rank
 against the planner's formula. Exit status: 0 when every layer agrees within the dtype's tolerance, 1 on a
 mismatch (naming the first layer that differs, or that is not finite), 2 on an unsupported architecture
-or layout (one line). Greedy disagreement is reported, not fatal: near-ties flip greedy tokens legitimately,
-and vLLM-CPU's in-place reload of MoE experts is known to differ (tests/distributed/test_vllm_archs.py).
+or layout, an unreadable folder or weights (one line), or when the vLLM leg cannot run here (one line
+naming why, after the megatron verdict, which stands). Greedy disagreement is reported, not fatal:
+near-ties flip greedy tokens legitimately, and vLLM-CPU's in-place reload of MoE experts is known to differ
+(tests/distributed/test_vllm_archs.py).
+
+One node only: one process per rank, tp x pp x ep of them. On a GPU host each takes its own GPU (NCCL for
+CUDA tensors), so a layout needing more ranks than visible GPUs is refused in one line: check the largest
+that fits (e.g. Qwen3-30B-A3B on 8 GPUs: --tp 2 --ep 4 --rollout-tp 4; the conversion is the same
+per-tensor code at every layout). Without a GPU the ranks are CPU processes, any number.
 """
 
 from __future__ import annotations
 
 import argparse
+import builtins
+import contextlib
+import os
 import sys
+import warnings
 
 import torch
 
@@ -23,6 +34,78 @@ PROMPT_LEN, N_PROMPTS, NEW_TOKENS = 12, 3, 8
 REL_TOLERANCE = 1e-4
 
 
+# Third-party start-up noise that says nothing about the model: megatron-core warns once per module and
+# process that TE/Apex are absent (dozens of lines at TP 2), libraries' FutureWarnings. Filtered by message
+# prefix (-W syntax, inherited by the rank processes through PYTHONWARNINGS); everything else shows.
+QUIET_WARNINGS = (("Transformer Engine and Apex are not installed", "UserWarning"),
+                  ("Apex is not installed", "UserWarning"), ("full scope is deprecated", "UserWarning"),
+                  ("", "FutureWarning"))
+QUIET_LOGGERS = ("torch._library.triton",)  # "Triton not available" when vLLM-CPU is imported
+
+
+@contextlib.contextmanager
+def quiet_third_party():
+    """Inside: the warnings above hidden here and in processes started here, vLLM's logger and the loggers
+    above at ERROR, transformers' weight-loading progress bars off."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    saved = {k: os.environ.get(k) for k in ("PYTHONWARNINGS", "VLLM_LOGGING_LEVEL")}
+    levels = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+    bars = hf_logging.is_progress_bar_enabled()
+    ours = [f"ignore:{message}:{category}" for message, category in QUIET_WARNINGS]
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [saved["PYTHONWARNINGS"], *ours]))
+    if saved["VLLM_LOGGING_LEVEL"] is None:  # its WARNINGs here are engine start-up notes (a user's level stays)
+        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    for name in levels:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            for message, category in QUIET_WARNINGS:
+                warnings.filterwarnings("ignore", message=message, category=getattr(builtins, category))
+            yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def check_ranks_fit(tp: int, pp: int, ep: int, visible: int) -> int:
+    """The number of rank processes; on a GPU host (``visible`` > 0) one per GPU, all on this node."""
+    world = tp * pp * ep
+    if 0 < visible < world:
+        raise ValueError(f"--tp {tp} x --pp {pp} x --ep {ep} needs {world} processes, one per GPU, but this host "
+                         f"has {visible} visible GPUs; check-model runs on one node: check a layout of at most "
+                         f"{visible} ranks (the conversion is the same at every layout)")
+    return world
+
+
+def vllm_cannot_run(hf_config, on_gpu: bool) -> str | None:
+    """Why vLLM cannot run this model here, known before building it; None when nothing is known. vLLM-CPU's
+    attention kernels exist for a fixed set of head sizes (v1/attention/backends/cpu_attn.py
+    ``get_supported_head_sizes``) and fail at the first forward otherwise ("Unsupported CPU attention
+    configuration"). On GPU vLLM picks a backend by head size itself and refuses at start-up
+    (platforms/cuda.py: "No valid attention backend"), which the vLLM leg reports."""
+    if on_gpu:
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in sizes:
+        return (f"vLLM-CPU's attention runs head_dim {', '.join(map(str, sizes))}, and this model's head_dim is "
+                f"{head_dim}")
+    return None
+
+
 def _prompts(vocab_size: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     return torch.randint(3, min(vocab_size, 1000), (N_PROMPTS, PROMPT_LEN), generator=g)
@@ -30,16 +113,14 @@ def _prompts(vocab_size: int) -> torch.Tensor:
 
 def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm):
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
+    from hybridflow import device
     from hybridflow.megatron import parallel
     from hybridflow.megatron.role import MegatronRole
-    from hybridflow.resharding.plan import HybridPlan, Layout
-    from hybridflow.resharding.transition import Resharder, TransitionStats
-    from hybridflow.resharding.vllm_layout import to_checkpoint_names
     from hybridflow.workers.common import open_hf_folder
 
+    device.bind()  # this rank's GPU (LOCAL_RANK = rank) before NCCL meets it; the CPU without one
     parallel.init_model_parallel(tp, pp, seed=0, ep=ep, etp=1 if ep > 1 else None)
     cfg, weights = open_hf_folder(model_dir)
     role = MegatronRole(cfg, weights)
@@ -50,7 +131,7 @@ def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm):
     def keep(index):
         def hook(_module, _inputs, output):
             out = output[0] if isinstance(output, tuple) else output
-            hidden[index] = out.detach().transpose(0, 1).clone()  # [s, b, h] -> [b, s, h]
+            hidden[index] = out.detach().transpose(0, 1).to("cpu", torch.float32, copy=True)  # [b, s, h], host
         return hook
 
     first = role.shard.layer_range(cfg.num_hidden_layers).start
@@ -63,25 +144,54 @@ def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm):
         logits = outs[0]["logits"]
         if tp > 1:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        logits = logits.to("cpu", torch.float32)
     every = [None] * world
     dist.all_gather_object(every, {"hidden": hidden, "logits": logits})
     result = {"hidden": {k: v for r in every for k, v in r["hidden"].items()},
               "logits": next(r["logits"] for r in every if r["logits"] is not None)}
     if with_vllm:
-        from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
-
-        plan = HybridPlan(Layout(pp, tp, ps.get_data_parallel_world_size()), 1, rollout_tp)
-        me = plan.ranks[rank]
-        rollout = VLLMRollout(model_dir, max_model_len=PROMPT_LEN + NEW_TOKENS, tensor_parallel_size=rollout_tp,
-                              generation_groups=plan.replicas)
-        stats = TransitionStats("hybrid")
-        resharder = Resharder(module, cfg, plan, "hybrid")
-        rollout.update_weights(to_checkpoint_names(resharder.stream(stats), cfg, k=me.gen_tp_rank, t_g=rollout_tp,
-                                                   stats=stats))
-        result["greedy"] = rollout.generate(ids.tolist(), SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS))
-        result["bytes_received"] = stats.bytes_received
-        rollout.close()
+        try:
+            result.update(_vllm_leg(rank, module, cfg, model_dir, tp, pp, rollout_tp, ids))
+        except Exception as e:  # noqa: BLE001 - the megatron verdict above stands; main names this in one line
+            result["vllm_error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
     return result
+
+
+def _vllm_leg(rank, module, cfg, model_dir, tp, pp, rollout_tp, ids) -> dict:
+    """The transition into a vLLM engine at the generation TP, then greedy tokens, as a training step does
+    it: the engine sleeps after start-up on GPU (VLLMRollout), so its weights wake before the sync and its KV
+    cache before generating (workers/actor_rollout_ref.py does the same; a sleeping engine's weights take
+    nothing written into them, and a generate with its weights asleep never returns)."""
+    from megatron.core import parallel_state as ps
+
+    from hybridflow.resharding.plan import HybridPlan, Layout
+    from hybridflow.resharding.transition import Resharder, TransitionStats
+    from hybridflow.resharding.vllm_layout import to_checkpoint_names
+    from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
+
+    plan = HybridPlan(Layout(pp, tp, ps.get_data_parallel_world_size()), 1, rollout_tp)
+    me = plan.ranks[rank]
+    rollout = VLLMRollout(model_dir, max_model_len=PROMPT_LEN + NEW_TOKENS, tensor_parallel_size=rollout_tp,
+                          generation_groups=plan.replicas, enforce_eager=True)  # no CUDA graphs for 3 prompts
+    try:
+        resharder, stats = Resharder(module, cfg, plan, "hybrid"), TransitionStats("hybrid")
+
+        def weights():
+            return to_checkpoint_names(resharder.stream(stats), cfg, k=me.gen_tp_rank, t_g=rollout_tp, stats=stats)
+
+        greedy = sync_and_generate(rollout, weights, ids.tolist(),
+                                   SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS))
+        return {"greedy": greedy, "bytes_received": stats.bytes_received}
+    finally:
+        rollout.close()
+
+
+def sync_and_generate(rollout, weights, prompts: list[list[int]], sampling) -> list[list[int]]:
+    """Wake the weights, load ``weights()`` into them, wake the KV cache, generate (no-ops on CPU)."""
+    rollout.wake_up(["weights"])
+    rollout.update_weights(weights())
+    rollout.wake_up(["weights", "kv_cache"])
+    return rollout.generate(prompts, sampling)
 
 
 def _formula_bytes(state: dict, cfg, tp: int, pp: int, ep: int, rollout_tp: int) -> float:
@@ -102,25 +212,59 @@ def _formula_bytes(state: dict, cfg, tp: int, pp: int, ep: int, rollout_tp: int)
     return float(split * plan.hybrid_bytes_received() + replicated * (plan.pp_block - 1) / pp)
 
 
+def _read_folder(model_dir: str):
+    """The HF config, after the checks train's preflight makes of a model folder: config.json readable, the
+    architecture and RoPE supported, every safetensors file's header readable and its shapes config.json's
+    (a truncated or garbage file is one line naming it, trainer/preflight.py check_weight_shapes)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from hybridflow.config import ConfigError
+    from hybridflow.megatron.model import check_architecture, check_rope_supported
+    from hybridflow.trainer.preflight import check_weight_shapes
+
+    if not Path(model_dir).is_dir():
+        raise ValueError(f"not a model folder: {model_dir}")
+    try:
+        cfg = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {model_dir}/config.json ({str(e).splitlines()[0][:120]})") from None
+    check_architecture(cfg)
+    check_rope_supported(cfg)
+    if not list(Path(model_dir).glob("*.safetensors")):
+        raise ValueError(f"no *.safetensors weights in {model_dir}")
+    try:
+        check_weight_shapes(model_dir, cfg)
+    except ConfigError as e:
+        raise ValueError(str(e).removeprefix("model.path: ")) from None
+    return cfg
+
+
 def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int = 1, with_vllm: bool = True) -> dict:
-    """The comparison as numbers (``report`` prints it); raises ValueError (one line) on an unsupported setup."""
+    """The comparison as numbers (``report`` prints it); raises ValueError (one line) on an unsupported setup.
+    ``vllm_error`` in the result: why the vLLM leg did not run or failed (the megatron comparison stands)."""
     from transformers import AutoModelForCausalLM
 
-    from hybridflow.megatron.model import check_architecture, check_rope_supported
+    from hybridflow import device
     from hybridflow.resharding.vllm_layout import check_supported
     from hybridflow.spawn import run_ranks
     from hybridflow.workers.common import load_hf_folder
 
-    cfg, state = load_hf_folder(model_dir)
-    check_architecture(cfg)
-    check_rope_supported(cfg)
+    cfg = _read_folder(model_dir)
     check_supported(cfg, rollout_tp)
     for name, size, n in (("--tp", tp, cfg.num_attention_heads), ("--pp", pp, cfg.num_hidden_layers),
                           ("--ep", ep, getattr(cfg, "num_experts", None) or ep)):
         if size < 1 or n % size:
             raise ValueError(f"{name} {size} does not divide the model's {n}")
-    world = tp * pp * ep
-    results = run_ranks(_rank_fn, world, model_dir, tp, pp, ep, rollout_tp, with_vllm)
+    on_gpu = device.has_gpu()
+    world = check_ranks_fit(tp, pp, ep, device.accelerator_count())
+    if rollout_tp > world:
+        raise ValueError(f"--rollout-tp {rollout_tp} exceeds the {world} ranks of --tp x --pp x --ep")
+    cannot = vllm_cannot_run(cfg, on_gpu) if with_vllm else None
+    _, state = load_hf_folder(model_dir)
+    results = run_ranks(_rank_fn, world, model_dir, tp, pp, ep, rollout_tp, with_vllm and not cannot,
+                        backend="cpu:gloo,cuda:nccl" if on_gpu else "gloo")
     mine = results[0]
     ids = _prompts(cfg.vocab_size)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -137,7 +281,11 @@ def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int
                       if not finite or not diff <= REL_TOLERANCE * max(scale, 1.0)), None)
     report = {"layers": layers, "first_mismatch": first_bad, "max_logit_diff": layers[-1][1],
               "max_logit": layers[-1][2]}
-    if with_vllm:
+    failed = cannot or next((f"rank {r}: {res['vllm_error']}" for r, res in enumerate(results)
+                             if "vllm_error" in res), None)
+    if failed:
+        report["vllm_error"] = failed
+    elif with_vllm:
         with torch.no_grad():
             expected = [hf.generate(ids[i:i + 1], max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS,
                                     pad_token_id=0)[0, PROMPT_LEN:].tolist() for i in range(N_PROMPTS)]
@@ -158,7 +306,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-vllm", action="store_true", help="compare megatron with transformers only")
     args = parser.parse_args(argv)
     try:
-        report = check(args.model_dir, args.tp, args.pp, args.ep, args.rollout_tp, with_vllm=not args.no_vllm)
+        with quiet_third_party():
+            report = check(args.model_dir, args.tp, args.pp, args.ep, args.rollout_tp, with_vllm=not args.no_vllm)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"check-model: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -173,7 +322,11 @@ def main(argv=None) -> int:
     if report["first_mismatch"]:
         print(f"MISMATCH: first differing layer: {report['first_mismatch']}", file=sys.stderr)
         return 1
-    print("OK: the model converts at this layout")
+    print("OK: the model converts at this layout (megatron == HF)")
+    if "vllm_error" in report:  # megatron's verdict above stands; only the vLLM leg is unchecked
+        print(f"check-model: the vLLM leg cannot run here: {report['vllm_error']} (--no-vllm skips it)",
+              file=sys.stderr)
+        return 2
     return 0
 
 

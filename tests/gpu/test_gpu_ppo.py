@@ -8,7 +8,11 @@ nothing when d_g = 1); vLLM's greedy output on 8 validation prompts equals Huggi
 on the GPU, one prompt at a time) from the actor's exported weights; and the peak memory of every phase is
 printed (``-s``). At the end the actor's linear weights must have moved.
 
-Run: ``bash tests/gpu/run.sh`` (1-8 GPUs; cases needing more GPUs than visible are skipped).
+Other architectures (``test_architecture_steps_on_gpu``): dense Qwen3 (QK-norm) on one GPU, and Qwen3-MoE on two
+GPUs with expert parallelism 2, the actor's parameters offloaded between phases and token-budget micro-batches
+(the layout whose Resharder met offloaded experts; tiny models, conftest.build_gpu_tiny).
+
+Run: ``bash tests/gpu/run.sh`` (1-8 GPUs; cases needing more GPUs than are visible are skipped).
 """
 
 from __future__ import annotations
@@ -57,14 +61,19 @@ CASES.insert(2, pytest.param("single", "ppo", OFFLOAD, id="single-ppo-offload"))
 DYNAMIC_BSZ = ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096", "critic.ppo_max_token_len_per_gpu=4096"]
 CASES.append(pytest.param("single", "ppo", DYNAMIC_BSZ, id="single-ppo-dynamic_bsz"))
 CASES.append(pytest.param("actor_tp2", "grpo", DYNAMIC_BSZ, id="actor_tp2-grpo-dynamic_bsz"))
+ARCH_CASES = [  # (architecture, GPUs, overrides): GRPO with the KL loss, so the reference runs too
+    pytest.param("qwen3", 1, [], id="qwen3-single-grpo"),
+    pytest.param("qwen3_moe", 2, ["actor.megatron.expert_model_parallel_size=2", "actor.megatron.param_offload=true",
+                                  *DYNAMIC_BSZ], id="qwen3_moe-ep2-param_offload-dynamic_bsz-grpo"),
+]
 
 
-def gpu_config(assets, tmp_path, n_workers: int, *overrides):
+def gpu_config(assets, tmp_path, n_workers: int, *overrides, model_dir=None):
     from hybridflow.config import load_config
     from hybridflow.config.schema import ExperimentConfig
 
     return load_config(ExperimentConfig, [str(REPO / "configs" / "ppo_megatron.yaml")], [
-        f"model.path={assets.model_dir}", f"data.train_files=[{assets.train_file}]",
+        f"model.path={model_dir or assets.model_dir}", f"data.train_files=[{assets.train_file}]",
         f"data.val_files=[{assets.val_file}]", f"trainer.output_dir={tmp_path}/run", "trainer.save_hf_at_end=false",
         "prepare.enable=false", f"reward.name={SCORER}",
         "data.batch_size=8", "data.val_batch_size=8", "data.max_prompt_length=16", "data.max_response_length=8",
@@ -109,10 +118,29 @@ class HFReference:
         self.model = model.to(device="cuda", dtype=torch.bfloat16).eval()  # a no-op where both took effect
 
     def load(self, state: dict) -> None:
+        if any(".mlp.experts." in k for k in state):
+            return self._load_through_checkpoint(state)
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         allowed = {"lm_head.weight"} if self.tied else set()  # the tied head is the embedding itself
         assert not unexpected and set(missing) <= allowed, \
             f"export vs HF names: missing {missing}, unexpected {unexpected}"
+
+    def _load_through_checkpoint(self, state: dict) -> None:
+        """MoE: transformers 5 keeps each layer's experts fused (``mlp.experts.gate_up_proj``) and converts
+        the per-expert checkpoint names only in from_pretrained, so the state goes through a checkpoint."""
+        import tempfile
+
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM
+
+        config = self.model.config
+        with tempfile.TemporaryDirectory() as folder:
+            config.save_pretrained(folder)
+            save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, f"{folder}/model.safetensors",
+                      metadata={"format": "pt"})
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+        self.model = model.to("cuda").eval()
 
     def greedy(self, prompt: list[int], max_new_tokens: int):
         """(tokens, per-step logits) of HF's greedy continuation of one prompt (no padding involved)."""
@@ -166,25 +194,18 @@ def print_phases(label: str, metrics: dict, timings: dict) -> None:
 
 # --- the cases -------------------------------------------------------------------------------------
 
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize("layout,algorithm,extra", CASES)
-def test_ppo_steps_on_gpu(layout, algorithm, extra, gpu_assets, tmp_path):
-    n_gpus, layout_overrides = LAYOUTS[layout]
-    require_gpus(n_gpus)
+def run_checked_steps(cfg, label: str, model_dir, check_transition) -> None:
+    """STEPS steps of ``cfg``; after each: finite losses, a transition that ran (``check_transition(bytes
+    received per rank)`` judges its size), vLLM greedy == HF greedy from the actor's exported weights; at the
+    end, the actor's linear weights moved."""
     import torch
 
     from hybridflow.workers.common import load_hf_folder
     from tests.integration.conftest import run_steps
 
-    cfg = gpu_config(gpu_assets, tmp_path, n_gpus, *layout_overrides, *ALGORITHMS[algorithm], *extra)
-    label = f"{layout}-{algorithm}" + ("-offload" if extra else "")
-    mp = cfg.actor.megatron
-    t, p, t_g = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, cfg.rollout.tensor_model_parallel_size
-    d_g = t * p // t_g
-    expected_bytes = (d_g - 1) / (t * p) * gpu_assets.param_bytes  # per rank, the paper's formula
-    initial = load_hf_folder(str(gpu_assets.model_dir))[1]
+    initial = load_hf_folder(str(model_dir))[1]
     last: dict = {}
-    hf = HFReference(gpu_assets.model_dir)
+    hf = HFReference(model_dir)
 
     def check(trainer, step, metrics):
         timings = trainer.timer.pop()
@@ -195,14 +216,7 @@ def test_ppo_steps_on_gpu(layout, algorithm, extra, gpu_assets, tmp_path):
         for key in keys:
             assert key in metrics and math.isfinite(metrics[key]), (key, metrics.get(key))
         assert metrics["reshard/seconds"] > 0, "the update was not followed by a weight transition"
-        received = metrics["reshard/bytes_received"]
-        if d_g > 1:
-            assert received > 0, f"d_g = {d_g}: the transition received nothing"
-            ratio = received / expected_bytes
-            print(f"    received / ((d_g-1)/(t*p) * M) = {ratio:.3f}")
-            assert 0.9 <= ratio <= 1.1, f"received {received:.0f} B per rank, formula {expected_bytes:.0f} B"
-        else:
-            assert received == 0, f"d_g = 1: each rank holds its generation shard, yet {received:.0f} B arrived"
+        check_transition(metrics["reshard/bytes_received"])
 
         actor = trainer.actor_rollout
         probe = with_meta(trainer.val_data.batch(list(range(N_PROBE))), temperature=0.0)
@@ -230,6 +244,49 @@ def test_ppo_steps_on_gpu(layout, algorithm, extra, gpu_assets, tmp_path):
         linear = [k for k in initial if k.endswith("proj.weight")]
         unchanged = [k for k in linear if torch.equal(initial[k], last[k])]
         assert not unchanged, f"actor weights the updates did not move: {unchanged[:5]}"
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("layout,algorithm,extra", CASES)
+def test_ppo_steps_on_gpu(layout, algorithm, extra, gpu_assets, tmp_path):
+    n_gpus, layout_overrides = LAYOUTS[layout]
+    require_gpus(n_gpus)
+    cfg = gpu_config(gpu_assets, tmp_path, n_gpus, *layout_overrides, *ALGORITHMS[algorithm], *extra)
+    label = f"{layout}-{algorithm}" + ("-offload" if extra else "")
+    mp = cfg.actor.megatron
+    t, p, t_g = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size, cfg.rollout.tensor_model_parallel_size
+    d_g = t * p // t_g
+    expected_bytes = (d_g - 1) / (t * p) * gpu_assets.param_bytes  # per rank, the paper's formula
+
+    def check_transition(received):
+        if d_g > 1:
+            assert received > 0, f"d_g = {d_g}: the transition received nothing"
+            ratio = received / expected_bytes
+            print(f"    received / ((d_g-1)/(t*p) * M) = {ratio:.3f}")
+            assert 0.9 <= ratio <= 1.1, f"received {received:.0f} B per rank, formula {expected_bytes:.0f} B"
+        else:
+            assert received == 0, f"d_g = 1: each rank holds its generation shard, yet {received:.0f} B arrived"
+
+    run_checked_steps(cfg, label, gpu_assets.model_dir, check_transition)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("arch,n_gpus,extra", ARCH_CASES)
+def test_architecture_steps_on_gpu(arch, n_gpus, extra, gpu_assets, arch_models, tmp_path, request):
+    """Each would have caught a crash of the GPU path: a dense Qwen3 on megatron's local spec where TE is
+    absent, and EP 2 with param_offload (the Resharder built while the experts were offloaded)."""
+    require_gpus(n_gpus)
+    model_dir = arch_models(arch)
+    cfg = gpu_config(gpu_assets, tmp_path, n_gpus, *ALGORITHMS["grpo"], *extra, model_dir=model_dir)
+    ep = cfg.actor.megatron.expert_model_parallel_size
+
+    def check_transition(received):
+        if ep > 1:  # every vLLM engine (TP 1) holds every expert: the other rank's arrive by all-to-all
+            assert received > 0, f"EP {ep}: the experts of the other ranks never arrived"
+        else:
+            assert received == 0, f"one rank, TP 1 -> TP 1: nothing should move, yet {received:.0f} B arrived"
+
+    run_checked_steps(cfg, request.node.callspec.id, model_dir, check_transition)
 
 
 @pytest.mark.timeout(300)

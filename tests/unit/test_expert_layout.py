@@ -1,0 +1,47 @@
+"""MoE expert layouts that every worker would refuse only after loading the model are settled before start:
+expert TP defaults to 1 when EP > 1 (as verl's MoE examples set it), and an explicit expert TP the
+transition cannot reshard is one line on every device."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from hybridflow.config import ConfigError, load_config
+from hybridflow.config.schema import ExperimentConfig
+from hybridflow.trainer.preflight import check_expert_layout
+
+MOE = SimpleNamespace(num_experts=8, moe_intermediate_size=64)
+
+
+def _actor(*overrides):
+    cfg = load_config(ExperimentConfig, ["configs/quickstart_moe_cpu.yaml"],
+                      ["actor.megatron.tensor_model_parallel_size=2", *overrides])
+    return cfg.actor.megatron
+
+
+@pytest.fixture(params=[False, True], ids=["cpu", "gpu"])
+def on_gpu(request, monkeypatch):
+    from hybridflow import device
+
+    monkeypatch.setattr(device, "has_gpu", lambda: request.param)
+    return request.param
+
+
+def test_expert_tp_defaults_to_1_with_ep_above_1(on_gpu):
+    mp = _actor("actor.megatron.expert_model_parallel_size=2")
+    assert mp.expert_tensor_parallel_size == 1
+    check_expert_layout(mp, MOE, "actor.megatron", "m")  # passes: the layout the workers can run
+
+
+def test_without_ep_expert_tp_stays_megatrons_default():
+    mp = _actor("actor.megatron.expert_model_parallel_size=1")
+    assert mp.expert_tensor_parallel_size is None  # None: the TP size (megatron's default)
+
+
+def test_an_explicit_expert_tp_the_transition_cannot_move_is_one_line_on_every_device(on_gpu):
+    mp = _actor("actor.megatron.expert_model_parallel_size=2", "actor.megatron.expert_tensor_parallel_size=2",
+                "resources.n_workers=4")
+    with pytest.raises(ConfigError, match=r"^actor\.megatron\.expert_tensor_parallel_size \(2\) must be 1"):
+        check_expert_layout(mp, MOE, "actor.megatron", "m")
