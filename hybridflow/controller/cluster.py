@@ -136,7 +136,8 @@ def start_ray(address: str | None = None, num_cpus: int | None = None,
         if num_cpus is not None or temp_dir is not None:
             raise ValueError("num_cpus/temp_dir only apply to an embedded cluster (address=None); "
                              f"joining {address!r} uses that cluster's settings")
-        ctx = ray.init(address=address, **init_kwargs)
+        with ray_daemons.keep_sigterm_handler():
+            ctx = ray.init(address=address, **init_kwargs)
         return RayHandle(ctx.address_info.get("address", address), None, [], False)
 
     owns = temp_dir is None
@@ -153,7 +154,8 @@ def start_ray(address: str | None = None, num_cpus: int | None = None,
         # The workers' TMPDIR lies inside the cluster's temp dir (they inherit it from the raylet): what
         # they leave there (wandb's media folders from megatron's import, multiprocessing's pymp-*,
         # torchinductor_*; a worker stopped by ray.kill never cleans up) goes with the cluster.
-        with environ(TMPDIR=worker_tmp_dir(temp_dir)), ray_daemons.own_session():
+        with environ(TMPDIR=worker_tmp_dir(temp_dir)), ray_daemons.own_session(), \
+                ray_daemons.keep_sigterm_handler():
             # A GCS that does not answer for 5 s is gone (it runs on this machine: a signal to the whole
             # process group ended it): give up then, not after Ray's default 60 s of reconnecting.
             system_config = {"gcs_rpc_server_reconnect_timeout_s": 5, **init_kwargs.pop("_system_config", {})}

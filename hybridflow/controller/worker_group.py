@@ -7,13 +7,14 @@ parallel and collects the results (see decorator.DISPATCH_TABLE).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
 import time
 import uuid
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -29,6 +30,33 @@ from .worker import Worker
 # is put into the object store once instead of serialised once per rank.
 _INLINE_TYPES = (type(None), bool, int, float, str, Dispatch, ray.ObjectRef)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its tracebacks; logs want plain text
+# A blocking call waits in slices this long, asking ``_give_up`` between them: a driver asked to stop
+# (SIGTERM) does not stay in a call that may never end (an endless generation, a wedged rank).
+_WAIT_SLICE_S = 0.5
+_give_up: Callable[[], str | None] | None = None
+
+
+class WaitAbandoned(RuntimeError):
+    """A blocking call the driver stopped waiting for (``give_up_waiting_when``); its ranks may still run."""
+
+
+def give_up_reason() -> str | None:
+    """Why the driver stops waiting now (the installed check's answer), or None: for the driver's other
+    waits that may never end (a user reward function's call)."""
+    return _give_up() if _give_up is not None else None
+
+
+@contextlib.contextmanager
+def give_up_waiting_when(check: Callable[[], str | None]):
+    """While inside, every blocking worker-group call asks ``check()`` at least every 0.5 s and raises
+    ``WaitAbandoned`` with its answer once it is not None (e.g. "SIGTERM 10 s ago"). A signal handler
+    cannot do this itself: Ray turns an exception raised inside its blocking calls into its own exit."""
+    global _give_up
+    previous, _give_up = _give_up, check
+    try:
+        yield
+    finally:
+        _give_up = previous
 
 
 class WorkerGroupError(RuntimeError):
@@ -66,9 +94,13 @@ class DispatchFuture:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             # Wait for one at a time so the first failure surfaces at once,
             # even while other ranks block in a collective waiting for it.
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            wait_s = _WAIT_SLICE_S if left is None else min(_WAIT_SLICE_S, left)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
             if not ready:
-                raise self._wg._stuck(self._method, sorted(rank_of[r] for r in pending), timeout)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise self._wg._stuck(self._method, sorted(rank_of[r] for r in pending), timeout)
+                self._check_give_up()
+                continue
             more = []
             if pending:  # drain whatever else is already finished
                 more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
@@ -78,6 +110,12 @@ class DispatchFuture:
                 except ray.exceptions.RayError as e:
                     raise self._wg._error(self._method, rank_of[ref], e) from e
         return self._collect(self._plan, [results[r] for r in self._refs])
+
+    def _check_give_up(self) -> None:
+        reason = give_up_reason()
+        if reason is not None:
+            raise WaitAbandoned(f"stopped waiting for worker group {self._wg.name!r} "
+                                f"({self._wg.worker_cls.__name__}.{self._method}): {reason}")
 
 
 class RayWorkerGroup:

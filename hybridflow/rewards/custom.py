@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 _PATH_KEY = "custom_reward_function.path"
 _NAME_KEY = "custom_reward_function.name"
+_WAIT_SLICE_S = 0.5  # the driver asks between slices whether to stop waiting (a SIGTERM past its grace period)
 
 
 class CustomRewardFunction:
@@ -193,11 +194,12 @@ class CustomScorer:
             return None if self.timeout_s is None else max(0.0, current[1] + self.timeout_s - time.monotonic())
 
         threading.Thread(target=score_rows, name="custom reward function", daemon=True).start()
-        while not done.wait(time_left()):
+        while not done.wait(_WAIT_SLICE_S if time_left() is None else min(_WAIT_SLICE_S, time_left())):
             row, began = current
-            if time.monotonic() - began >= self.timeout_s:
+            if self.timeout_s is not None and time.monotonic() - began >= self.timeout_s:
                 raise RewardFunctionError(f"{_describe(self.fn)} did not return within custom_reward_function."
                                           f"timeout_s={self.timeout_s:g} s", row)
+            _give_up_if_asked(self.fn)
         if failure:
             raise RewardFunctionError(self._failure(failure[0]), row=len(scores))
         return scores, entries
@@ -209,6 +211,17 @@ class CustomScorer:
             return f"{_describe(self.fn)} called sys.exit({error.code!r})"
         detail = f": {_one_line(error)}" if str(error) else ""
         return f"{_describe(self.fn)} raised {type(error).__name__}{detail}"
+
+
+def _give_up_if_asked(fn: Callable) -> None:
+    """``WaitAbandoned`` when the driver stops waiting (controller.worker_group.give_up_waiting_when: the
+    trainer after SIGTERM's grace period); the call left running is a daemon thread."""
+    controller = sys.modules.get("hybridflow.controller.worker_group")
+    if controller is None:  # not imported, so no driver installed a check (a scorer used on its own)
+        return
+    reason = controller.give_up_reason()
+    if reason is not None:
+        raise controller.WaitAbandoned(f"stopped waiting for {_describe(fn)}: {reason}")
 
 
 def adapt_to_scorer(fn: Callable, data_source: str = "custom", timeout_s: float | None = None,

@@ -69,6 +69,20 @@ def check_destination(out_dir: str, force: bool) -> None:
                       "pass --force to replace it")
 
 
+def check_writable(out_dir: str) -> None:
+    """ConfigError, before the checkpoint is loaded, when ``out_dir``'s folder cannot be made or written (a
+    read-only disk, no permission, /proc): tried by making and removing a scratch folder there, as the
+    export's own temporary folder will be (workers/export.py save_hf_folder). Missing parents are made."""
+    import tempfile
+
+    parent = Path(out_dir).resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".hybridflow_export_check_", dir=parent))
+    except OSError as e:
+        raise ConfigError(f"--out {out_dir}: cannot write in {parent} ({e.strerror or type(e).__name__})") from None
+
+
 def export(ckpt: Path, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
@@ -109,6 +123,7 @@ def main(argv=None) -> int:
     try:
         ckpt = resolve(args.checkpoint)
         check_destination(args.out, args.force)
+        check_writable(args.out)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

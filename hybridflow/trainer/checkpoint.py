@@ -33,6 +33,14 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 DATA_BATCHES = "data_batches"  # the state's count of prompt batches the run had taken from its data stream
 
 
+class CheckpointWriteError(OSError):
+    """The driver could not write a checkpoint (a full disk, a quota, a read-only folder); one line naming
+    the checkpoint, the file and why. The half-written folder is removed; the previous checkpoint stays."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
 def root(output_dir: str) -> Path:
     return Path(output_dir) / "checkpoints"
 
@@ -166,18 +174,25 @@ def save(output_dir: str, step: int, write_parts: Callable[[Path], None], state:
     all). Higher steps, left by the run this one resumed from an earlier checkpoint, are replaced as the
     run reaches them, never counted as the newest."""
     base = root(output_dir)
-    base.mkdir(parents=True, exist_ok=True)
-    for stale in base.glob(".tmp_step_*"):  # left by a run killed while saving
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = base / f".tmp_step_{step}"
-    tmp.mkdir()
-    write_parts(tmp)
-    write_atomically(tmp / STATE_FILE, json.dumps({**state, "step": step}, indent=1))
-    final = base / f"step_{step}"
-    if final.exists():  # the same step saved again (e.g. resumed and preempted at once): newest wins
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    write_atomically(base / LATEST, final.name + "\n")
+    tmp, final = base / f".tmp_step_{step}", base / f"step_{step}"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        for stale in base.glob(".tmp_step_*"):  # left by a run killed while saving
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+        write_parts(tmp)
+        write_atomically(tmp / STATE_FILE, json.dumps({**state, "step": step}, indent=1))
+        if final.exists():  # the same step saved again (e.g. resumed and preempted at once): newest wins
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_atomically(base / LATEST, final.name + "\n")
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # frees what the failed save took (a full disk)
+        if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError):
+            where = f" ({e.filename})" if e.filename else ""
+            raise CheckpointWriteError(e.errno, f"checkpoint {final} could not be written{where}: "
+                                                f"{e.strerror or e}") from e
+        raise
     if keep:
         for old in [p for p in complete_checkpoints(output_dir) if _step(p) <= step][:-keep]:
             shutil.rmtree(old, ignore_errors=True)

@@ -15,6 +15,7 @@ over generated groups, all generation batches of the step) and ``dynamic_samplin
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -26,6 +27,15 @@ from hybridflow.protocol import Batch
 # reward managers' reward_extra_info entries that hold the scorer's own value ("acc" for a float, "score").
 _SEQ_REWARD = ("reward", "seq_reward", "seq_final_reward")
 _SCORE = ("score", "acc")
+# Per-row columns every scored batch may hold besides a reward function's returned entries (ppo.py: the
+# scorer's value, the rule score beside a reward model's, DAPO's overlong penalty with overlong_buffer.log).
+_COLUMNS = ("scores", "rule_scores", "overlong_reward")
+log = logging.getLogger(__name__)
+
+
+class DynamicSamplingError(RuntimeError):
+    """Dynamic sampling cannot fill the step's batch (``max_num_gen_batches`` reached) or cannot read its
+    metric; one line naming the key to change."""
 
 
 def group_metric(batch: Batch, metric: str) -> np.ndarray:
@@ -41,8 +51,9 @@ def group_metric(batch: Batch, metric: str) -> np.ndarray:
     elif metric in _SCORE:
         value = batch.tensors["scores"]
     else:
-        raise ValueError(f"algorithm.filter_groups.metric {metric!r}: not a batch column ({sorted(columns)}) nor "
-                         f"one of {list(_SEQ_REWARD + _SCORE)}")
+        raise DynamicSamplingError(f"algorithm.filter_groups.metric {metric!r}: the reward function returned no such "
+                                   f"entry and it is not one of {list(_SEQ_REWARD + _SCORE)}; name one of those or "
+                                   "a key of the reward function's returned dict")
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().double().numpy()
     return np.asarray(value, dtype=np.float64)
@@ -73,13 +84,19 @@ def fill_batch(first: Batch, more: Iterator[Batch] | None, generate: Callable[[B
         if n_kept >= batch_size:
             break
         if 0 < max_num_gen_batches <= gen:
-            raise RuntimeError(f"dynamic sampling: {n_kept} of data.batch_size={batch_size} prompt groups have a "
-                               f"non-constant {metric!r} after {gen} generation batches "
-                               f"(algorithm.filter_groups.max_num_gen_batches={max_num_gen_batches}): the data may be "
-                               "too hard or too easy; raise max_num_gen_batches or set it to 0 (no limit)")
+            raise DynamicSamplingError(
+                f"dynamic sampling: {n_kept} of data.batch_size={batch_size} prompt groups have a non-constant "
+                f"{metric!r} after {gen} generation batches (algorithm.filter_groups.max_num_gen_batches="
+                f"{max_num_gen_batches}): the data may be too hard or too easy for the model; raise "
+                "algorithm.filter_groups.max_num_gen_batches, set it to 0 (no limit) or change the data or reward")
         if more is None:
             raise RuntimeError("dynamic sampling needs further prompt batches, but the caller passed none "
                                "(PPODriver.step's more_prompts)")
+        # one line per further batch: without a limit an all-alike reward regenerates for ever, visibly
+        limit = f"of at most {max_num_gen_batches} " if max_num_gen_batches > 0 else ""
+        unbounded = "" if limit else " (algorithm.filter_groups.max_num_gen_batches=0: no limit)"
+        log.warning("dynamic sampling: %d of %d prompt groups kept after %d %sgeneration batches%s; generating "
+                    "another", n_kept, batch_size, gen, limit, unbounded)
         prompts = next(more)
     out = Batch.concat(kept_parts)[: batch_size * n]  # whole groups: a group's n rows are consecutive
     metrics = {"train/num_gen_batches": gen, "dynamic_sampling/kept_group_fraction": n_kept / n_groups,
@@ -87,10 +104,18 @@ def fill_batch(first: Batch, more: Iterator[Batch] | None, generate: Callable[[B
     return out, metrics
 
 
-def check_config(fg, algorithm) -> None:
+def check_config(fg, algorithm, custom_reward_path: str | None = None) -> None:
     """``seq_final_reward`` is the reward after the KL penalty, which does not exist yet when groups are
-    filtered here (before the old and reference log-probs): refused with KL in the reward. Run by
-    ``ExperimentConfig.validate``, before any worker starts."""
-    if fg.enable and fg.metric == "seq_final_reward" and algorithm.use_kl_in_reward:
+    filtered here (before the old and reference log-probs): refused with KL in the reward. Without a custom
+    reward function (``custom_reward_path``) no scorer returns entries of its own, so the metric must be one
+    of verl's names or a scored batch's column. Run by ``ExperimentConfig.validate``, before any worker
+    starts."""
+    if not fg.enable:
+        return
+    if fg.metric == "seq_final_reward" and algorithm.use_kl_in_reward:
         raise ValueError("algorithm.filter_groups.metric 'seq_final_reward' with algorithm.use_kl_in_reward: groups "
                          "are filtered before the KL penalty is known; use 'seq_reward'")
+    known = _SEQ_REWARD + _SCORE + _COLUMNS
+    if custom_reward_path is None and fg.metric not in known:
+        raise ValueError(f"algorithm.filter_groups.metric {fg.metric!r} is not a reward column: use one of "
+                         f"{', '.join(known)} (a key a custom_reward_function returns in its dict works too)")

@@ -92,13 +92,16 @@ class Trainer:
             if e.code == signal.SIGTERM:
                 raise Preempted(signal.SIGTERM, self.step_count, self.last_checkpoint) from None
             raise
-        self.stops.install()  # ray.init replaced our SIGTERM handler
+        self.stops.install()  # in case ray.init replaced our SIGTERM handler (start_ray keeps it)
         try:
+            if self.stops.requested:  # while Ray started: stop before the workers are built
+                raise Preempted(self.stops.signum, self.step_count, self.last_checkpoint)
             with self._failures_named():  # a worker that dies while starting is named too
                 self._workers = build_worker_groups(cfg)
                 self.ppo = PPODriver(cfg, self.tokenizer, self._workers)
             self._record_placement()
-            state = self._resume() if self.resume_from is not None else None
+            with self._failures_named():  # a SIGTERM while loading gives up too
+                state = self._resume() if self.resume_from is not None else None
             self.tracker = Tracker(cfg.trainer, config_to_dict(cfg), resume_step=state and state["step"])
             self._data = data_stream(self.ppo.train_data, cfg, self._resume_state)
             if state is None and cfg.trainer.val_before_train:
@@ -122,7 +125,10 @@ class Trainer:
     def close(self) -> None:
         """Stop the workers and the Ray cluster this trainer started; nothing it started keeps running."""
         if self.tracker is not None:
-            self.tracker.close()
+            try:
+                self.tracker.close()
+            except OSError as e:  # e.g. a full disk: the run's own error is what the user needs to see
+                log.warning("could not close the trackers: %s", e)
         if self._workers is not None:
             self._workers.shutdown()
         if self._ray is not None:
@@ -207,7 +213,9 @@ class Trainer:
     def validate(self) -> dict:
         """Greedy accuracy on the validation prompts (logging ``trainer.val_samples`` examples)."""
         self.start()
-        metrics, samples = self.ppo.validate(self.cfg.trainer.val_samples)
+        when = f"after step {self.step_count}" if self.step_count else "before training"
+        with self._failures_named(f"validation {when}: "):
+            metrics, samples = self.ppo.validate(self.cfg.trainer.val_samples)
         self.tracker.log_samples(self.step_count, samples)
         return metrics
 
@@ -260,23 +268,35 @@ class Trainer:
     # --- failures ----------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _failures_named(self):
+    def _failures_named(self, where: str = ""):
         """A worker group failure becomes a ``RunFailed`` naming the role, rank, node and last checkpoint; so
-        does a user reward function that fails on a row. After SIGTERM/SIGUSR1 a worker failure is the same
-        signal having reached the workers (sent to the whole process group): ``Preempted``, at once."""
-        from hybridflow.controller.worker_group import WorkerGroupError
+        do a user reward function that fails on a row (``where``: e.g. "validation before training: "), dynamic
+        sampling that cannot fill its batch and a checkpoint that cannot be written. After SIGTERM/SIGUSR1 a
+        worker failure is the same signal having reached the workers (sent to the whole process group):
+        ``Preempted``, at once; so is a step still running ``signals.STOP_GRACE_S`` after SIGTERM (every wait
+        on the workers gives up then)."""
+        from hybridflow.controller.worker_group import WaitAbandoned, WorkerGroupError, give_up_waiting_when
         from hybridflow.rewards.custom import RewardFunctionError
+        from hybridflow.trainer.dynamic_sampling import DynamicSamplingError
 
         self.timer.failed_in = None
         try:
-            yield
+            with give_up_waiting_when(self.stops.give_up_reason):
+                yield
+        except WaitAbandoned:
+            raise Preempted(self.stops.signum, self.step_count, self.last_checkpoint,
+                            abandoned=self.stops.give_up_reason() or "") from None
         except WorkerGroupError as error:
             if self.stops.requested:  # the signal reached the workers too (e.g. the whole process group)
                 raise Preempted(self.stops.signum, self.step_count, self.last_checkpoint) from error
             stage = f"stage {self.timer.failed_in}: " if self.timer.failed_in else ""
-            raise RunFailed(f"{stage}{error.summary}; last good checkpoint: {self.last_checkpoint or 'none'}") from error
-        except RewardFunctionError as error:
-            raise RunFailed(f"{error}; last good checkpoint: {self.last_checkpoint or 'none'}") from error
+            raise RunFailed(f"{stage}{error.summary}; {self._last_good}") from error
+        except (RewardFunctionError, DynamicSamplingError, checkpoint.CheckpointWriteError) as error:
+            raise RunFailed(f"{where}{error}; {self._last_good}") from error
+
+    @property
+    def _last_good(self) -> str:
+        return f"last good checkpoint: {self.last_checkpoint or 'none'}"
 
 
 class DataStream:

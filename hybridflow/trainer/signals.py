@@ -1,21 +1,30 @@
 """Preemption: SIGTERM or SIGUSR1 (Slurm's preemption and ``--signal`` time limit warnings) ask the run to
 stop at the end of the current step, checkpoint, and exit with ``EXIT_PREEMPTED``; a second signal stops
-at once. SIGINT (Ctrl-C) stops at once (exit 130), without a checkpoint."""
+at once. SIGINT (Ctrl-C) stops at once (exit 130), without a checkpoint.
+
+SIGTERM is followed by SIGKILL after a grace period (Slurm's KillWait: 30 s by default; `timeout -k`), so a
+step still running ``STOP_GRACE_S`` after it is abandoned (``give_up_reason``): the run exits 75 naming
+the last checkpoint, and the rerun redoes that step. SIGUSR1 comes with the lead time the user chose
+(``--signal=USR1@<s>``): the step and its checkpoint finish."""
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 
 # sysexits' EX_TEMPFAIL ("try again later"): the Slurm launcher requeues the job on this status.
 EXIT_PREEMPTED = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Seconds a step may go on after SIGTERM; with the shutdown that follows, the run ends well within 30 s.
+STOP_GRACE_S = 10.0
 
 
 class Preempted(Exception):
-    def __init__(self, signum: int, step: int, checkpoint):
+    def __init__(self, signum: int, step: int, checkpoint, abandoned: str = ""):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint {checkpoint}; "
+        cut = f" ({abandoned})" if abandoned else ""
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}{cut}; checkpoint {checkpoint}; "
                          f"rerun the same command to resume (trainer.resume_mode=auto)")
 
 
@@ -24,6 +33,7 @@ class StopRequests:
 
     def __init__(self):
         self.signum: int | None = None
+        self.at: float | None = None  # time.monotonic() of the first request
 
     def install(self) -> None:
         """(Re)install the handlers: ``ray.init`` replaces the SIGTERM handler with its own (sys.exit)."""
@@ -39,9 +49,15 @@ class StopRequests:
     def _handle(self, signum, _frame) -> None:
         if self.signum is not None:
             raise SystemExit(128 + signum)  # asked twice: do not wait for the step to end
-        self.signum = signum
+        self.signum, self.at = signum, time.monotonic()
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
+
+    def give_up_reason(self) -> str | None:
+        """Why the driver stops waiting for the step in progress: SIGTERM came over ``STOP_GRACE_S`` ago."""
+        if self.signum != signal.SIGTERM or time.monotonic() - self.at < STOP_GRACE_S:
+            return None
+        return f"the step in progress did not end within {STOP_GRACE_S:g} s of SIGTERM and was abandoned"
 

@@ -307,3 +307,52 @@ def test_pool_shortage_error_is_clear(ray_cluster):
     with pytest.raises(ResourcePoolError, match=r"asked 4 CPUs / 0 GPUs, cluster has .*/2 CPUs"):
         pool.placement_group
     pool.remove()
+
+
+def test_a_call_is_given_up_once_the_driver_is_asked_to_stop(ray_cluster):
+    """A call that would not end (an endless generation) is given up within a wait slice of the driver's
+    check saying so (the trainer's: SIGTERM past its grace period), naming the group and method; the worker
+    is left running for the caller to stop."""
+    from hybridflow.controller.worker_group import WaitAbandoned, give_up_waiting_when
+
+    pool = ResourcePool("endless", world_size=1, cpus_per_bundle=0.25)
+    wg = RayWorkerGroup(pool, DPWorker, name_prefix="endless")
+    try:
+        _first_answer(wg.pid)  # the worker's start-up is not what this test times
+        asked = time.monotonic() + 1.0
+        with give_up_waiting_when(lambda: "asked to stop" if time.monotonic() > asked else None):
+            with pytest.raises(WaitAbandoned, match=r"^stopped waiting for worker group 'endless' \(DPWorker.slow\): "
+                                                    r"asked to stop$"):
+                wg.slow(600).get()
+        assert time.monotonic() - asked < 5
+    finally:
+        wg.shutdown()
+        pool.remove()
+
+
+SIGTERM_AS_RAY_STARTS = """
+import os, signal
+import ray._private.worker as ray_worker
+from hybridflow.controller import start_ray
+from hybridflow.trainer.signals import StopRequests
+
+stops = StopRequests()
+stops.install()
+ray_worker._post_init_hooks.append(lambda: os.kill(os.getpid(), signal.SIGTERM))  # inside ray.init, at its end
+handle = start_ray(num_cpus=1)
+print("recorded", stops.signum, flush=True)
+handle.shutdown()
+"""
+
+
+def test_sigterm_while_ray_starts_is_recorded_by_the_callers_handler(tmp_path):
+    """SIGTERM inside ray.init (the trainer's start): the caller's handler records it (the trainer then exits
+    75, preempted) instead of Ray's SystemExit in the middle of its connect, which aborted the process (-6)."""
+    import signal
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", SIGTERM_AS_RAY_STARTS], capture_output=True, text=True, timeout=300,
+                          cwd=os.getcwd(), env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert done.stdout.splitlines() == [f"recorded {int(signal.SIGTERM)}"], done.stdout
+    assert "SIGTERM received" not in done.stderr, done.stderr[-3000:]  # Abseil's failure handler took no part

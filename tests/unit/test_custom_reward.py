@@ -231,6 +231,21 @@ def test_a_call_that_never_returns_ends_within_the_timeout(tmp_path):
     assert stuck and all(t.daemon for t in stuck), "the abandoned call must not keep the process alive"
 
 
+def test_a_driver_asked_to_stop_stops_waiting_for_a_call_that_never_returns():
+    """After SIGTERM's grace period the trainer stops waiting (controller.worker_group.give_up_waiting_when),
+    for a reward call too: within a wait slice, well before custom_reward_function.timeout_s."""
+    from hybridflow.controller.worker_group import WaitAbandoned, give_up_waiting_when
+
+    def stuck(data_source, solution_str, ground_truth, extra_info=None):
+        time.sleep(1e9)
+
+    asked = time.monotonic() + 0.5
+    with give_up_waiting_when(lambda: "asked to stop" if time.monotonic() > asked else None):
+        with pytest.raises(WaitAbandoned, match=r"^stopped waiting for reward function '.*stuck': asked to stop$"):
+            adapt_to_scorer(stuck, timeout_s=10).score_all(["x"], ["y"])
+    assert time.monotonic() - asked < 3
+
+
 def test_the_timeout_is_per_call_not_per_batch():
     def slow(data_source, solution_str, ground_truth, extra_info=None):
         time.sleep(0.02)

@@ -201,6 +201,17 @@ def test_export_of_garbage_found_only_when_loading_is_one_line(run_copy, tmp_pat
     assert not (tmp_path / "hf_out").exists()
 
 
+@pytest.mark.parametrize("out, where", [("/proc/x", "/proc"), ("/proc/x/hf", "/proc/x")])
+def test_export_where_nothing_can_be_written_is_one_line_before_loading(out, where, run_copy, capsys):
+    """--out in a folder that cannot be made or written (here /proc) is refused before the checkpoint is
+    loaded, naming the folder (it was a FileNotFoundError traceback after the load)."""
+    from hybridflow.tools.export import main
+
+    assert main(["--checkpoint", str(run_copy), "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --out {out}: cannot write in {where} (No such file or directory)\n", err
+
+
 def test_save_hf_folder_never_replaces_a_run_folder_and_replaces_a_file(run_copy, tmp_path):
     from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.models.tiny_qwen2 import build_tiny_qwen2

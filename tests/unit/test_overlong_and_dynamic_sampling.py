@@ -10,7 +10,7 @@ import torch
 
 from hybridflow.protocol import Batch
 from hybridflow.rewards.overlong import overlong_penalty
-from hybridflow.trainer.dynamic_sampling import fill_batch, informative_groups
+from hybridflow.trainer.dynamic_sampling import DynamicSamplingError, fill_batch, informative_groups
 from hybridflow.trainer.experience import as_group_ids
 
 
@@ -74,9 +74,41 @@ def test_surplus_groups_are_cut_and_max_num_gen_batches_is_an_error():
     stream = prompt_batches()
     out, metrics = fill_batch(next(stream), stream, scored, n=N, batch_size=2, metric="acc", max_num_gen_batches=1)
     assert len(out) == 2 * N and metrics["train/num_gen_batches"] == 1  # 3 kept, 2 used
-    with pytest.raises(RuntimeError, match="after 1 generation batches"):
+    with pytest.raises(DynamicSamplingError) as e:  # the Trainer's one-line error (session._failures_named)
         stream = prompt_batches()
         fill_batch(next(stream), stream, scored, n=N, batch_size=BATCH, metric="reward", max_num_gen_batches=1)
+    assert str(e.value).startswith("dynamic sampling: 3 of data.batch_size=6 prompt groups have a non-constant "
+                                   "'reward' after 1 generation batches (algorithm.filter_groups.max_num_gen_batches=1)")
+    assert "raise algorithm.filter_groups.max_num_gen_batches, set it to 0 (no limit)" in str(e.value)
+
+
+def always_alike(prompts: Batch, gen: int) -> Batch:
+    """Every response of every prompt scores 0 (a reward that never pays): no group is ever kept."""
+    prompts.non_tensors["uid"] = as_group_ids(len(prompts), 1, f"1.{gen}")
+    rows = prompts.repeat(N, interleave=True)
+    return Batch(tensors={**rows.tensors, "scores": torch.zeros(len(rows)),
+                          "token_level_scores": torch.zeros(len(rows), 3)}, non_tensors=rows.non_tensors)
+
+
+@pytest.mark.parametrize("limit", [0, 5])
+def test_each_further_generation_batch_says_how_far_the_step_is(limit, caplog):
+    """A reward that never varies regenerates batch after batch (for ever with max_num_gen_batches=0): each
+    further batch is one line saying how many groups are kept of how many needed."""
+    stream, calls = prompt_batches(), []
+
+    def counted(prompts, gen):
+        calls.append(gen)
+        if len(calls) > 3:
+            raise KeyboardInterrupt  # stands in for the user stopping an endless step
+        return always_alike(prompts, gen)
+
+    with caplog.at_level("WARNING", logger="hybridflow.trainer.dynamic_sampling"), pytest.raises(KeyboardInterrupt):
+        fill_batch(next(stream), stream, counted, n=N, batch_size=BATCH, metric="reward", max_num_gen_batches=limit)
+    lines = [r.getMessage() for r in caplog.records]
+    bound = "of at most 5 " if limit else ""
+    unbounded = "" if limit else " (algorithm.filter_groups.max_num_gen_batches=0: no limit)"
+    assert lines == [f"dynamic sampling: 0 of 6 prompt groups kept after {k} {bound}generation batches{unbounded}; "
+                     "generating another" for k in (1, 2, 3)], lines
 
 
 def test_metric_column_and_single_response_groups():
@@ -88,7 +120,8 @@ def test_metric_column_and_single_response_groups():
     assert rows.tolist() == [2] and (kept, groups) == (1, 2)  # a single-response group is kept (verl's rule)
     rows, _, _ = informative_groups(b, "format_ok")  # a reward function's returned entry
     assert rows.tolist() == [0, 1, 2]
-    with pytest.raises(ValueError, match="not a batch column"):
+    with pytest.raises(DynamicSamplingError, match="algorithm.filter_groups.metric 'bogus': the reward function "
+                                                   "returned no such entry"):
         informative_groups(b, "bogus")
 
 
@@ -118,6 +151,9 @@ def test_reward_function_entries_become_columns_for_filtering(tmp_path):
      r"reward.overlong_buffer.len \(300\) must be <= data.max_response_length \(256\)"),
     (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward",
       "algorithm.use_kl_in_reward=true"], "algorithm.filter_groups.metric 'seq_final_reward'"),
+    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acuracy"],
+     r"algorithm.filter_groups.metric 'acuracy' is not a reward column: use one of reward, seq_reward, "
+     r"seq_final_reward, score, acc, scores, rule_scores, overlong_reward \(a key a custom_reward_function returns"),
 ])
 def test_config_errors_come_from_loading_the_config(overrides, message):
     """Raised by ExperimentConfig.validate, before any worker starts, on one line."""
@@ -127,6 +163,21 @@ def test_config_errors_come_from_loading_the_config(overrides, message):
     with pytest.raises(ConfigError, match=message) as e:
         load_config(ExperimentConfig, [{}], ["data.batch_size=16", "actor.ppo_mini_batch_size=16", *overrides])
     assert "\n" not in str(e.value)
+
+
+def test_a_custom_reward_functions_keys_are_accepted_as_the_metric(tmp_path):
+    """With a custom reward function any key it may return is a metric (checked when a batch is scored)."""
+    from hybridflow.config import load_config
+    from hybridflow.config.schema import ExperimentConfig
+
+    fn = tmp_path / "my_reward.py"
+    fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                  "    return {'score': 1.0, 'format_ok': 1.0}\n")
+    cfg = load_config(ExperimentConfig, [{}], ["data.batch_size=16", "actor.ppo_mini_batch_size=16",
+                                               "algorithm.filter_groups.enable=true",
+                                               "algorithm.filter_groups.metric=format_ok",
+                                               f"custom_reward_function.path={fn}"])
+    assert cfg.algorithm.filter_groups.metric == "format_ok"
 
 
 def test_resume_skips_the_batches_dynamic_sampling_consumed(tmp_path):

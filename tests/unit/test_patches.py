@@ -29,7 +29,8 @@ EXPECTED = {
     "megatron.cpu_moe_dispatch_stream", "megatron.moe_router_gemm_without_te",
     "vllm.init_model_parallel_group", "vllm.cpu_shm_group_name", "vllm.cpu_worker_set_num_threads",
     "vllm.cpu_eager_vocab_mask", "vllm.cpu_moe_repack_after_reload",
-    "transformers.rope_init_functions", "ray.daemons_in_own_session",
+    "transformers.rope_init_functions", "ray.daemons_in_own_session", "ray.keep_callers_sigterm_handler",
+    "ray.driver_without_failure_signal_handler",
 }
 
 
@@ -144,3 +145,41 @@ def test_eager_vocab_mask_replaces_the_compiled_one():
         inside = (ids >= start) & (ids < end)
         assert torch.equal(masked, ~inside)
         assert torch.equal(local, torch.where(inside, ids - start, 0))
+
+
+def _pretend_gpu(monkeypatch):
+    from hybridflow import device
+
+    monkeypatch.setattr(device, "has_gpu", lambda: True)
+
+
+def test_moe_router_gemm_is_defined_without_te_on_a_gpu_too(monkeypatch):
+    """A GPU without Transformer Engine builds MoE layers on megatron's local spec, whose router reads
+    ``moe_utils.te_general_gemm`` (undefined there): the MoE layer spec defines it whatever the device."""
+    import torch
+    from types import SimpleNamespace
+    from megatron.core.transformer.moe import moe_utils
+
+    from hybridflow.megatron.model import layer_spec
+
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
+    _pretend_gpu(monkeypatch)
+    layer_spec(SimpleNamespace(num_moe_experts=4, qk_layernorm=False, sequence_parallel=False))
+    assert moe_utils.te_general_gemm is None
+    g = torch.Generator().manual_seed(0)
+    inp, weight = torch.randn(3, 8, generator=g), torch.randn(4, 8, generator=g)
+    out = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    torch.testing.assert_close(out, inp @ weight.t())
+
+
+def test_te_available_needs_te_torch_bindings_not_just_the_package(monkeypatch):
+    """``import transformer_engine`` succeeds without its torch extension (its __init__ swallows the
+    ImportError of transformer_engine.pytorch): a bare package is not Transformer Engine."""
+    import types
+
+    from hybridflow.megatron.model import te_available
+
+    _pretend_gpu(monkeypatch)
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    monkeypatch.delitem(sys.modules, "transformer_engine.pytorch", raising=False)
+    assert te_available() is False

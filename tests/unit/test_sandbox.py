@@ -110,10 +110,12 @@ def test_a_fork_bomb_fails_inside_and_nothing_outlives_the_call(spawn):
     assert res.exit_code == 0 and res.stdout.startswith("stopped after ") and "BlockingIOError" in res.stdout, res
     assert int(res.stdout.split()[2]) < 8
     assert _processes_with(marker) == []
-    # every process forking, until the limit stops them all
+    # every process forking, until the limit stops them all (under load the first process may meet the limit
+    # itself and end with fork's BlockingIOError before the supervisor kills the tree)
     bomb = _tool(max_processes=8, timeout_s=3).call({"code": "import os\nwhile True: os.fork()"})
-    assert bomb.error in ("killed", "timeout") and ("process limit (8) reached" in bomb.text
-                                                    or "timed out" in bomb.text), bomb
+    assert (bomb.error in ("killed", "timeout") and ("process limit (8) reached" in bomb.text
+                                                     or "timed out" in bomb.text)
+            or bomb.error == "exception" and "BlockingIOError" in bomb.text), bomb
 
 
 @needs_isolation
