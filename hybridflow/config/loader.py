@@ -61,6 +61,8 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _n
 
 def _merge(dst: dict, src: dict) -> None:
     for k, v in src.items():
+        if v is None and isinstance(dst.get(k), dict):
+            continue  # an empty section (`trainer:` with nothing under it) overrides nothing
         if isinstance(v, dict) and isinstance(dst.get(k), dict):
             _merge(dst[k], v)
         else:
@@ -68,11 +70,16 @@ def _merge(dst: dict, src: dict) -> None:
             dst[k] = copy.deepcopy(v)
 
 
-def _record(origin: dict[Key, str], data: dict, prefix: Key, source: str) -> None:
+def _record(origin: dict[Key, str], data: dict, prefix: Key, source: str, merged: dict | None = None) -> None:
+    """Mark every key of ``data`` as set by ``source``; an empty section over a section of ``merged`` sets
+    nothing (``_merge`` kept the base's), so its keys keep their sources."""
     for k, v in data.items():
+        if v is None and merged is not None and isinstance(merged.get(k), dict):
+            continue
         origin[prefix + (str(k),)] = source
         if isinstance(v, dict):
-            _record(origin, v, prefix + (str(k),), source)
+            below = merged.get(k) if merged is not None else None
+            _record(origin, v, prefix + (str(k),), source, below if isinstance(below, dict) else None)
 
 
 def _read_file(path: str, chain: list[str], origin: dict[Key, str]) -> dict:
@@ -111,8 +118,8 @@ def _read_file(path: str, chain: list[str], origin: dict[Key, str]) -> dict:
     for base in bases:  # base paths are relative to the file naming them
         base_path = os.path.normpath(os.path.join(os.path.dirname(path), base))
         _merge(merged, _read_file(base_path, [*chain, path], origin))
+    _record(origin, data, (), path, merged)  # before the merge: what the bases set decides what `data` sets
     _merge(merged, data)
-    _record(origin, data, (), path)
     return merged
 
 
@@ -238,7 +245,7 @@ class _Builder:
                 return v
             raise self.type_error(path, _type_name(tp), v)  # lists the allowed values
         if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-            return self.build(tp, v, path)
+            return self.build(tp, {} if v is None else v, path)  # `section:` with nothing under it: its defaults
         if isinstance(tp, type) and issubclass(tp, enum.Enum):
             for member in tp:
                 if v == member.value or v == member.name or v is member:
@@ -289,8 +296,8 @@ def load_config(schema_cls: type, paths: str | os.PathLike | Iterable[str | os.P
     data, origin = {}, {}  # merged config; key path -> file/override that set it
     for path in paths:
         if isinstance(path, dict):  # a mapping given in Python (same shape as a YAML file)
+            _record(origin, path, (), "a Python dict", data)
             _merge(data, copy.deepcopy(path))
-            _record(origin, path, (), "a Python dict")
         else:
             _merge(data, _read_file(os.fspath(path), [], origin))
     # A lone string would otherwise iterate by character.

@@ -8,6 +8,8 @@ import operator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hybridflow.config.scoring import SandboxFusion, ValKwargs
+
 
 def _check_name(registry_name: str, name: str) -> None:
     """Names picked from the algorithm registries must exist (error lists the known ones)."""
@@ -50,6 +52,12 @@ def _check_numbers(section, **bounds_by_name: dict) -> None:
         _check_number(name, getattr(section, name), **bounds)
 
 
+# Adam moves every weight by about lr per step whatever the gradient's scale, and a transformer's weights are
+# O(0.01-1): an lr above 1 replaces the model in one step (RL fine-tuning uses 1e-7 .. 1e-4; the tiny
+# quickstart's warm start 1e-3).
+MAX_LR = 1.0
+
+
 @dataclass
 class Megatron:
     """A megatron-core role's layout, precision and memory phases (verl's actor.megatron.* names)."""
@@ -58,7 +66,8 @@ class Megatron:
     pipeline_model_parallel_size: int = 1  # PP: splits the layers into consecutive stages
     sequence_parallel: bool = True  # shard activations along the sequence inside TP regions (only when TP > 1)
     # MoE models: EP splits the experts over ranks of the data-parallel dimension (world % (etp*ep*pp) == 0);
-    # each expert's weights are split over expert_tensor_parallel_size ranks (None: the TP size, megatron's
+    # each expert's weights are split over expert_tensor_parallel_size ranks (None: 1 when EP > 1, as verl's
+    # MoE examples set it, and the only expert split the transition reshards; else the TP size, megatron's
     # default). Dense models ignore both.
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
@@ -79,13 +88,16 @@ class Megatron:
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
             raise ValueError("tensor_model_parallel_size and pipeline_model_parallel_size must be >= 1")
         _check_sizes(self, "expert_model_parallel_size", "expert_tensor_parallel_size")
+        if self.expert_tensor_parallel_size is None and self.expert_model_parallel_size > 1:
+            # verl 0.9.1 hands None to megatron (expert TP = TP); its MoE examples all set 1 explicitly
+            self.expert_tensor_parallel_size = 1
 
 
 @dataclass
 class Optim:
     """Adam and its learning-rate schedule (verl's optim.* names and meanings, megatron's scheduler)."""
 
-    lr: float = 1e-6
+    lr: float = 1e-6  # in (0, MAX_LR]
     weight_decay: float = 0.01
     clip_grad: float = 1.0  # global grad-norm clip (0: none)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # Adam's
@@ -102,7 +114,7 @@ class Optim:
     min_lr_ratio: float | None = None  # the floor as a fraction of lr (verl's FSDP name); replaces min_lr when set
 
     def validate(self):
-        _check_numbers(self, lr=dict(gt=0), weight_decay=dict(ge=0), clip_grad=dict(ge=0),
+        _check_numbers(self, lr=dict(gt=0, le=MAX_LR), weight_decay=dict(ge=0), clip_grad=dict(ge=0),
                        lr_warmup_steps_ratio=dict(ge=0, le=1), lr_warmup_init=dict(ge=0), min_lr=dict(ge=0),
                        min_lr_ratio=dict(ge=0, le=1))
         _check_sizes(self, "lr_decay_steps")
@@ -130,6 +142,12 @@ class PolicyLoss:
                        dro_beta=dict(gt=0))
         if self.loss_mode == "dro" and self.dro_beta is None:
             raise ValueError("actor.policy_loss.dro_beta must be set (> 0) for loss_mode 'dro'")
+        # clip_cov cuts tokens whose covariance lies strictly between lb and ub (verl's compute_policy_loss_clip_cov):
+        # lb >= ub selects none, and the loss is vanilla PPO without a word
+        _check_numbers(self, clip_cov_lb={}, clip_cov_ub={})
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"actor.policy_loss.clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub "
+                             f"({self.clip_cov_ub}): clip_cov cuts tokens whose covariance lies between them")
         for mode, key in (("clip_cov", "clip_cov_ratio"), ("kl_cov", "kl_cov_ratio")):
             if self.loss_mode == mode and not getattr(self, key) > 0:
                 raise ValueError(f"actor.policy_loss.{key} must be > 0 for loss_mode '{mode}'")
@@ -175,8 +193,11 @@ class Actor:
         _check_sizes(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
                      "log_prob_micro_batch_size_per_gpu", "ref_log_prob_micro_batch_size_per_gpu",
                      "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu")
+        # tau_pos/tau_neg: sapo's gate sigmoid(tau (r - 1)) 4 / tau (verl's compute_policy_loss_sapo) is a
+        # temperature: 0 divides by zero, and a negative one gives |tau|'s gradient under another name
         _check_numbers(self, clip_ratio_low=dict(ge=0), clip_ratio_high=dict(ge=0), clip_ratio_c=dict(gt=1),
-                       kl_loss_coef=dict(ge=0), loss_scale_factor=dict(gt=0), entropy_coeff={})
+                       kl_loss_coef=dict(ge=0), loss_scale_factor=dict(gt=0), entropy_coeff={},
+                       tau_pos=dict(gt=0), tau_neg=dict(gt=0))
         _check_name("LOSS_AGG_MODES", self.loss_agg_mode)
         _check_name("KL_PENALTIES", self.kl_loss_type.rstrip("+"))
 
@@ -252,6 +273,7 @@ class Rollout:
     # (model, tensor_parallel_size, dtype, ...) are refused before start.
     engine_kwargs: dict = field(default_factory=dict)
     multi_turn: MultiTurn = field(default_factory=MultiTurn)
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)  # validation sampling (default greedy)
 
     def validate(self):
         _check_sizes(self, "n", "tensor_model_parallel_size", "kv_cache_gib", "max_num_batched_tokens", "max_num_seqs")
@@ -392,6 +414,10 @@ class Reward:
     # scorer as verl's default scorer does (rewards/routing.py).
     name: str = "arithmetic"
     overlong_buffer: OverlongBuffer = field(default_factory=OverlongBuffer)
+    # naive: one row after another; prime: verl's PrimeRewardManager, rows scored concurrently and a row whose
+    # scorer raises or runs past 300 s scores 0 (rewards/routing.py). (verl's dapo: naive + overlong_buffer)
+    manager: Literal["naive", "prime"] = "naive"
+    sandbox_fusion: SandboxFusion = field(default_factory=SandboxFusion)  # a remote sandbox scoring code answers
 
     def validate(self):
         from hybridflow.rewards import get_scorer
@@ -475,6 +501,9 @@ class Prepare:
     task: Literal["addition", "multiplication_tools"] = "addition"
     data_dir: str = "outputs/quickstart/data"
     base_model_dir: str = "outputs/quickstart/base_model"
+    # the warm start's folder, built when model.path names it and holds no model yet (None: sft_model beside
+    # base_model_dir); any other missing model.path is an error, not a warm start trained into a typo's folder
+    model_dir: str | None = None
     arch: Literal["qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe"] = "qwen2"  # the tiny base model's
     num_experts: int = 8  # MoE archs: experts per layer, each token routed to moe_top_k of them
     moe_top_k: int = 2
@@ -494,6 +523,12 @@ class Prepare:
     # sft_steps), so RL starts from the same skill on any CPU and has room to show its gain.
     sft_target_accuracy: float | None = 0.4
     sft_eval_every: int = 10
+
+    @property
+    def warm_start_dir(self) -> str:
+        import os
+
+        return self.model_dir or os.path.join(os.path.dirname(self.base_model_dir), "sft_model")
 
     def validate(self):
         _check_numbers(self, sft_lr=dict(gt=0), sft_target_accuracy=dict(ge=0, le=1),
@@ -659,6 +694,9 @@ class ExperimentConfig:
                              "replicas: remax generates a greedy baseline per prompt")
         if self.algorithm.adv_estimator == "gae" and self.critic.enable is False:
             raise ValueError("algorithm.adv_estimator 'gae' needs a critic: critic.enable is false")
+        if self.reward.manager == "prime" and self.custom_reward_function.path is not None:
+            raise ValueError("reward.manager 'prime' runs the rule and sandbox scorers; custom_reward_function.path "
+                             "is called row by row (custom_reward_function.timeout_s bounds each call): use naive")
         ob = self.reward.overlong_buffer
         if ob.enable and ob.len > self.data.max_response_length:
             raise ValueError(f"reward.overlong_buffer.len ({ob.len}) must be <= data.max_response_length "
@@ -667,6 +705,6 @@ class ExperimentConfig:
         from hybridflow.algorithms.rollout_correction import check_config as check_rollout_correction
         from hybridflow.trainer.dynamic_sampling import check_config as check_filter_groups
 
-        check_filter_groups(self.algorithm.filter_groups, self.algorithm)
+        check_filter_groups(self.algorithm.filter_groups, self.algorithm, self.custom_reward_function.path)
         check_rollout_correction(self.algorithm.rollout_correction, self.actor.policy_loss.loss_mode,
                                  self.rollout.temperature)

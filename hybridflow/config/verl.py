@@ -5,8 +5,8 @@ for users who bring their verl scripts along: replace ``python3 -m verl.trainer.
 
 Every verl key either maps to ours with verl's meaning and default (``DIFFERENCES`` lists each deliberate
 exception with its reason; tests/unit/test_verl_overrides.py fails on an unlisted one), is checked to agree
-with what it names here (a second name for one of our values), changes nothing here (``NO_EFFECT``, with the
-reason), or is reported: all unsupported keys in one line, before anything starts. Batch sizes mean what they
+with what it names here (a second name for one of our values), changes nothing here (``NO_EFFECT``, and whole
+sections such as the profilers' in ``NO_EFFECT_SECTIONS``, with the reason), or is reported: all unsupported keys in one line, before anything starts. Batch sizes mean what they
 mean in verl (``ppo_mini_batch_size`` counts prompts, ``*_per_gpu`` sizes are per rank).
 
 FSDP runs (``strategy=fsdp``/``fsdp2``, verl's default ``ppo_trainer.yaml``) become megatron data
@@ -25,6 +25,7 @@ _R = "actor_rollout_ref.rollout."
 _REF = "actor_rollout_ref.ref."
 _MODEL = "actor_rollout_ref.model."
 
+_SANDBOX_LEAVES = ("url", "max_concurrent", "memory_limit_mb")
 # verl section -> ours, for leaves spelled the same below it (each leaf listed: anything else is unsupported)
 _SAME_LEAVES = {
     _A: ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "clip_ratio_low", "clip_ratio_high",
@@ -51,6 +52,8 @@ _SAME_LEAVES = {
     "trainer.": ("experiment_name", "total_epochs", "logger", "project_name", "val_before_train", "balance_batch"),
     "custom_reward_function.": ("path", "name"),
     "reward_model.": ("enable",),
+    _R + "val_kwargs.": ("temperature", "top_p", "top_k", "n"),
+    "reward.sandbox_fusion.": _SANDBOX_LEAVES,
 }
 _OPTIM = ("lr", "weight_decay", "betas", "clip_grad", "lr_warmup_steps", "lr_warmup_steps_ratio", "lr_warmup_init",
           "lr_decay_style", "lr_decay_steps", "min_lr", "min_lr_ratio")
@@ -58,6 +61,7 @@ _MEGATRON = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequ
              "use_distributed_optimizer", "dtype", "param_offload", "grad_offload", "optimizer_offload",
              "expert_model_parallel_size", "expert_tensor_parallel_size")
 _OURS_PREFIX = {_A: "actor.", _R: "rollout.", "algorithm.kl_ctrl.": "algorithm.kl_ctrl.",
+                _R + "val_kwargs.": "rollout.val_kwargs.",
                 _R + "multi_turn.": "rollout.multi_turn.",
                 _A + "policy_loss.": "actor.policy_loss."}
 
@@ -67,8 +71,10 @@ _OVERLONG_SECTIONS = ("reward.reward_kwargs.overlong_buffer_cfg", "reward_model.
 # "naive" scores each response, as the reward path here does; "dapo" also applies the overlong shaping of
 # overlong_buffer_cfg, which the reward path here applies whenever reward.overlong_buffer.enable. So both are
 # accepted, and overlong shaping enabled on a verl command line needs "dapo" (verl's naive manager ignores it).
+# "prime" (workers/reward_manager/prime.py) scores rows concurrently, a failed or 300 s row scoring 0: ours
+# is reward.manager=prime (rewards/routing.py).
 REWARD_MANAGER_KEYS = ("reward_model.reward_manager", "reward.reward_manager.name")
-REWARD_MANAGERS = ("naive", "dapo")
+REWARD_MANAGERS = {"naive": "naive", "dapo": "naive", "prime": "prime"}  # verl's -> reward.manager
 
 RENAMED = {
     "data.train_batch_size": "data.batch_size",
@@ -103,6 +109,10 @@ RENAMED = {
     # scripts set reward_model.overlong_buffer
     **{f"{section}.{leaf}": f"reward.overlong_buffer.{leaf}"
        for section in _OVERLONG_SECTIONS for leaf in ("enable", "len", "penalty_factor", "log")},
+    # the remote code sandbox: verl 0.9.1 migrates the legacy top-level sandbox_fusion to reward.sandbox_fusion
+    # (experimental/reward_loop/reward_loop.py migrate_legacy_reward_impl); older scripts set it under reward_model
+    **{f"{section}.{leaf}": f"reward.sandbox_fusion.{leaf}"
+       for section in ("sandbox_fusion", "reward_model.sandbox_fusion") for leaf in _SANDBOX_LEAVES},
 }
 # Whole dicts passed on: verl section -> ours (their entries are checked where they are used, before start).
 _DICTS = {
@@ -165,7 +175,12 @@ NO_EFFECT = {  # verl key -> why it changes nothing here
     _R + "load_format": "weights reach vLLM through the resharding engine, not a load format",
     _R + "calculate_log_probs": "sampled rollouts always carry vLLM's log-probs (rollout_log_probs)",
     _R + "engine_kwargs.sglang.attention_backend": "sglang is not used (vLLM is the rollout engine)",
-    _R + "val_kwargs.do_sample": "validation is greedy here",
+    _R + "val_kwargs.do_sample": "verl 0.9.1's vLLM agent loop samples validation with val_kwargs' temperature, "
+                                 "top_p and top_k whatever do_sample says (temperature 0: greedy); so does hybridflow",
+    "trainer.use_legacy_worker_impl": "picks verl's worker classes (legacy fsdp/megatron workers or its engine "
+                                      "workers); hybridflow has one worker implementation",
+    "reward_model.model.use_remove_padding": "a padding-free layout is a speed-up: the reward model's scores are "
+                                             "the same (padding is masked)",
     "reward_model.use_reward_loop": "the reward model runs in its own worker group here",
     "reward_model.num_workers": "the reward model's worker group has resources.n_workers ranks",
     "reward_model.rollout.name": "the reward model is a HF sequence classifier scored with transformers here",
@@ -180,6 +195,57 @@ NO_EFFECT = {  # verl key -> why it changes nothing here
     "trainer.use_v1": "one trainer loop here",
     "algorithm.filter_groups.max_inflight_gen_batches": "dynamic sampling generates one batch at a time here",
 }
+_PROFILE = ("verl's profiler hooks (nsys, npu, torch, torch_memory, precision_debugger) wrap its workers' stages; "
+            "hybridflow has none: each stage's seconds are in every step's time/* metrics, and a profiler runs the "
+            "whole command (nsys profile hybridflow train ..., py-spy record --subprocesses)")
+_PROFILER_LEAVES = ("tool", "enable", "all_ranks", "ranks", "save_path", "relocate_results", "finish_hook_cmd",
+                    "finish_hook_all_ranks", "finish_hook_ranks", "tool_config.")
+# Whole sections accepted without effect: verl section -> (its leaves; a name ending in "." takes any leaf below
+# it, as verl's tool configs do), why.
+NO_EFFECT_SECTIONS = {
+    **{f"{role}profiler.": (_PROFILER_LEAVES, _PROFILE) for role in (_A, _REF, _R, "critic.")},
+    "global_profiler.": (("tool", "steps", "profile_continuous_steps", "save_path", "relocate_results",
+                          "finish_hook_cmd", "finish_hook_all_ranks", "finish_hook_ranks", "global_tool_config."),
+                         _PROFILE),
+    _MODEL + "fused_kernel_options.": (("impl_backend",), "the fused kernels' backend (torch or triton); log-probs "
+                                       "come from megatron's vocab-parallel cross entropy (use_fused_kernels)"),
+    "critic.model.fused_kernel_options.": (("impl_backend",), "the critic computes values, not log-probs"),
+    "reward_model.model.fsdp_config.": (("param_offload", "wrap_policy.", "reshard_after_forward", "fsdp_size",
+                                         "forward_prefetch"),
+                                        "the reward model is one unsharded HF classifier per worker here, resident "
+                                        "while it scores: FSDP's sharding and offload do not apply"),
+}
+
+
+def _no_effect_section(key: str):
+    """(section, why) when ``key`` is a leaf of a section accepted without effect, else None."""
+    for section, (leaves, why) in NO_EFFECT_SECTIONS.items():
+        rest = key[len(section):] if key.startswith(section) else None
+        if rest and any(rest == leaf or (leaf.endswith(".") and rest.startswith(leaf)) for leaf in leaves):
+            return section, why
+    return None
+
+
+# verl's own config files main_ppo reads (--config-name), from its config folder (--config-path, relative to
+# verl/trainer/); their defaults are what this module maps. Another file would set values hybridflow never sees.
+VERL_CONFIG_NAMES = ("ppo_trainer", "ppo_megatron_trainer")
+VERL_CONFIG_PATHS = ("config", "./config", "config/", "./config/")
+
+
+def _check_hydra(key: str, value: str) -> None:
+    import os
+
+    value = value.strip()
+    if key == "--config-name" and value.removesuffix(".yaml") not in VERL_CONFIG_NAMES:
+        raise ConfigError(f"verl --config-name={value}: hybridflow knows verl's own {' and '.join(VERL_CONFIG_NAMES)} "
+                          "only; another config file's settings are not read: give them as overrides")
+    if key == "--config-path" and value not in VERL_CONFIG_PATHS:
+        if not os.path.isdir(os.path.expanduser(value)):
+            raise ConfigError(f"verl --config-path={value}: no such folder")
+        raise ConfigError(f"verl --config-path={value}: hybridflow reads only verl's own config folder "
+                          "(--config-path=config); the files in another are not read: give their settings as overrides")
+
+
 _GPU_KEYS = ("trainer.n_gpus_per_node", "trainer.nnodes")
 _LISTS = ("data.train_files", "data.val_files", "trainer.logger")
 
@@ -215,6 +281,8 @@ DIFFERENCES = {
     "data.val_files": ("data.val_files", "none: verl's points at ~/data/rlhf/gsm8k, which few have"),
     "custom_reward_function.name": ("custom_reward_function.name", "verl's null means compute_score too"),
     "reward_model.enable": ("reward_model.enable", "verl's null means false too"),
+    **{f"reward.sandbox_fusion.{leaf}": (f"sandbox_fusion.{leaf}", "verl's legacy null means reward.sandbox_fusion's "
+                                         "default, which is ours") for leaf in ("max_concurrent", "memory_limit_mb")},
 }
 
 
@@ -280,10 +348,17 @@ def translate(verl_args: list[str]) -> Translation:
             manager = value.strip()
             if manager not in REWARD_MANAGERS:
                 unsupported.append(f"{key}={value} (reward managers here: {', '.join(REWARD_MANAGERS)})")
+            else:
+                ours.append(Override(f"reward.manager={REWARD_MANAGERS[manager]}", f"verl override '{arg}'"))
+        elif key in ("--config-name", "--config-path"):
+            _check_hydra(key, value)
+            no_effect[key] = NO_EFFECT[key]
         elif key in MUST_AGREE:
             agree[arg] = MUST_AGREE[key]
         elif key in NO_EFFECT:
             no_effect[key] = NO_EFFECT[key]
+        elif (section := _no_effect_section(key)) is not None:
+            no_effect[section[0] + "*"] = section[1]
         elif key in _CHECKPOINTING and megatron:
             no_effect[key] = "verl's megatron engine ignores it (override_transformer_config.recompute_* decide)"
         elif key in _CHECKPOINTING:

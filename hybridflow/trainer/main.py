@@ -6,11 +6,15 @@ The config is loaded and checked before Ray or any worker starts, so a bad key f
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 from hybridflow.config import ConfigError, load_config
 from hybridflow.config.schema import ExperimentConfig
 from hybridflow.trainer import preflight
+
+# Writes that fail for want of room or permission on the run's disk: a one-line error, not a traceback.
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 
 
 def parse_args(argv=None):
@@ -26,8 +30,21 @@ def parse_args(argv=None):
     ap.add_argument("--verl-overrides", nargs=argparse.REMAINDER, metavar="VERL_ARG",
                     help="last: a verl command line's arguments (actor_rollout_ref.*, data.*, --config-name=..., "
                          "...), unchanged")
-    args = ap.parse_args(ours)
+    args = parse_intermixed(ap, ours)
     args.verl = verl_args
+    return args
+
+
+def parse_intermixed(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``ap.parse_args`` that takes ``key=value`` overrides anywhere, also after a flag such as ``--dry-run``:
+    argparse fills a ``nargs="*"`` positional from its first run of positionals only and calls later ones
+    unrecognized (parse_intermixed_args would fix that but refuses the REMAINDER argument). Overrides keep
+    their command-line order."""
+    args, extra = ap.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown:
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *extra]
     return args
 
 
@@ -101,6 +118,13 @@ def _main(argv) -> int:
         return EXIT_PREEMPTED
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the driver's own writes (metrics, trackers) on a full or read-only disk
+        if e.errno not in _DISK_ERRNOS:
+            raise
+        where = e.filename or f"in trainer.output_dir={cfg.trainer.output_dir}"  # a buffered write names no file
+        print(f"error: cannot write {where}: {e.strerror}; last good checkpoint: {trainer.last_checkpoint or 'none'}",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -31,7 +31,7 @@ def training_scorer(cfg):
     ``reward.name``)."""
     c, key = cfg.custom_reward_function, cfg.data.reward_fn_key
     if c.path is None:
-        return SourceRouter(cfg.reward.name, key)
+        return SourceRouter.from_config(cfg.reward, key)
     from hybridflow.rewards.custom import adapt_to_scorer, load_custom_reward_function
 
     return adapt_to_scorer(load_custom_reward_function(c.path, c.name), timeout_s=c.timeout_s, source_key=key)
@@ -194,16 +194,17 @@ class PPODriver:
         return Batch.from_dict(tensors={"reward_baselines": base.repeat_interleave(self.cfg.rollout.n)})
 
     def validate(self, n_samples: int = 0) -> tuple[dict, list[dict]]:
-        """Greedy accuracy on the held-out prompts (the same evaluation at every step), and the first
-        ``n_samples`` (prompt, response, score) examples."""
+        """Accuracy on the held-out prompts, each answered rollout.val_kwargs.n times with its sampling
+        settings (default: once, greedy: the same evaluation at every step) as verl's ``_validate`` does, and
+        the first ``n_samples`` (prompt, response, score) examples."""
         if self.val_data is None:
             return {}, []
-        scores, samples = [], []
+        scores, samples, v = [], [], self.cfg.rollout.val_kwargs
         for start in range(0, len(self.val_data), self.cfg.data.val_batch_size):
             rows = list(range(start, min(start + self.cfg.data.val_batch_size, len(self.val_data))))
-            prompts = self.val_data.batch(rows)
+            prompts = self.val_data.batch(rows).repeat(v.n, interleave=True)
             prompts, pad = prompts.pad_to_divisor(self._dp_size())
-            prompts.meta["temperature"] = 0.0
+            prompts.meta.update(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k)
             out = score_responses(self.actor_rollout.generate(prompts).unpad(pad), self.tokenizer, self.train_scorer)
             scores.append(out.tensors["scores"])
             for i in range(min(n_samples - len(samples), len(out))):

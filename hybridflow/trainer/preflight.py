@@ -30,6 +30,7 @@ class Checked:
 def check_run(cfg: ExperimentConfig) -> Checked:
     """All checks of a run, in the order a user would fix them."""
     check_config(cfg)
+    check_machine(cfg)
     model, tokenizer, n_train = check_files(cfg)
     check_roles(cfg, model, n_train)
     check_resources(cfg)
@@ -56,6 +57,28 @@ def check_config(cfg: ExperimentConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_machine(cfg: ExperimentConfig) -> None:
+    """What this machine cannot run, whatever the model: megatron's fp16 loss scaler keeps its scale on CUDA
+    (megatron/core/optimizer/grad_scaler.py), so fp16 training needs a GPU; vLLM-CPU's KV cache
+    (rollout.kv_cache_gib) is allocated in host memory at engine start."""
+    import psutil
+
+    from hybridflow import device
+
+    if not device.has_gpu():
+        for role in ("actor", "critic") if cfg.use_critic else ("actor",):
+            if getattr(cfg, role).megatron.dtype == "float16":
+                raise ConfigError(f"{role}.megatron.dtype: float16 needs a GPU (megatron's fp16 loss scaler lives "
+                                  "on CUDA); use bfloat16 or float32 on CPU")
+        # each rollout worker's engine allocates its own; an embedded cluster puts them all on this machine
+        kv, workers = cfg.rollout.kv_cache_gib, cfg.resources.n_workers if cfg.ray.address is None else 1
+        have = psutil.virtual_memory().total
+        if kv * workers * 2**30 >= have:
+            each = f" x {workers} rollout workers (resources.n_workers)" if workers > 1 else ""
+            raise ConfigError(f"rollout.kv_cache_gib={kv}{each} does not fit in this machine's {have / 2**30:.0f} "
+                              "GiB of memory (vLLM-CPU allocates its KV cache when it starts); lower it")
+
+
 def check_multi_turn(m) -> None:
     """rollout.multi_turn's tool config loads (each tool's class, config and schema; the python tool's
     sandbox) and its tool-call format has a parser."""
@@ -66,9 +89,12 @@ def check_multi_turn(m) -> None:
 
     get_parser(m.format)
     try:
-        check_tool_config(m.tool_config_path)
+        tools = check_tool_config(m.tool_config_path)
     except (OSError, ValueError) as e:
         raise ValueError(f"rollout.multi_turn.tool_config_path: {e}") from None
+    if not tools:  # multi-turn rollouts without a tool to call: single-turn ones under another name
+        raise ValueError(f"rollout.multi_turn.tool_config_path: {m.tool_config_path} lists no tools (tools: []); "
+                         "name at least one, or set rollout.multi_turn.enable=false")
 
 
 def check_roles(cfg: ExperimentConfig, model, n_train: int) -> None:
@@ -107,7 +133,8 @@ def check_files(cfg: ExperimentConfig):
     from hybridflow.agent.tools import tool_schemas
 
     # a custom reward function scores every source; else each row's source must have a rule scorer
-    router = SourceRouter(cfg.reward.name, d.reward_fn_key) if cfg.custom_reward_function.path is None else None
+    router = (SourceRouter.from_config(cfg.reward, d.reward_fn_key) if cfg.custom_reward_function.path is None
+              else None)
     tools = tool_schemas(cfg.rollout.multi_turn)  # shown in chat prompts: they count in the prompt length
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         if not files:
@@ -260,9 +287,11 @@ def check_layouts(cfg: ExperimentConfig, model) -> None:
 
 
 def check_expert_layout(mp, model, key: str, path: str) -> None:
-    """EP must divide the model's experts, expert TP its expert width. On CPU, expert TP above 1 with EP
-    above 1 is refused: megatron's all-to-all dispatcher then all-gathers uneven token counts over the
-    expert-TP group (token_dispatcher.py dispatch_postprocess), which gloo cannot do (it hangs; NCCL can)."""
+    """EP must divide the model's experts, expert TP its expert width. The actor's experts must be whole per
+    rank (expert TP 1) wherever the transition exchanges them (EP > 1 or expert TP != TP). On CPU, expert TP
+    above 1 with EP above 1 is refused for every role: megatron's all-to-all dispatcher then all-gathers
+    uneven token counts over the expert-TP group (token_dispatcher.py dispatch_postprocess), which gloo
+    cannot do (it hangs; NCCL can)."""
     from hybridflow import device
 
     ep, etp = mp.expert_model_parallel_size, mp.expert_tensor_parallel_size or mp.tensor_model_parallel_size
@@ -276,21 +305,30 @@ def check_expert_layout(mp, model, key: str, path: str) -> None:
         raise ConfigError(f"{key}.expert_tensor_parallel_size ({etp}) does not divide the model's "
                           f"moe_intermediate_size ({model.moe_intermediate_size}) in {path}")
     if ep > 1 and etp > 1 and not device.has_gpu():
-        raise ConfigError(f"{key}.expert_tensor_parallel_size ({etp}, null means the TP size) must be 1 with "
+        raise ConfigError(f"{key}.expert_tensor_parallel_size ({etp}) must be 1 with "
                           f"expert_model_parallel_size {ep} on CPU: gloo cannot all-gather the uneven token "
                           "counts megatron's MoE dispatcher sends over the expert-TP group")
+    # Any device: the actor's Resharder refuses it after every worker has loaded (Resharder.__init__)
+    if key.startswith("actor.") and etp > 1 and (ep > 1 or etp != mp.tensor_model_parallel_size):
+        raise ConfigError(f"{key}.expert_tensor_parallel_size ({etp}) must be 1 with expert_model_parallel_size "
+                          f"{ep} and tensor_model_parallel_size {mp.tensor_model_parallel_size}: the transition to "
+                          "vLLM moves experts whole (resharding/transition.py)")
 
 
 def check_prepare_target(cfg: ExperimentConfig) -> None:
-    """With ``prepare.enable`` the warm start is built into model.path only next to the prepared base
-    model: a mistyped model.path elsewhere is an error, not a new model trained there."""
-    p = cfg.prepare
+    """With ``prepare.enable`` a missing model.path is built (the SFT warm start) only when it is the folder
+    the config asks prepare to build, ``prepare.model_dir``: a mistyped model.path is an error naming it, not
+    a new model trained into the typo's folder. What the config and the machine alone decide is checked
+    first too, so it fails before the preparation's minutes, not after them."""
+    check_config(cfg)
+    check_machine(cfg)
     model = Path(cfg.model.path)
     if (model / "config.json").exists():
         return
-    if model.resolve().parent != Path(p.base_model_dir).resolve().parent:
+    target = cfg.prepare.warm_start_dir
+    if model.resolve() != Path(target).resolve():
         raise ConfigError(f"model.path: not a model folder: {cfg.model.path} (prepare.enable builds the warm "
-                          f"start only next to prepare.base_model_dir, in {Path(p.base_model_dir).parent})")
+                          f"start only in prepare.model_dir, {target})")
 
 
 def resume_checkpoint(cfg: ExperimentConfig, model) -> Path | None:
@@ -375,6 +413,7 @@ def check_step_fits(cfg: ExperimentConfig, model) -> None:
                           f"host memory for one step's batch; this machine has {have / 2**30:.0f} GiB: lower "
                           "rollout.n, data.batch_size or the lengths")
     if device.has_gpu():
+        warn_long_rollout(cfg, None)
         return  # vLLM sizes its KV cache from gpu_memory_utilization: python -m hybridflow.tools.memory_plan
     shape = memory_plan.Shape.from_hf(model.to_dict())
     per_token = memory_plan.kv_bytes_per_token(shape, DTYPES[r.dtype].itemsize, r.tensor_model_parallel_size)
@@ -383,6 +422,30 @@ def check_step_fits(cfg: ExperimentConfig, model) -> None:
         raise ConfigError(f"rollout.kv_cache_gib={r.kv_cache_gib} holds {fits:,} tokens of this model, but one "
                           f"sequence takes up to {seq:,} (data.max_prompt_length + data.max_response_length); "
                           "raise rollout.kv_cache_gib or shorten the lengths")
+    warn_long_rollout(cfg, fits)
+
+
+# Rounds of generation (the rollout engines' concurrent sequences, refilled) one step may take before the run
+# says, before it starts, that its steps will be long: the quickstarts and the GPU configs take 1-32.
+_LONG_ROLLOUT_ROUNDS = 64
+
+
+def warn_long_rollout(cfg: ExperimentConfig, kv_tokens: int | None) -> int:
+    """One warning line when one step's rollout (data.batch_size x rollout.n responses) takes over
+    ``_LONG_ROLLOUT_ROUNDS`` rounds of the engines' concurrent sequences (rollout.max_num_seqs, or fewer
+    where the KV cache of ``kv_tokens`` holds fewer whole sequences): the run goes on, as asked, and the
+    user knows why no step ends for a long while (SIGTERM still stops it). Returns the rounds."""
+    d, r = cfg.data, cfg.rollout
+    rows, seq = d.batch_size * r.n, d.max_prompt_length + d.max_response_length
+    replicas = max(1, cfg.resources.n_workers // r.tensor_model_parallel_size)
+    at_once = r.max_num_seqs if kv_tokens is None else max(1, min(r.max_num_seqs, kv_tokens // seq))
+    rounds = -(-rows // (replicas * at_once))
+    if rounds > _LONG_ROLLOUT_ROUNDS:
+        log.warning("rollout.n=%d: one step generates and trains on %s responses (data.batch_size %d x rollout.n "
+                    "%d), about %d rounds of the %d sequences %d rollout engine(s) run at once: each step will be "
+                    "long; lower rollout.n or data.batch_size for shorter steps", r.n, f"{rows:,}", d.batch_size,
+                    r.n, rounds, at_once, replicas)
+    return rounds
 
 
 def check_ray(cfg: ExperimentConfig) -> None:
@@ -420,6 +483,34 @@ def check_ray_address(address: str) -> None:
         reason = e.strerror or str(e) or type(e).__name__
         raise ConfigError(f"ray.address: no Ray cluster answers at {host}:{port} within "
                           f"{_RAY_CONNECT_TIMEOUT_S} s ({reason})") from None
+    check_speaks_ray(address, f"{host}:{port}")
+
+
+def check_speaks_ray(address: str, host_port: str) -> None:
+    """What answers TCP at ``host_port`` is Ray: one gRPC call a Ray GCS serves (``ray://``: any gRPC
+    answer, the client server's methods differ) within a few seconds. A proxy, a web server or another
+    program would make ray.init retry for ~25 s and end in a ConnectionError traceback. Any gRPC status but
+    "unavailable", "timed out" and (for a GCS) "unimplemented" is Ray's: e.g. UNAUTHENTICATED, whose cause
+    ray.init names itself."""
+    import grpc
+
+    client = address.startswith("ray://")
+    method = "/ray.rpc.NodeInfoGcsService/GetClusterId"  # what ray.init asks a GCS first (empty request)
+    with grpc.insecure_channel(host_port) as channel:
+        call = channel.unary_unary(method, request_serializer=bytes, response_deserializer=bytes)
+        try:
+            call(b"", timeout=_RAY_CONNECT_TIMEOUT_S)
+            return
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ""
+    bad = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+           *(() if client else (grpc.StatusCode.UNIMPLEMENTED,)))
+    if code in bad:
+        what = "a Ray client server" if client else "a Ray cluster (its GCS)"
+        details = " ".join(details.split())
+        details = details if len(details) <= 160 else details[:157] + "..."
+        raise ConfigError(f"ray.address: {host_port} answers, but not as {what}: {code.name} ({details}); check "
+                          "the address and port")
 
 
 def check_ray_temp_dir(temp_dir: str) -> None:

@@ -187,7 +187,7 @@ CASES = {
     # numbers: NaN passes `x <= 0`, so every range check tests finiteness first
     "NaN learning rate": (lambda g, t: ["actor.optim.lr=nan"], "actor.optim: lr must be a finite number, got nan"),
     "infinite learning rate": (lambda g, t: ["critic.optim.lr=.inf"], "critic.optim: lr must be a finite number, got inf"),
-    "zero learning rate": (lambda g, t: ["actor.optim.lr=0"], "actor.optim: lr must be > 0, got 0.0"),
+    "zero learning rate": (lambda g, t: ["actor.optim.lr=0"], "actor.optim: lr must be in (0, 1], got 0.0"),
     "Adam beta of 1": (lambda g, t: ["actor.optim.betas=[0.9,1.0]"], "actor.optim: betas[1] must be in [0, 1), got 1.0"),
     "negative Adam beta": (lambda g, t: ["critic.optim.betas=[-0.1,0.999]"], "critic.optim: betas[0] must be in [0, 1), got -0.1"),
     "NaN Adam beta": (lambda g, t: ["actor.optim.betas=[nan,0.999]"], "actor.optim: betas[0] must be a finite number, got nan"),
@@ -285,12 +285,42 @@ CASES = {
     "unknown logger": (lambda g, t: ["trainer.logger=[console,mlflow]"], "trainer: logger: unknown ['mlflow']"),
     "unknown nonfinite policy": (lambda g, t: ["trainer.on_nonfinite=ignore"], "key 'trainer.on_nonfinite' expects one of"),
     "prepare with a mistyped model.path": (lambda g, t: ["prepare.enable=true", f"model.path={t}/elsewhere/sft_mdoel"],
-                                           "prepare.enable builds the warm start only next to prepare.base_model_dir"),
+                                           "model.path: not a model folder: {t}/elsewhere/sft_mdoel (prepare.enable "
+                                           "builds the warm start only in prepare.model_dir, "),
+    "prepare with a typo beside the base model": (  # was trained as a new warm start into the typo's folder
+        lambda g, t: ["prepare.enable=true", f"prepare.base_model_dir={t}/qs/base_model", f"model.path={t}/qs/sft_modle"],
+        "model.path: not a model folder: {t}/qs/sft_modle (prepare.enable builds the warm start only in "
+        "prepare.model_dir, {t}/qs/sft_model)"),
+    # values that trained normally (or failed only once the workers ran)
+    "clip_cov bounds crossed": (lambda g, t: ["actor.policy_loss.clip_cov_lb=6"],
+                                "actor.policy_loss.clip_cov_lb (6.0) must be below clip_cov_ub (5.0)"),
+    "negative sapo tau": (lambda g, t: ["actor.tau_neg=-1"], "actor: tau_neg must be > 0, got -1.0"),
+    "zero sapo tau": (lambda g, t: ["actor.policy_loss.loss_mode=sapo", "actor.tau_neg=0"],
+                      "actor: tau_neg must be > 0, got 0.0"),
+    "absurd learning rate": (lambda g, t: ["actor.optim.lr=10"], "actor.optim: lr must be in (0, 1], got 10.0"),
+    "negative learning rate": (lambda g, t: ["critic.optim.lr=-1e-5"], "critic.optim: lr must be in (0, 1], got -1e-05"),
+    "KV cache larger than the machine": (lambda g, t: ["rollout.kv_cache_gib=1000000"],
+                                         "rollout.kv_cache_gib=1000000 does not fit in this machine's"),
+    "multi-turn with an empty tool list": (
+        lambda g, t: ["rollout.multi_turn.enable=true",
+                      f"rollout.multi_turn.tool_config_path={(t / 'none.yaml').write_text('tools: []') and t / 'none.yaml'}"],
+        "rollout.multi_turn.tool_config_path: {t}/none.yaml lists no tools (tools: []); name at least one"),
     "mini batch vs data batch": (lambda g, t: ["actor.ppo_mini_batch_size=48"], "actor.ppo_mini_batch_size (48 prompts) must divide data.batch_size (64)"),
     # sizes that would make an endless first step
     "absurd rollout.n": (lambda g, t: ["rollout.n=10000000"], "rollout.n: data.batch_size x rollout.n = 640,000,000 "
                                                                "sequences of up to 22 tokens need ~"),
 }
+
+
+def _has_gpu() -> bool:
+    from hybridflow import device
+
+    return device.has_gpu()
+
+
+if not _has_gpu():  # megatron's fp16 loss scaler is CUDA-only
+    CASES["fp16 on CPU"] = (lambda g, t: ["critic.megatron.dtype=float16"],
+                            "critic.megatron.dtype: float16 needs a GPU (megatron's fp16 loss scaler lives on CUDA)")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

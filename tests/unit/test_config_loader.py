@@ -288,3 +288,22 @@ def test_an_override_may_name_its_own_origin(cfgdir):
         load_config(Cfg, path, [Override("data.batch_size=1.5", "verl override 'data.train_batch_size=1.5'")])
     assert str(info.value) == ("key 'data.batch_size' expects int, got float 1.5 "
                                "(in verl override 'data.train_batch_size=1.5')")
+
+
+@pytest.mark.parametrize("how", ["defaults", "two files"])
+def test_an_empty_section_overrides_nothing(cfgdir, how):
+    """`actor:` with nothing under it, in a file over a base that sets the section, plus an override of that
+    section: the base's values stay (they were wiped, and still labelled as the base's), and each value names
+    the file or override that really set it."""
+    base = cfgdir("base.yaml", MIN + "actor: {batch_size: 32, mini_batch_size: 8, optim: {lr: 0.5}}\n")
+    top = cfgdir("top.yaml", ("defaults: [base.yaml]\n" if how == "defaults" else "") + "actor:\nname: top\n")
+    sources = {}
+    cfg = load_config(Cfg, [top] if how == "defaults" else [base, top], ["actor.use_kl=true"], sources=sources)
+    assert (cfg.actor.batch_size, cfg.actor.mini_batch_size, cfg.actor.optim.lr, cfg.actor.use_kl) == (32, 8, 0.5, True)
+    assert (sources["actor.batch_size"], sources["actor.optim.lr"]) == (base, base)
+    assert sources["actor.use_kl"] == "override 'actor.use_kl=true'" and sources["name"] == top
+
+
+def test_an_empty_section_alone_means_its_defaults(cfgdir):
+    cfg = load_config(Cfg, cfgdir("x.yaml", MIN + "actor:\n  optim:\n"), ["actor.batch_size=8"])
+    assert cfg.actor == ActorCfg(batch_size=8)

@@ -77,3 +77,28 @@ def test_cli_reports_missing_data_file(capsys, tmp_path):
 def test_every_shipped_config_loads(path):
     cfg = load_config(ExperimentConfig, [path])
     assert cfg.data.batch_size > 0
+
+
+def test_dry_run_takes_overrides_after_it(capsys):
+    """`--dry-run key=value ...` was `unrecognized arguments`: overrides come anywhere, in their order."""
+    assert main(["--config", QUICKSTART, "trainer.seed=3", "--dry-run", "trainer.total_steps=2", "trainer.seed=4"]) == 0
+    out = capsys.readouterr().out
+    assert "trainer.total_steps = 2 " in out and "# override 'trainer.total_steps=2'" in out
+    assert "# override 'trainer.seed=4'" in out
+    with pytest.raises(SystemExit):
+        main(["--config", QUICKSTART, "--dry-run", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_an_empty_section_plus_an_override_keeps_the_base_values(tmp_path, capsys):
+    """A file with `trainer:` and nothing under it, over the quickstart, plus a trainer override: the base's
+    trainer section was wiped (its 100 steps became the default epochs' thousands) while the dry run still
+    named the base file as the source of the values."""
+    top = tmp_path / "top.yaml"
+    top.write_text(f"defaults: [{__import__('os').path.abspath(QUICKSTART)}]\ntrainer:\ndata:\n  batch_size: 128\n")
+    assert main(["--config", str(top), "--dry-run", "trainer.seed=5"]) == 0
+    lines = {line.split(" = ")[0]: line for line in capsys.readouterr().out.splitlines() if " = " in line}
+    assert lines["trainer.total_steps"].startswith("trainer.total_steps = 100 ")
+    assert lines["trainer.total_steps"].endswith(f"# {__import__('os').path.abspath(QUICKSTART)}")
+    assert lines["trainer.experiment_name"].startswith("trainer.experiment_name = quickstart_cpu ")
+    assert lines["trainer.seed"].endswith("# override 'trainer.seed=5'") and lines["data.batch_size"].endswith(str(top))

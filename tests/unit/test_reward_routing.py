@@ -73,8 +73,11 @@ def test_unknown_source_is_one_line_naming_the_row():
                               "known: openai/gsm8k, lighteval/MATH, ")
     assert message.endswith("or none for reward.name='arithmetic'); score it with custom_reward_function.path")
     assert "\n" not in message
-    with pytest.raises(ValueError, match="'codecontests' is not scorable \\(verl routes it to a scorer hybridflow "
-                                         "does not carry;"):
+    with pytest.raises(ValueError, match="'hiyouga/geometry3k' is not scorable \\(verl routes it to a scorer "
+                                         "hybridflow does not carry;"):
+        router.check(["hiyouga/geometry3k"])
+    with pytest.raises(ValueError, match="'codecontests' is not scorable \\(a code source: set "
+                                         "reward.sandbox_fusion.url"):
         router.check(["codecontests"])
     router.check(["openai/gsm8k", None, "arithmetic", "aime_2025", "HuggingFaceH4/MATH-500"])  # all fine
     with pytest.raises(KeyError, match="unknown reward scorer 'nope'"):

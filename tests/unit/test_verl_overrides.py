@@ -13,7 +13,8 @@ import yaml
 
 from hybridflow.config import ConfigError, config_to_dict, flat_items
 from hybridflow.config.schema import ExperimentConfig
-from hybridflow.config.verl import DIFFERENCES, MUST_AGREE, NO_EFFECT, RENAMED, split_argv, translate, _ours
+from hybridflow.config.verl import (DIFFERENCES, MUST_AGREE, NO_EFFECT, NO_EFFECT_SECTIONS, RENAMED, split_argv,
+                                    translate, _ours)
 from hybridflow.trainer.main import dry_run, load
 
 EXAMPLES = Path(__file__).parent.parent / "fixtures" / "verl_examples"
@@ -85,6 +86,27 @@ EXPECTED = {
                                                         "recompute_num_layers": 1}},
     "ppo_trainer_run_qwen2.5-32b.sh": {"resources.n_workers": 32, "resources.critic_n_workers": 32,
                                        "rollout.tensor_model_parallel_size": 4},
+    # the last verl examples (issue 28): keys that change nothing here, the prime manager and the code sandbox
+    "ppo_trainer_run_deepseek7b_llm.sh": {  # trainer.use_legacy_worker_impl=auto
+        "model.path": "deepseek-ai/deepseek-llm-7b-chat", "data.batch_size": 1024, "trainer.val_every": 1},
+    "ppo_trainer_run_deepseek7b_llm_sandbox_fusion.sh": {
+        "reward.manager": "prime", "reward.sandbox_fusion.max_concurrent": 128,
+        "reward.sandbox_fusion.url": "https://xxxxxxxxx.apigateway-cn-beijing.volceapi.com/run_code",
+        "reward.sandbox_fusion.memory_limit_mb": 1024},
+    "ppo_trainer_run_deepseek_math_gsm8k_megatron_nsys.sh": {  # *.profiler.*, global_profiler.*
+        "data.batch_size": 256, "actor.ppo_mini_batch_size": 64, "rollout.tensor_model_parallel_size": 2,
+        "trainer.total_epochs": 100},
+    "ppo_trainer_run_qwen2-7b_rm_legacy.sh": {  # reward_model.model.use_remove_padding, .fsdp_config.param_offload
+        "reward_model.enable": True, "reward_model.path": "/home/user/models/Skywork-Reward-V2-Llama-3.2-3B",
+        "actor.ppo_mini_batch_size": 256, "reward.manager": "naive"},
+    "ppo_trainer_run_qwen2-7b_rm_reward_loop_colocate.sh": {
+        "reward_model.enable": True, "reward_model.path": "/home/user/models/Skywork-Reward-V2-Llama-3.2-3B"},
+    "ppo_trainer_run_qwen2-7b_rm_seq_balance_fused_kernels.sh": {  # model.fused_kernel_options.impl_backend
+        "data.batch_size": 4096, "actor.use_dynamic_bsz": True, "reward_model.path": "sfairXC/FsfairX-LLaMA3-RM-v0.1"},
+    "ppo_trainer_run_qwen2-7b_rm_seq_balance_nsys.sh": {
+        "data.batch_size": 4096, "trainer.val_every": -1, "reward_model.enable": True},
+    "ppo_trainer_run_qwen2.5-3b_rm_legacy.sh": {
+        "reward_model.enable": True, "model.path": "/home/user/models/Qwen2.5-3B-Instruct"},
 }
 
 
@@ -181,7 +203,20 @@ def test_defaults_equal_verl_or_are_listed_differences():
 
 def test_translation_tables_have_reasons_and_no_overlap():
     assert all(isinstance(why, str) and len(why) > 10 for why in NO_EFFECT.values())
+    assert all(len(why) > 10 for _, why in NO_EFFECT_SECTIONS.values())
     assert not set(NO_EFFECT) & set(RENAMED) and not set(NO_EFFECT) & set(MUST_AGREE)
+
+
+def test_sections_without_effect_name_verl_leaves():
+    """Each leaf accepted under a section without effect is one of verl 0.9.1's (the reward model's
+    fsdp_config is verl's older dp_reward_model.yaml's, which its example scripts still set)."""
+    verl_keys = [k for k, _ in flat_items(yaml.safe_load(VERL_DEFAULTS.read_text()))]
+    for section, (leaves, _) in NO_EFFECT_SECTIONS.items():
+        if section.startswith("reward_model.model.fsdp_config."):
+            continue
+        for leaf in leaves:
+            assert any(k == section + leaf or (leaf.endswith(".") and k.startswith(section + leaf)) for k in verl_keys), \
+                section + leaf
 
 
 def test_our_overrides_and_verl_overrides_combine():
@@ -252,7 +287,16 @@ def test_hydra_config_name_with_a_space_and_engine_kwargs():
                                                   "override 'actor_rollout_ref.actor.clip_ratio=wide')"),
     (["trainer.n_gpus_per_node=1.5"], "verl override 'trainer.n_gpus_per_node=1.5': expects a whole number >= 1, got '1.5'"),
     (["trainer.nnodes=0"], "verl override 'trainer.nnodes=0': expects a whole number >= 1, got '0'"),
-    (["reward_model.reward_manager=prime"], "reward_model.reward_manager=prime (reward managers here: naive, dapo)"),
+    (["reward_model.reward_manager=batch"], "reward_model.reward_manager=batch (reward managers here: naive, dapo, prime)"),
+    (["--config-name=my_grpo"], "verl --config-name=my_grpo: hybridflow knows verl's own ppo_trainer and "
+                                "ppo_megatron_trainer only"),
+    (["--config-path=/nonexistent/verl/config", "--config-name=ppo_trainer"],
+     "verl --config-path=/nonexistent/verl/config: no such folder"),
+    (["--config-path=tests/fixtures", "--config-name=ppo_trainer"],
+     "verl --config-path=tests/fixtures: hybridflow reads only verl's own config folder (--config-path=config)"),
+    (["global_profiler.tool_typo=nsys", "actor_rollout_ref.actor.profiler.enabled=True"],
+     "verl keys not supported by hybridflow: global_profiler.tool_typo, actor_rollout_ref.actor.profiler.enabled"),
+    (["reward_model.sandbox_fusion.url=localhost:8080"], "sandbox_fusion.url must be an http(s) URL"),
     (["+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True"],
      "verl applies overlong shaping only in the dapo reward manager; add reward_model.reward_manager=dapo"),
 ])
@@ -292,3 +336,32 @@ def test_readme_verl_command_line_resolves():
     assert (cfg.data.batch_size, cfg.actor.ppo_mini_batch_size, cfg.critic.ppo_mini_batch_size) == (256, 64, 64)
     assert (cfg.trainer.save_every, cfg.trainer.val_every, cfg.trainer.total_epochs) == (10, 10, 15)
     assert cfg.model.path == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.resources.n_workers == 1
+
+
+def test_verl_config_folder_and_names_are_accepted():
+    for args in (["--config-path=config", "--config-name=ppo_megatron_trainer.yaml"],
+                 ["--config-path=./config", "--config-name=ppo_trainer"]):
+        assert resolve(args).data.batch_size == 1024
+
+
+def test_validation_sampling_and_profiler_keys():
+    """rollout.val_kwargs maps onto validation sampling; the profiler sections are accepted, each listed once
+    (with the reason) by the dry run."""
+    args = [f"actor_rollout_ref.rollout.val_kwargs.{k}" for k in ("temperature=0.6", "top_p=0.95", "top_k=20", "n=4",
+                                                                   "do_sample=True")]
+    v = resolve(args).rollout.val_kwargs
+    assert (v.temperature, v.top_p, v.top_k, v.n) == (0.6, 0.95, 20, 4)
+    profile = ["actor_rollout_ref.actor.profiler.enable=True", "actor_rollout_ref.actor.profiler.ranks=[0,1]",
+               "+actor_rollout_ref.actor.profiler.tool_config.torch.schedule.active=2", "global_profiler.tool=torch",
+               "global_profiler.steps=[1,2]", "+global_profiler.global_tool_config.nsys.discrete=True"]
+    text = dry_run([*BASE, "--dry-run", "--verl-overrides", *profile])
+    assert text.count("# accepted without effect: actor_rollout_ref.actor.profiler.* (verl's profiler hooks") == 1
+    assert text.count("# accepted without effect: global_profiler.* (") == 1
+
+
+def test_prime_manager_with_a_custom_reward_function_is_refused(tmp_path):
+    fn = tmp_path / "reward.py"
+    fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    with pytest.raises(ConfigError, match="reward.manager 'prime' runs the rule and sandbox scorers; "
+                                          "custom_reward_function.path is called row by row"):
+        resolve(["reward_model.reward_manager=prime", f"custom_reward_function.path={fn}"])
