@@ -328,7 +328,8 @@ def check_prepare_target(cfg: ExperimentConfig) -> None:
     target = cfg.prepare.warm_start_dir
     if model.resolve() != Path(target).resolve():
         raise ConfigError(f"model.path: not a model folder: {cfg.model.path} (prepare.enable builds the warm "
-                          f"start only in prepare.model_dir, {target})")
+                          f"start only in prepare.model_dir, {target}; to build it here, set "
+                          f"prepare.model_dir={cfg.model.path})")
 
 
 def resume_checkpoint(cfg: ExperimentConfig, model) -> Path | None:

@@ -24,7 +24,7 @@ SBATCH = ["-N2", "--cpus-per-task=2", "--gpus-per-node=0", "--partition=gpu", "-
 
 def short_run(tmp: Path, steps: int = 2) -> list[str]:
     """The README's short-run overrides: a small warm start and a few PPO steps on both nodes."""
-    return [f"prepare.data_dir={tmp}/data", f"prepare.base_model_dir={tmp}/base", f"model.path={tmp}/sft",
+    return [f"prepare.data_dir={tmp}/data", f"prepare.base_model_dir={tmp}/base", f"model.path={tmp}/sft_model",
             f"data.train_files=[{tmp}/data/train.parquet]", f"data.val_files=[{tmp}/data/val.parquet]",
             "prepare.sft_steps=30", "prepare.sft_target_accuracy=null", "prepare.num_layers=2", "prepare.n_val=32",
             "data.batch_size=16", "data.val_batch_size=32", "actor.ppo_mini_batch_size=16",
