@@ -91,6 +91,8 @@ class DispatchFuture:
         results, pending = {}, list(self._refs)
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
+            # before every wait too: a step of quick calls (DAPO generating batch after batch) gives up at its next
+            self._check_give_up()
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             # Wait for one at a time so the first failure surfaces at once,
             # even while other ranks block in a collective waiting for it.
@@ -99,7 +101,6 @@ class DispatchFuture:
             if not ready:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise self._wg._stuck(self._method, sorted(rank_of[r] for r in pending), timeout)
-                self._check_give_up()
                 continue
             more = []
             if pending:  # drain whatever else is already finished

@@ -23,6 +23,9 @@ from hybridflow.controller import (
 )
 from hybridflow.protocol import Batch
 
+# time-bound (timeouts, seconds to exit): alone, after the rest (make test)
+pytestmark = pytest.mark.serial
+
 # pytest imports this file by path; Ray workers cannot import it by name, so
 # ship its worker classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -330,11 +333,30 @@ def test_a_call_is_given_up_once_the_driver_is_asked_to_stop(ray_cluster):
         pool.remove()
 
 
+def test_a_quick_call_is_given_up_too_once_the_driver_is_asked_to_stop(ray_cluster):
+    """A step made of quick calls (DAPO's dynamic sampling generating batch after batch with no limit, each
+    call shorter than a wait slice) gives up at its next call, so SIGTERM ends it too."""
+    from hybridflow.controller.worker_group import WaitAbandoned, give_up_waiting_when
+
+    pool = ResourcePool("quick", world_size=1, cpus_per_bundle=0.25)
+    wg = RayWorkerGroup(pool, DPWorker, name_prefix="quick")
+    try:
+        _first_answer(wg.pid)
+        with give_up_waiting_when(lambda: "asked to stop"):
+            with pytest.raises(WaitAbandoned, match=r"\(DPWorker.pid\): asked to stop$"):
+                wg.pid()
+        assert wg.pid()  # outside the block the group answers as before
+    finally:
+        wg.shutdown()
+        pool.remove()
+
+
 SIGTERM_AS_RAY_STARTS = """
 import os, signal
 import ray._private.worker as ray_worker
 from hybridflow.controller import start_ray
 from hybridflow.trainer.signals import StopRequests
+
 
 stops = StopRequests()
 stops.install()
