@@ -26,14 +26,8 @@ $(STAMP): setup.py hybridflow/versions.py
 run: $(STAMP)
 	$(PY) -m hybridflow.trainer.main --config configs/quickstart_cpu.yaml $(ARGS)
 
-# Two parts: most tests on two pytest workers, whole files each (their module fixtures, Ray clusters and gloo
-# worlds stay shared), then the time-bound ones (marked serial) alone, so that no other test's load stretches
-# their limits. Status 5 is "nothing selected" (PYTEST_ARGS naming a file of one part only).
 test: $(STAMP)
-	@$(PY) -m pytest -n 2 --dist loadfile -m "not serial" $(PYTEST_ARGS); a=$$?; \
-	$(PY) -m pytest -m serial $(PYTEST_ARGS); b=$$?; \
-	for rc in $$a $$b; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done; \
-	[ $$a -eq 0 ] || [ $$b -eq 0 ] || exit 5
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Side by side, one at a time (2 cores): TRL, the rollout engines, the controller's cost, start-up.
 bench: $(STAMP)

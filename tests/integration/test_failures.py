@@ -17,8 +17,7 @@ from hybridflow.trainer import checkpoint
 from tests.integration.cli_run import (disturbed_run, error_lines, launch, logged_steps, process_tree, wait_for,
                                       wait_gone, worker)
 
-# time-bound (timeouts, seconds to exit): alone, after the rest (make test)
-pytestmark = [pytest.mark.integration, pytest.mark.serial]
+pytestmark = pytest.mark.integration
 
 
 def test_killed_worker_ends_the_run_naming_it(assets, tmp_path):

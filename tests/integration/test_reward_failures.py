@@ -9,8 +9,7 @@ import pytest
 
 from tests.integration.cli_run import launch
 
-# time-bound (timeouts, seconds to exit): alone, after the rest (make test)
-pytestmark = [pytest.mark.integration, pytest.mark.serial]
+pytestmark = pytest.mark.integration
 
 # body of compute_score -> (what the line says about it, when it fails: the step-0 validation or step 1)
 REWARDS = {

@@ -290,7 +290,7 @@ CASES = {
     "prepare with a typo beside the base model": (  # was trained as a new warm start into the typo's folder
         lambda g, t: ["prepare.enable=true", f"prepare.base_model_dir={t}/qs/base_model", f"model.path={t}/qs/sft_modle"],
         "model.path: not a model folder: {t}/qs/sft_modle (prepare.enable builds the warm start only in "
-        "prepare.model_dir, {t}/qs/sft_model)"),
+        "prepare.model_dir, {t}/qs/sft_model; to build it here, set prepare.model_dir={t}/qs/sft_modle)"),
     # values that trained normally (or failed only once the workers ran)
     "clip_cov bounds crossed": (lambda g, t: ["actor.policy_loss.clip_cov_lb=6"],
                                 "actor.policy_loss.clip_cov_lb (6.0) must be below clip_cov_ub (5.0)"),

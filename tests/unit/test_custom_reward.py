@@ -10,9 +10,6 @@ import pytest
 
 from hybridflow.rewards.custom import RewardFunctionError, adapt_to_scorer, load_custom_reward_function
 
-# time-bound (timeouts, seconds to exit): alone, after the rest (make test)
-pytestmark = pytest.mark.serial
-
 
 def _write(tmp_path, body, name="my_reward.py"):
     path = tmp_path / name

@@ -19,9 +19,6 @@ import pytest
 from hybridflow.config import ConfigError
 from hybridflow.trainer import checkpoint
 
-# time-bound (timeouts, seconds to exit): alone, after the rest (make test)
-pytestmark = pytest.mark.serial
-
 QUICKSTART = "configs/quickstart_cpu.yaml"
 
 

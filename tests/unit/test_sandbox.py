@@ -16,9 +16,6 @@ import pytest
 from hybridflow.agent.python_tool import PythonTool
 from hybridflow.agent.sandbox import SandboxLimits, isolation_problem, run_python
 
-# time-bound (timeouts, seconds to exit): alone, after the rest (make test)
-pytestmark = pytest.mark.serial
-
 ROOT = Path(__file__).resolve().parents[2]
 ISOLATED = isolation_problem() is None
 needs_isolation = pytest.mark.skipif(
