@@ -117,10 +117,12 @@ def test_node_that_never_registers_is_named(slurm, tmp_path):
 
 def test_scancel_leaves_nothing_behind(slurm, tmp_path):
     before = {p.pid for p in psutil.process_iter()}
-    job = submit(slurm, tmp_path, *short_run(tmp_path, steps=200))
+    # no critic, no reference, no step-0 validation: the job is cancelled once its first step is logged
+    light = ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "trainer.val_before_train=false"]
+    job = submit(slurm, tmp_path, *short_run(tmp_path, steps=200), *light)
     deadline = time.monotonic() + 400
     metrics = tmp_path / "run" / "metrics.jsonl"
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
         assert time.monotonic() < deadline and slurm.completion(job) is None, job_log(tmp_path, job)[-3000:]
         time.sleep(0.5)
     slurm.run(["scancel", str(job)])

@@ -14,6 +14,12 @@ import psutil
 from tests.integration.conftest import SMALL
 
 
+# What the failure tests do not need: a critic and a reference (GRPO, no KL) and the step-0 validation; each
+# launch builds fewer workers and reaches its first step sooner.
+NO_CRITIC = ("algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "actor.use_kl_loss=false")
+LIGHT = (*NO_CRITIC, "trainer.val_before_train=false")
+
+
 def launch(assets, out: Path, *overrides, env: dict | None = None, own_group: bool = False) -> subprocess.Popen:
     """``env``: variables set for the run on top of this process's environment; ``own_group``: the run
     leads a process group of its own (as under `timeout`), which its Ray cluster joins."""
@@ -76,7 +82,7 @@ def disturbed_run(assets, out: Path, disturb, *overrides, wait_s: float = 120, *
     """A 50-step run checkpointing every step: once its first checkpoint exists, ``disturb(tree)`` (the
     driver's process tree; the driver first) acts on it, and the run is waited for. Returns the exit
     status, stderr, the tree, and the seconds from the disturbance to the end."""
-    proc = launch(assets, out, "trainer.total_steps=50", "trainer.save_every=1", "trainer.val_every=100",
+    proc = launch(assets, out, *LIGHT, "trainer.total_steps=50", "trainer.save_every=1", "trainer.val_every=100",
                   *overrides, **launch_kw)
     try:
         wait_for(lambda: (out / "checkpoints" / "latest").exists(), 180, "the first checkpoint", proc)

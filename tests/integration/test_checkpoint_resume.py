@@ -1,6 +1,6 @@
 """Checkpoints resume exactly: a run of N steps equals k steps, a checkpoint, and a resumed run to N (final
-weights bit-identical, per-step metrics identical) — PPO with a critic, GRPO, a TP=2 layout, and TP=2
-resumed at TP=1 (the same loss within 1e-5). The checkpoint's HF export loads in transformers and vLLM
+weights bit-identical, per-step metrics identical) — PPO with a critic and KL in the reward (its controller's
+state too), at TP=1 and TP=2, and that TP=2 run resumed at TP=1 (the same loss within 1e-5). The checkpoint's HF export loads in transformers and vLLM
 with the actor's greedy outputs. TensorBoard and wandb (offline) files are written and readable."""
 
 from __future__ import annotations
@@ -16,13 +16,11 @@ from tests.numerics import assert_close
 
 pytestmark = pytest.mark.integration
 
-N, K = 4, 2
+N, K = 3, 2  # one step after the resumed checkpoint proves it exact; the last validation is at N
 RUN = [f"trainer.total_steps={N}", f"trainer.save_every={K}", "trainer.val_every=2", "trainer.max_checkpoints=null"]
 TP2 = ["actor.megatron.tensor_model_parallel_size=2", "critic.megatron.tensor_model_parallel_size=2",
        "resources.n_workers=2", "resources.cpus_per_worker=1"]
 TP1_DP2 = ["resources.n_workers=2", "resources.cpus_per_worker=1"]  # same ranks, other layout
-GRPO = ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "actor.use_kl_loss=true", "rollout.n=2",
-        "data.batch_size=8", "actor.ppo_mini_batch_size=8"]
 VARYING = ("time/", "perf/", "memory/")  # wall-clock and memory readings differ run to run
 
 
@@ -61,7 +59,7 @@ def straight(assets, tmp_path_factory, ray_cluster):
     mp = pytest.MonkeyPatch()
     mp.setenv("WANDB_MODE", "offline")  # no network here: wandb writes its run under output_dir/wandb
     mp.setenv("WANDB_SILENT", "true")
-    for case, extra in (("ppo", []), ("grpo", GRPO), ("tp2", TP2)):
+    for case, extra in (("ppo", []), ("tp2", TP2)):
         out = tmp_path_factory.mktemp(f"straight_{case}")
         cfg = make_cfg(assets, out, *RUN, *extra, "reward.name=arithmetic",
                        *(["trainer.logger=[console,jsonl,tensorboard,wandb]"] if case == "ppo" else []))
@@ -70,7 +68,7 @@ def straight(assets, tmp_path_factory, ray_cluster):
     return runs
 
 
-@pytest.mark.parametrize("case", ["ppo", "grpo", "tp2"])
+@pytest.mark.parametrize("case", ["ppo", "tp2"])
 def test_resume_is_exact(case, straight, assets, tmp_path):
     out, rows, extra = straight[case]
     cfg = make_cfg(assets, tmp_path, *RUN, *extra, "reward.name=arithmetic",
@@ -157,7 +155,7 @@ def test_tensorboard_and_wandb_files(straight):
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), "one offline wandb run with its records"
     assert next(runs[0].glob("*.wandb")).read_bytes()[:4] == b":W&B"  # wandb's record log, for `wandb sync`
     tables = sorted((runs[0] / "files" / "media" / "table" / "val").glob("samples_*.table.json"))
-    assert len(tables) == 3  # validations at steps 0, 2 and 4
+    assert len(tables) == 3  # validations at steps 0, 2 and N (the last)
     for table in tables:
         data = json.loads(table.read_text())
         assert data["columns"] == ["prompt", "response", "score"] and len(data["data"]) == 4

@@ -14,8 +14,8 @@ import signal
 import pytest
 
 from hybridflow.trainer import checkpoint
-from tests.integration.cli_run import (disturbed_run, error_lines, launch, logged_steps, process_tree, wait_for,
-                                      wait_gone, worker)
+from tests.integration.cli_run import (LIGHT, NO_CRITIC, disturbed_run, error_lines, launch, logged_steps,
+                                      process_tree, wait_for, wait_gone, worker)
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ def test_killed_worker_ends_the_run_naming_it(assets, tmp_path):
 
 def test_driver_killed_while_saving_keeps_the_previous_checkpoint(assets, tmp_path):
     out = tmp_path / "run"
-    args = ("trainer.total_steps=4", "trainer.save_every=1", "trainer.val_every=100")
+    args = (*NO_CRITIC, "trainer.total_steps=4", "trainer.save_every=1", "trainer.val_every=100")
     proc = launch(assets, out, *args)
     try:
         wait_for(lambda: (out / "checkpoints" / ".tmp_step_2").exists(), 240, "the second checkpoint to begin", proc)
@@ -78,7 +78,7 @@ def test_one_run_per_folder_and_sigint_ends_with_130(assets, tmp_path):
     out, scratch = tmp_path / "run", tmp_path / "tmpdir"
     scratch.mkdir()
     # long enough to outlast the second launch (a step of the test model takes ~0.15 s)
-    first = launch(assets, out, "trainer.total_steps=2000", "trainer.val_every=-1", env={"TMPDIR": str(scratch)})
+    first = launch(assets, out, *LIGHT, "trainer.total_steps=2000", "trainer.val_every=-1", env={"TMPDIR": str(scratch)})
     try:
         wait_for(lambda: 1 in logged_steps(out), 180, "the first step", first)
         tree = process_tree(first.pid)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.cli_run import launch
+from tests.integration.cli_run import NO_CRITIC, launch
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +24,8 @@ def test_failing_reward_function_ends_the_run_in_one_line(kind, assets, tmp_path
     body, problem, when = REWARDS[kind]
     reward = tmp_path / "my_reward.py"
     reward.write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    {body}\n")
-    proc = launch(assets, tmp_path / "run", f"custom_reward_function.path={reward}", "custom_reward_function.timeout_s=3",
+    proc = launch(assets, tmp_path / "run", *NO_CRITIC, f"custom_reward_function.path={reward}",
+                  "custom_reward_function.timeout_s=3",
                   f"trainer.val_before_train={str(bool(when)).lower()}", "trainer.total_steps=2")
     try:
         _, err = proc.communicate(timeout=600)
