@@ -31,12 +31,11 @@ OVERLAYS = ("quickstart_cpu", "quickstart_moe_cpu", "quickstart_tools_cpu")
 
 
 def _config(name: str):
-    from hybridflow.config import load_config
-    from hybridflow.config.schema import ExperimentConfig
+    from hybridflow.plan import load_experiment
 
     root = CACHE / "warm_start" / name
     # model.path at the base model: the preparation builds data and base model and no warm start
-    return load_config(ExperimentConfig, [str(REPO / "configs" / f"{name}.yaml")], [
+    return load_experiment([str(REPO / "configs" / f"{name}.yaml")], [
         f"prepare.data_dir={root}/data", f"prepare.base_model_dir={root}/base", f"model.path={root}/base"])
 
 

@@ -21,7 +21,7 @@ def __getattr__(name):  # lazy: `import hybridflow` stays cheap (no torch, Ray o
 
         return Trainer
     if name == "load_config":
-        from hybridflow.trainer.session import load
+        from hybridflow.plan import load_experiment
 
-        return load
+        return load_experiment
     raise AttributeError(f"module 'hybridflow' has no attribute {name!r}")

@@ -12,6 +12,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from hybridflow.registry import Registry
+
 
 @dataclass
 class ToolCall:
@@ -20,20 +22,15 @@ class ToolCall:
     error: str | None = None  # why the call is malformed (the model reads it as the tool's response)
 
 
-PARSERS: dict[str, type] = {}
-
-
-def register_parser(name: str):
-    def wrap(cls):
-        PARSERS[name] = cls
-        return cls
-    return wrap
+PARSERS = Registry("tool-call format")
+register_parser = PARSERS.register
 
 
 def get_parser(name: str):
-    if name not in PARSERS:
-        raise ValueError(f"rollout.multi_turn.format: unknown tool-call format {name!r} (known: {', '.join(sorted(PARSERS))})")
-    return PARSERS[name]()
+    try:
+        return PARSERS.get(name)()
+    except KeyError as e:
+        raise ValueError(f"rollout.multi_turn.format: {e}") from None
 
 
 @register_parser("hermes")

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import yaml
 
+from hybridflow.registry import Registry
+
 __all__ = ["DEFAULT_TIMEOUT_S", "TOOLS", "Tool", "ToolResult", "check_arguments", "check_tool_config", "tool_schemas",
            "load_tools", "register_tool"]
 
@@ -159,17 +161,8 @@ def _json_type(value) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Registry and loading
 
-TOOLS: dict[str, type[Tool]] = {}
-
-
-def register_tool(name: str):
-    """Class decorator: ``class_name: <name>`` in a tool config selects the class."""
-
-    def wrap(cls):
-        TOOLS[name] = cls
-        return cls
-
-    return wrap
+TOOLS = Registry("tool")  # class decorator register_tool(name): ``class_name: <name>`` in a tool config selects it
+register_tool = TOOLS.register
 
 
 def _builtins() -> None:
@@ -224,9 +217,9 @@ def _is_verl_style(cls) -> bool:
 
 def _resolve(class_name: str, where: str) -> type:
     if class_name in TOOLS:
-        return TOOLS[class_name]
+        return TOOLS.get(class_name)
     if "." not in class_name:
-        raise ValueError(f"{where}.class_name {class_name!r} is not a registered tool ({sorted(TOOLS)}) "
+        raise ValueError(f"{where}.class_name {class_name!r} is not a registered tool ({TOOLS.names()}) "
                          "nor a dotted path pkg.module.Class")
     module_name, attr = class_name.rsplit(".", 1)
     try:

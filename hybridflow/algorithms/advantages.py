@@ -70,7 +70,7 @@ def _group_mean_std(scores: Tensor, index: Any) -> Tuple[Tensor, Tensor, Tensor]
     return mean[gid], std[gid], counts[gid]
 
 
-@register_advantage("gae")
+@register_advantage("gae", needs={"values"})
 @torch.no_grad()
 def compute_gae_advantage_return(
     token_level_rewards: Tensor,
@@ -219,7 +219,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return advantages, advantages
 
 
-@register_advantage("remax")
+@register_advantage("remax", needs={"reward_baselines"})
 @torch.no_grad()
 def compute_remax_outcome_advantage(
     token_level_rewards: Tensor,
@@ -242,6 +242,30 @@ def compute_remax_outcome_advantage(
     returns = (token_level_rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
     advantages = returns - reward_baselines.unsqueeze(-1) * mask
     return advantages, returns
+
+
+def _check_same_shape(token_level_rewards: Tensor, response_mask: Tensor) -> None:
+    if token_level_rewards.shape != response_mask.shape:
+        raise ValueError(
+            f"token_level_rewards shape {tuple(token_level_rewards.shape)} "
+            f"!= response_mask shape {tuple(response_mask.shape)}"
+        )
+
+
+def _estimator_kwargs(name: str, fn: Any, offered: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``offered`` extras that ``fn`` declares, those given as ``None`` left out; ``ValueError`` when one
+    it requires (no default) is ``None``."""
+    kwargs = {}
+    for pname, param in inspect.signature(fn).parameters.items():
+        if pname not in offered:
+            continue
+        required = param.default is inspect.Parameter.empty
+        if offered[pname] is None:
+            if required:
+                raise ValueError(f"advantage estimator {name!r} requires `{pname}`")
+            continue
+        kwargs[pname] = offered[pname]
+    return kwargs
 
 
 def compute_advantage(
@@ -285,11 +309,7 @@ def compute_advantage(
         ``(advantages, returns)``, each [B, T].
     """
     fn = ADVANTAGE_ESTIMATORS.get(name)
-    if token_level_rewards.shape != response_mask.shape:
-        raise ValueError(
-            f"token_level_rewards shape {tuple(token_level_rewards.shape)} "
-            f"!= response_mask shape {tuple(response_mask.shape)}"
-        )
+    _check_same_shape(token_level_rewards, response_mask)
     offered = dict(
         values=values,
         index=index,
@@ -303,14 +323,4 @@ def compute_advantage(
         reward_components=reward_components,
         reward_weights=reward_weights,
     )
-    kwargs = {}
-    for pname, param in inspect.signature(fn).parameters.items():
-        if pname not in offered:
-            continue
-        required = param.default is inspect.Parameter.empty
-        if offered[pname] is None:
-            if required:
-                raise ValueError(f"advantage estimator {name!r} requires `{pname}`")
-            continue
-        kwargs[pname] = offered[pname]
-    return fn(token_level_rewards, response_mask, **kwargs)
+    return fn(token_level_rewards, response_mask, **_estimator_kwargs(name, fn, offered))

@@ -41,7 +41,7 @@ def _zero_tail(baselines: Tensor, rows: Tensor, lengths: Tensor) -> None:
         baselines[rows[at_max[0]], second:] = 0.0
 
 
-@register_advantage("optimal_token_baseline")
+@register_advantage("optimal_token_baseline", needs={"old_log_probs", "sum_pi_squared"})
 @torch.no_grad()
 def compute_optimal_token_baseline_advantage(token_level_rewards: Tensor, response_mask: Tensor, *, index: Any,
                                              old_log_probs: Tensor, sum_pi_squared: Tensor,
@@ -67,7 +67,7 @@ def compute_optimal_token_baseline_advantage(token_level_rewards: Tensor, respon
     return (returns - baselines) * mask, returns
 
 
-@register_advantage("tir_optimal_token_baseline")
+@register_advantage("tir_optimal_token_baseline", needs={"old_log_probs", "sum_pi_squared"})
 @torch.no_grad()
 def compute_multi_turn_optimal_token_baseline_advantage(token_level_rewards: Tensor, response_mask: Tensor, *,
                                                         index: Any, old_log_probs: Tensor, sum_pi_squared: Tensor,

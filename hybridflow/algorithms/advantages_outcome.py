@@ -86,7 +86,7 @@ def compute_grpo_passk_outcome_advantage(token_level_rewards: Tensor, response_m
     return _broadcast(advantages, response_mask)
 
 
-@register_advantage("gdpo")
+@register_advantage("gdpo", needs={"reward_components"})
 @torch.no_grad()
 def compute_gdpo_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, *, index: Any,
                                    reward_components: Optional[Union[Mapping[str, Any], Sequence[Any]]] = None,

@@ -24,6 +24,8 @@ from typing import Any, Dict, Tuple
 
 import torch
 
+from hybridflow.config.schema import Actor
+
 from .aggregation import GlobalBatch, aggregate_loss
 from .masked import masked_mean
 from .registry import register_policy_loss
@@ -34,8 +36,6 @@ Tensor = torch.Tensor
 def actor_settings(config: Any) -> Any:
     """The actor config the losses read: ``config``, or the schema's defaults when None."""
     if config is None:
-        from hybridflow.config.schema import Actor  # lazy: the schema imports this package to check names
-
         return Actor()
     return config
 
@@ -71,6 +71,33 @@ def weighted(pg_losses: Tensor, rollout_is_weights: Tensor | None) -> Tensor:
     """The per-token losses times rollout correction's (detached) IS weights, before aggregation, as every verl
     0.9.1 loss but ``geo_mean`` applies them (``pg_losses = pg_losses * rollout_is_weights``)."""
     return pg_losses if rollout_is_weights is None else pg_losses * rollout_is_weights
+
+
+def _clip_ratios(config: Any, low: float | None, high: float | None, c: float | None) -> Tuple[float, float, float]:
+    """``(clip_ratio_low, clip_ratio_high, clip_ratio_c)``: each as given, else ``config``'s; ``c`` must be > 1."""
+    config_low, config_high = clip_range(config)
+    low = config_low if low is None else low
+    high = config_high if high is None else high
+    c = setting(config, "clip_ratio_c", 3.0) if c is None else c
+    assert c > 1.0, (
+        f"clip_ratio_c (dual-clip lower bound) must be > 1.0, got {c}"
+    )
+    return low, high, c
+
+
+def _dual_clip(advantages: Tensor, clip_pg_losses1: Tensor, clip_ratio_c: float, response_mask: Tensor,
+               dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """Bound the clipped losses of negative-advantage tokens by ``-A * clip_ratio_c``.
+
+    Returns ``(pg_losses, pg_clipfrac_lower)``: the per-token losses and the masked fraction of tokens the
+    dual clip bounded."""
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
+    negative = advantages < 0
+    pg_clipfrac_lower = masked_mean(
+        (torch.gt(clip_pg_losses1, pg_losses3) & negative).to(dtype), response_mask
+    )
+    return torch.where(negative, clip_pg_losses2, clip_pg_losses1), pg_clipfrac_lower
 
 
 @register_policy_loss("vanilla")
@@ -109,14 +136,8 @@ def compute_policy_loss_vanilla(
         ``(loss, metrics)``: 0-dim loss; metrics ``pg_clipfrac``, ``ppo_kl``,
         ``pg_clipfrac_lower`` as detached 0-dim tensors.
     """
-    config = actor_settings(config)
-    low, high = clip_range(config)
-    clip_ratio_low = low if clip_ratio_low is None else clip_ratio_low
-    clip_ratio_high = high if clip_ratio_high is None else clip_ratio_high
-    clip_ratio_c = setting(config, "clip_ratio_c", 3.0) if clip_ratio_c is None else clip_ratio_c
-    assert clip_ratio_c > 1.0, (
-        f"clip_ratio_c (dual-clip lower bound) must be > 1.0, got {clip_ratio_c}"
-    )
+    clip_ratio_low, clip_ratio_high, clip_ratio_c = _clip_ratios(
+        actor_settings(config), clip_ratio_low, clip_ratio_high, clip_ratio_c)
     negative_approx_kl = clamped_log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(negative_approx_kl)
     ppo_kl = masked_mean(-negative_approx_kl, response_mask)
@@ -126,14 +147,8 @@ def compute_policy_loss_vanilla(
     clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
     pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).to(ratio.dtype), response_mask)
 
-    pg_losses3 = -advantages * clip_ratio_c
-    clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
-    negative = advantages < 0
-    pg_clipfrac_lower = masked_mean(
-        (torch.gt(clip_pg_losses1, pg_losses3) & negative).to(ratio.dtype), response_mask
-    )
-
-    pg_losses = weighted(torch.where(negative, clip_pg_losses2, clip_pg_losses1), rollout_is_weights)
+    pg_losses, pg_clipfrac_lower = _dual_clip(advantages, clip_pg_losses1, clip_ratio_c, response_mask, ratio.dtype)
+    pg_losses = weighted(pg_losses, rollout_is_weights)
     loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_batch)
     metrics = {
         "pg_clipfrac": pg_clipfrac.detach(),

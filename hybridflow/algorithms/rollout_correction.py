@@ -343,7 +343,7 @@ def compute_policy_loss_bypass_mode(old_log_prob: Tensor, log_prob: Tensor, adva
     ``-A * log_prob * w`` aggregated with ``loss_agg_mode``. ``rollout_is_weights`` is ignored (computed here,
     as verl). Registered as ``bypass_mode`` (verl's name); verl's trainer selects it by setting
     ``policy_loss.loss_mode`` when ``algorithm.rollout_correction.bypass_mode`` is true, and so does
-    ``check_config``'s rule here: ``loss_mode=bypass_mode`` needs ``bypass_mode=true``, whose
+    the run plan's rule (plan/rules.py): ``loss_mode=bypass_mode`` needs ``bypass_mode=true``, whose
     ``rollout_correction`` the actor passes.
 
     Differences from verl: ``rollout_is_batch_normalize`` divides by the micro-batch's mean weight (verl's by
@@ -363,27 +363,3 @@ def compute_policy_loss_bypass_mode(old_log_prob: Tensor, log_prob: Tensor, adva
     else:
         raise ValueError(f"algorithm.rollout_correction.loss_type must be ppo_clip or reinforce, got {rc.loss_type!r}")
     return loss, {**out, **_tensor_metrics(metrics, log_prob)}
-
-
-def check_config(rc: Any, loss_mode: str, temperature: float) -> None:
-    """One-line errors for an ``algorithm.rollout_correction`` the run cannot honour: malformed thresholds,
-    greedy rollouts (vLLM's log-probs are taken only when sampling), ``loss_mode=bypass_mode`` without
-    ``bypass_mode``, or IS weights for a loss that takes none. Run by ``ExperimentConfig.validate``."""
-    import inspect
-
-    from .registry import POLICY_LOSSES
-
-    parse_is_threshold(rc.rollout_is_threshold)
-    if rc.rollout_rs is not None:
-        parse_rs(rc.rollout_rs, rc.rollout_rs_threshold)
-    if active(rc) and temperature == 0:
-        raise ValueError("algorithm.rollout_correction needs sampled rollouts (rollout.temperature > 0): greedy "
-                         "generation records no rollout log-probs")
-    if loss_mode == "bypass_mode" and not rc.bypass_mode:
-        raise ValueError("actor.policy_loss.loss_mode 'bypass_mode' needs algorithm.rollout_correction.bypass_mode=true "
-                         "(verl's trainer sets that loss from it, with the rollout log-probs as the old ones): set "
-                         "bypass_mode=true and loss_type ppo_clip or reinforce instead")
-    if rc.rollout_is is not None and not rc.bypass_mode:  # every registered loss takes them: a user loss may not
-        if "rollout_is_weights" not in inspect.signature(POLICY_LOSSES.get(loss_mode)).parameters:
-            raise ValueError(f"algorithm.rollout_correction.rollout_is={rc.rollout_is!r}: actor.policy_loss.loss_mode "
-                             f"{loss_mode!r} takes no rollout_is_weights")

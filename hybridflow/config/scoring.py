@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from hybridflow.config.checks import check_numbers, check_sizes
+
 
 @dataclass
 class ValKwargs:
@@ -20,10 +22,8 @@ class ValKwargs:
     n: int = 1
 
     def validate(self):
-        from hybridflow.config.schema import _check_numbers, _check_sizes
-
-        _check_sizes(self, "n")
-        _check_numbers(self, temperature=dict(ge=0), top_p=dict(gt=0, le=1), top_k=dict(ge=-1))
+        check_sizes(self, "n")
+        check_numbers(self, temperature=dict(ge=0), top_p=dict(gt=0, le=1), top_k=dict(ge=-1))
 
 
 @dataclass
@@ -38,9 +38,7 @@ class SandboxFusion:
     memory_limit_mb: int = 1024  # per test-case process in the sandbox
 
     def validate(self):
-        from hybridflow.config.schema import _check_sizes
-
-        _check_sizes(self, "max_concurrent", "memory_limit_mb")
+        check_sizes(self, "max_concurrent", "memory_limit_mb")
         if self.url is not None:
             parsed = urlparse(self.url)
             if parsed.scheme not in ("http", "https") or not parsed.netloc:

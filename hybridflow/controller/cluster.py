@@ -142,7 +142,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None,
 
     owns = temp_dir is None
     if owns:
-        temp_dir = tempfile.mkdtemp(prefix="hf_ray_", dir="/tmp")
+        temp_dir = tempfile.mkdtemp(prefix="hybridflow_ray_", dir="/tmp")
     temp_dir = os.path.abspath(temp_dir)
     if len(temp_dir.encode()) > MAX_TEMP_DIR_BYTES:
         raise ValueError(f"Ray temp_dir {temp_dir!r} is {len(temp_dir.encode())} bytes; keep it <= "

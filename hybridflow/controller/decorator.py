@@ -23,7 +23,7 @@ class Dispatch(Enum):
     ONE_TO_ALL = "one_to_all"  # same args everywhere -> list of per-rank results
     RANK_ZERO = "rank_zero"  # rank 0 only -> its result
     DP_COMPUTE = "dp_compute"  # Batch args split evenly -> concat results
-    DP_COMPUTE_PROTO_3D = "dp_compute_proto_3d"  # split by dp_rank, collect flagged
+    DP_COMPUTE_3D = "dp_compute_3d"  # split by dp_rank, collect flagged
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class RegisterSpec:
 def register(dispatch_mode: Dispatch = Dispatch.ONE_TO_ALL, blocking: bool = True, mesh: str = "train"):
     """Mark a worker method to be bound onto its worker group.
 
-    ``mesh`` names the layout DP_COMPUTE_PROTO_3D splits over: the worker's ``dispatch_info(mesh)``
+    ``mesh`` names the layout DP_COMPUTE_3D splits over: the worker's ``dispatch_info(mesh)``
     (e.g. the training mesh for updates, the generation mesh for rollouts, which may group ranks
     differently). The function itself is returned unchanged (only an attribute is added); ``Worker``
     subclasses time it (``Worker.compute_seconds``).
@@ -109,9 +109,9 @@ def _dp_compute_3d(wg, method, args, kwargs) -> Plan:
         raise ValueError(f"{method}: ranks disagree on dp_size: {[i['dp_size'] for i in infos]}")
     collectors = sorted((i["dp_rank"], r) for r, i in enumerate(infos) if i["collect"])
     if [d for d, _ in collectors] != list(range(dp_size)):
-        raise ValueError(f"{method}: DP_COMPUTE_PROTO_3D needs exactly one collecting rank "
+        raise ValueError(f"{method}: DP_COMPUTE_3D needs exactly one collecting rank "
                          f"per dp_rank 0..{dp_size - 1}; got (dp_rank, rank) {collectors}")
-    a, k = _split_batches(method, args, kwargs, dp_size, "DP_COMPUTE_PROTO_3D")
+    a, k = _split_batches(method, args, kwargs, dp_size, "DP_COMPUTE_3D")
     calls = [Call(r, a[i["dp_rank"]], k[i["dp_rank"]]) for r, i in enumerate(infos)]
     return Plan(calls, {"collect_ranks": [r for _, r in collectors]})
 
@@ -148,5 +148,5 @@ DISPATCH_TABLE: dict[Dispatch, tuple[DispatchFn, CollectFn]] = {
     Dispatch.ONE_TO_ALL: (_one_to_all, _as_list),
     Dispatch.RANK_ZERO: (_rank_zero, _first),
     Dispatch.DP_COMPUTE: (_dp_compute, _concat_all),
-    Dispatch.DP_COMPUTE_PROTO_3D: (_dp_compute_3d, _concat_collectors),
+    Dispatch.DP_COMPUTE_3D: (_dp_compute_3d, _concat_collectors),
 }

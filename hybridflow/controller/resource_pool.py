@@ -48,7 +48,7 @@ class ResourcePool:
         in config code before Ray is up; blocks until every bundle is placed."""
         if self._pg is None:
             pg = placement_group([dict(self.bundle) for _ in range(self.world_size)],
-                                 strategy=self.strategy, name=f"hf_pool_{self.name}")
+                                 strategy=self.strategy, name=f"hybridflow_pool_{self.name}")
             try:
                 ray.get(pg.ready(), timeout=self.ready_timeout_s)
             except ray.exceptions.GetTimeoutError:

@@ -13,6 +13,9 @@ import socket
 import time
 from datetime import timedelta
 
+from hybridflow import device
+from hybridflow.controller.decorator import get_register_spec
+
 
 def _timed(fn):
     """``fn`` adding its wall seconds to the worker's per-method compute time (``Worker.compute_seconds``)."""
@@ -32,7 +35,6 @@ class Worker:
         # Every @register-ed method is timed inside the worker, so the controller's cost (dispatch,
         # serialization, Ray, waiting) is the rest of a step: benchmarks/overhead.py.
         super().__init_subclass__(**kwargs)
-        from hybridflow.controller.decorator import get_register_spec
 
         for name, fn in list(vars(cls).items()):
             if callable(fn) and get_register_spec(fn) is not None and not hasattr(fn, "__wrapped__"):
@@ -82,7 +84,6 @@ class Worker:
 
         if dist.is_initialized():
             return dist.get_backend()
-        from hybridflow import device
 
         bound = device.bind(self.local_rank)  # before nccl: its communicators live on the current device
         if backend is None:
@@ -97,7 +98,7 @@ class Worker:
         return backend
 
     def dispatch_info(self, mesh: str = "train") -> dict:  # noqa: ARG002 (one mesh here)
-        """Layout used by Dispatch.DP_COMPUTE_PROTO_3D for methods registered on ``mesh``; override
+        """Layout used by Dispatch.DP_COMPUTE_3D for methods registered on ``mesh``; override
         for TP/PP.
 
         Pure data parallel by default: every rank is its own dp rank and

@@ -91,15 +91,9 @@ def _load_tokenizer(tokenizer):
     return tokenizer
 
 
-def preprocess_gsm8k(input_path: str | Path, output_dir: str | Path, tokenizer=None,
-                     max_prompt_length: int | None = None, split: str = "train",
-                     fmt: str = "hybridflow") -> PreprocessResult:
-    """Write ``output_dir/<split>.parquet`` in format ``fmt`` (see the module docstring).
-
-    ``tokenizer`` is a tokenizer or its folder (needed by the hybridflow format, and by the verl format
-    only to drop over-long prompts). The row number in the input is kept (``index``, or
-    ``extra_info.index`` in verl's format), so rows keep verl's ids even after over-long prompts are dropped.
-    """
+def _check_options(fmt: str, tokenizer, max_prompt_length: int | None) -> bool:
+    """Refuse a format or a tokenizer/max_prompt_length combination that cannot work; True when over-long
+    prompts are to be dropped (both given)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     filtering = tokenizer is not None or max_prompt_length is not None
@@ -107,14 +101,13 @@ def preprocess_gsm8k(input_path: str | Path, output_dir: str | Path, tokenizer=N
         raise ValueError("the hybridflow format needs a tokenizer and max_prompt_length (it renders prompts)")
     if filtering and (tokenizer is None or max_prompt_length is None):
         raise ValueError("dropping over-long prompts needs both a tokenizer and max_prompt_length")
-    if filtering:
-        if max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
-        tokenizer = _load_tokenizer(tokenizer)
-    rows = read_rows(input_path)
-    if not rows:
-        raise ValueError(f"{input_path}: no rows")
+    if filtering and max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+    return filtering
 
+
+def _ground_truths(rows: list[dict], input_path: str | Path) -> list[str]:
+    """Each row's final answer (after ``####``); ValueError naming the row when it has none."""
     answers = []
     for i, row in enumerate(rows):
         for key in ("question", "answer"):
@@ -125,29 +118,58 @@ def preprocess_gsm8k(input_path: str | Path, output_dir: str | Path, tokenizer=N
             answers.append(extract_ground_truth(row["answer"]))
         except ValueError as e:
             raise ValueError(f"{input_path} row {i}: {e}") from None
+    return answers
 
-    keep = list(range(len(rows)))
-    if filtering:
-        prompts = [build_prompt(row["question"], tokenizer) for row in rows]
-        # Counted exactly as PromptDataset counts them, so every kept prompt loads there.
-        lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=fmt == "hybridflow").input_ids]
-        keep = [j for j, n in enumerate(lengths) if n <= max_prompt_length]
-        logger.info("%s: dropped %d of %d prompts longer than max_prompt_length=%d tokens",
-                    input_path, len(rows) - len(keep), len(rows), max_prompt_length)
-        if not keep:
-            raise ValueError(f"{input_path}: every prompt is longer than max_prompt_length={max_prompt_length} "
-                             f"tokens (shortest: {min(lengths)})")
 
+def _short_prompts(rows: list[dict], tokenizer, max_prompt_length: int, fmt: str,
+                   input_path: str | Path) -> tuple[list[str], list[int]]:
+    """Every row's rendered prompt and the row numbers of those within ``max_prompt_length`` tokens."""
+    prompts = [build_prompt(row["question"], tokenizer) for row in rows]
+    # Counted exactly as PromptDataset counts them, so every kept prompt loads there.
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=fmt == "hybridflow").input_ids]
+    keep = [j for j, n in enumerate(lengths) if n <= max_prompt_length]
+    logger.info("%s: dropped %d of %d prompts longer than max_prompt_length=%d tokens",
+                input_path, len(rows) - len(keep), len(rows), max_prompt_length)
+    if not keep:
+        raise ValueError(f"{input_path}: every prompt is longer than max_prompt_length={max_prompt_length} "
+                         f"tokens (shortest: {min(lengths)})")
+    return prompts, keep
+
+
+def _output_table(fmt: str, rows: list[dict], answers: list[str], prompts: list[str] | None, keep: list[int],
+                  split: str) -> pa.Table:
+    """The kept rows in format ``fmt`` (``prompts``: the rendered ones, which the hybridflow format needs)."""
     if fmt == "verl":
-        table = pa.Table.from_pylist([verl_row(rows[j]["question"], rows[j]["answer"], answers[j], split, j)
-                                      for j in keep])
-    else:
-        table = pa.table({
-            "prompt": [prompts[j] for j in keep],
-            "answer": [answers[j] for j in keep],
-            "data_source": [DATA_SOURCE] * len(keep),
-            "index": pa.array(keep, pa.int64()),
-        })
+        return pa.Table.from_pylist([verl_row(rows[j]["question"], rows[j]["answer"], answers[j], split, j)
+                                     for j in keep])
+    return pa.table({
+        "prompt": [prompts[j] for j in keep],
+        "answer": [answers[j] for j in keep],
+        "data_source": [DATA_SOURCE] * len(keep),
+        "index": pa.array(keep, pa.int64()),
+    })
+
+
+def preprocess_gsm8k(input_path: str | Path, output_dir: str | Path, tokenizer=None,
+                     max_prompt_length: int | None = None, split: str = "train",
+                     fmt: str = "hybridflow") -> PreprocessResult:
+    """Write ``output_dir/<split>.parquet`` in format ``fmt`` (see the module docstring).
+
+    ``tokenizer`` is a tokenizer or its folder (needed by the hybridflow format, and by the verl format
+    only to drop over-long prompts). The row number in the input is kept (``index``, or
+    ``extra_info.index`` in verl's format), so rows keep verl's ids even after over-long prompts are dropped.
+    """
+    filtering = _check_options(fmt, tokenizer, max_prompt_length)
+    if filtering:
+        tokenizer = _load_tokenizer(tokenizer)
+    rows = read_rows(input_path)
+    if not rows:
+        raise ValueError(f"{input_path}: no rows")
+    answers = _ground_truths(rows, input_path)
+    prompts, keep = None, list(range(len(rows)))
+    if filtering:
+        prompts, keep = _short_prompts(rows, tokenizer, max_prompt_length, fmt, input_path)
+    table = _output_table(fmt, rows, answers, prompts, keep, split)
     path = Path(output_dir) / f"{split}.parquet"
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)

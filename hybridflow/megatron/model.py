@@ -9,11 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow import device
+from hybridflow.families import SUPPORTED_ARCHS, head_dim, is_moe, moe_layer_pattern, qk_layernorm, qkv_bias
 from hybridflow.patches import megatron_core
 from hybridflow.patches.transformers_rope import hf_inverse_frequencies
-
-SUPPORTED_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-                   "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 
 
 def check_architecture(hf_config) -> None:
@@ -31,32 +29,12 @@ def check_architecture(hf_config) -> None:
         raise ValueError(f"num_experts_per_tok {hf_config.num_experts_per_tok} > num_experts {hf_config.num_experts}")
 
 
-def is_moe(hf_config) -> bool:
-    return bool(getattr(hf_config, "num_experts", None))
-
-
-def moe_layer_pattern(hf_config) -> list[int]:
-    """1 for each decoder layer with a sparse MoE block, 0 for a dense MLP (Qwen-MoE's decoder_sparse_step
-    and mlp_only_layers, as transformers' Qwen2MoeDecoderLayer/Qwen3MoeDecoderLayer decide)."""
-    n = hf_config.num_hidden_layers
-    if not is_moe(hf_config):
-        return [0] * n
-    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
-    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
-    return [int(i not in dense and (i + 1) % step == 0) for i in range(n)]
-
-
 def moe_layer_pattern_of(tf_config) -> list[int]:
     """1 per decoder layer with a MoE block, from a TransformerConfig (its moe_layer_freq)."""
     if not tf_config.num_moe_experts:
         return [0] * tf_config.num_layers
     freq = tf_config.moe_layer_freq
     return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(tf_config.num_layers)]
-
-
-def qk_layernorm(hf_config) -> bool:
-    """Qwen3's per-head RMSNorm of queries and keys before RoPE (q_norm/k_norm), megatron's qk_layernorm."""
-    return hf_config.model_type in ("qwen3", "qwen3_moe")
 
 
 def _moe_fields(hf_config) -> dict:
@@ -202,15 +180,13 @@ def check_transformer_config(hf_config, megatron_cfg, key: str) -> None:
     checks of the overrides (``TransformerConfig.__post_init__``: e.g. full recompute without a
     recompute_method) fail before any worker starts, in one line naming ``key`` (the role's
     ``megatron.override_transformer_config``)."""
-    from hybridflow import device as devices
-
     m = megatron_cfg
     if not m.override_transformer_config:  # hybridflow's own settings alone: nothing of the user's to check
         return
     try:
         transformer_config_from_hf(
             hf_config, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-            sequence_parallel=m.sequence_parallel, params_dtype=devices.torch_dtype(m.dtype),
+            sequence_parallel=m.sequence_parallel, params_dtype=device.torch_dtype(m.dtype),
             overrides=m.override_transformer_config, key=key)
     except (ValueError, AssertionError, TypeError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -230,21 +206,19 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
     check_architecture(hf_config)
     check_rope_supported(hf_config)
     on_gpu = device.has_gpu()
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    qkv_bias = hf_config.model_type in ("qwen2", "qwen2_moe") or bool(getattr(hf_config, "attention_bias", False))
     base = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
         num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=hf_config.num_key_value_heads,
-        kv_channels=head_dim,
+        kv_channels=head_dim(hf_config),
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=qkv_bias,
+        add_qkv_bias=qkv_bias(hf_config),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),

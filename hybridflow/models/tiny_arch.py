@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hybridflow.models.char_tokenizer import build_char_tokenizer
 from hybridflow.models.tiny_qwen2 import padded_vocab, save_random_model, special_tokens
 
 ARCHS = ("qwen3", "mistral", "qwen3_moe", "qwen2_moe")
@@ -59,8 +60,6 @@ def build_tiny(out_dir: str | Path, tokenizer, arch: str, *, hidden_size: int = 
 def build_tiny_folders(root: str | Path, archs, seed: int = 0) -> str:
     """One tiny model per architecture in ``root/<arch>`` (each with its own char tokenizer, seeds seed,
     seed + 1, ...); returns ``root`` as a string."""
-    from hybridflow.models.char_tokenizer import build_char_tokenizer
-
     for i, arch in enumerate(archs):
         build_tiny(Path(root) / arch, build_char_tokenizer(Path(root) / arch), arch, seed=seed + i)
     return str(root)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hybridflow.models.char_tokenizer import build_char_tokenizer
+
 
 def build_tiny_qwen2(out_dir: str | Path, tokenizer, *, hidden_size: int = 128, num_layers: int = 4,
                      num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 384,
@@ -83,8 +85,6 @@ def build_chat_tokenizer(out_dir: str | Path, alphabet: str = CHAT_ALPHABET, too
     char-level vocabulary's whitespace (the newlines too), as it does for the quickstart's tokenizer; the
     special tokens and every other character stay. With ``tools``, Hermes tool calls and tool responses have
     special tokens of their own too, and the alphabet gains JSON's characters."""
-    from hybridflow.models.char_tokenizer import build_char_tokenizer
-
     tokenizer = build_char_tokenizer(out_dir, alphabet + ('{}"_[]' if tools else ""))
     tokenizer.add_special_tokens({"additional_special_tokens": list(CHATML_TOKENS) + (list(TOOL_TOKENS) if tools else [])})
     tokenizer.eos_token = CHATML_TOKENS[1]

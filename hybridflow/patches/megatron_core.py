@@ -151,7 +151,7 @@ class CpuRNGStatesTracker:
 def enable_cpu() -> None:
     """Install the process-wide CPU patches once (nothing when a GPU is visible)."""
     global _cpu_enabled
-    from hybridflow import device
+    from hybridflow import device  # lazy: torch; the patches load with `import hybridflow`
 
     if device.has_gpu():
         return
@@ -214,7 +214,7 @@ def model_parallel_seed(seed: int) -> None:
     """megatron's model_parallel_cuda_manual_seed; on CPU the same tracker states on the CPU generator."""
     import torch
 
-    from hybridflow import device
+    from hybridflow import device  # lazy: torch; the patches load with `import hybridflow`
 
     torch.manual_seed(seed)
     seed_cuda = MANUAL_SEED.require()
@@ -278,7 +278,7 @@ def _cuda_to_cpu():
 
 def cpu_scope():
     """Context for megatron calls: rewrites CUDA devices to CPU when no GPU is visible."""
-    from hybridflow import device
+    from hybridflow import device  # lazy: torch; the patches load with `import hybridflow`
 
     if device.has_gpu():
         return contextlib.nullcontext()

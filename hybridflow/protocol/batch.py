@@ -171,6 +171,13 @@ class Batch:
         return Batch({k: self.tensors.pop(k) for k in tk},
                      {k: self.non_tensors.pop(k) for k in nk}, self.meta)
 
+    def replace(self, tensors: dict | None = None, non_tensors: dict | None = None, meta: dict | None = None
+                ) -> Batch:
+        """New Batch with these entries set (added, or replacing those of the same key); unlike ``union``, a
+        key may change its value (e.g. the response mask after rejection)."""
+        return Batch({**self.tensors, **(tensors or {})}, {**self.non_tensors, **(non_tensors or {})},
+                     {**self.meta, **(meta or {})})
+
     def union(self, other: Batch) -> Batch:
         """New Batch with the keys of both; a shared key must hold equal values."""
         if len(self) != len(other) and self.keys() and other.keys():

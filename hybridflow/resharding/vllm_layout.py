@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridflow import device
 from hybridflow.megatron.convert import _heads, split_qkv
 
 
@@ -61,7 +62,6 @@ def check_supported(cfg, t_g: int) -> None:
         size = getattr(cfg, key, None)
         if size and size % t_g:  # a t_g above the training TP is not yet held to it by megatron
             raise ValueError(f"generation TP {t_g} must divide {key} ({size})")
-    from hybridflow import device
 
     experts_width = getattr(cfg, "moe_intermediate_size", None) if getattr(cfg, "num_experts", None) else None
     if experts_width and not device.on_accelerator() and (experts_width // t_g) % CPU_MOE_ALIGNMENT:

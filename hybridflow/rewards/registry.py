@@ -7,22 +7,14 @@ from typing import Callable
 
 import torch
 
-_SCORERS: dict[str, Callable[[str, str], float]] = {}
+from hybridflow.registry import Registry
 
-
-def register_scorer(name: str):
-    def deco(fn):
-        if name in _SCORERS and _SCORERS[name] is not fn:
-            raise ValueError(f"reward scorer {name!r} is already registered")
-        _SCORERS[name] = fn
-        return fn
-    return deco
+SCORERS = Registry("reward scorer")  # name -> fn(response text, ground truth) -> float
+register_scorer = SCORERS.register
 
 
 def get_scorer(name: str) -> Callable[[str, str], float]:
-    if name not in _SCORERS:
-        raise KeyError(f"unknown reward scorer {name!r}; known: {', '.join(sorted(_SCORERS))}")
-    return _SCORERS[name]
+    return SCORERS.get(name)
 
 
 def score_batch(scorer, texts: list[str], answers, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

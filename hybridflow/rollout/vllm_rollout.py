@@ -122,6 +122,19 @@ def check_engine_kwargs(engine_kwargs: dict | None) -> dict:
     return kwargs
 
 
+def _engine_kwargs(engine_kwargs: dict | None, sleep_mode: bool, **optional) -> dict:
+    """The ``vllm.LLM`` arguments VLLMRollout does not fix: ``engine_kwargs`` (checked by
+    ``check_engine_kwargs``), sleep mode when it is on, and each of ``optional`` that is not None (None:
+    vLLM's default)."""
+    kwargs = check_engine_kwargs(engine_kwargs)
+    if sleep_mode:
+        kwargs["enable_sleep_mode"] = True
+    for key, value in optional.items():
+        if value is not None:
+            kwargs[key] = value
+    return kwargs
+
+
 @dataclass
 class SamplingSettings:
     temperature: float = 1.0
@@ -169,24 +182,13 @@ class VLLMRollout:
         # (fused_moe/layer.py weight_loader), a layout the per-expert shard does not have.
         self.takes_shards = on_gpu and not _has_experts(hf_dir)
         self._asleep: set[str] = set()
-        kwargs = check_engine_kwargs(engine_kwargs)
-        if self.sleep_mode:
-            kwargs["enable_sleep_mode"] = True
-        for key, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
-                           ("enable_chunked_prefill", enable_chunked_prefill)):
-            if value is not None:
-                kwargs[key] = value
+        kwargs = _engine_kwargs(engine_kwargs, self.sleep_mode, max_num_batched_tokens=max_num_batched_tokens,
+                                max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill)
         # vLLM's GPU worker uses cuda:{LOCAL_RANK} and asserts LOCAL_RANK < device_count()
         # (gpu_worker.init_device); under Ray each actor sees only its own GPU, so vLLM's local rank is
         # this worker's device index, not its rank on the node (device.device_index).
         local_rank = str(device.current().index or 0)
-        self._shm_prefix = None
-        if tensor_parallel_size > 1:
-            if not on_gpu:
-                vllm_engine.eager_vocab_mask()
-            kwargs["distributed_executor_backend"] = "external_launcher"
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer owns thread placement
-            self._shm_prefix = _unique_dist_ident()
+        self._shm_prefix = self._join_world(kwargs, tensor_parallel_size, on_gpu)
         if on_gpu:
             check_free_memory(gpu_memory_utilization)
         with (vllm_engine.keep_threads_and_rng(), vllm_engine.generation_groups(generation_groups),
@@ -201,6 +203,19 @@ class VLLMRollout:
                            logprobs_mode="processed_logprobs", **kwargs)
         self.sleep()  # until the first sync: the dummy weights and the KV cache take nothing from training
         _report_reload_warnings_once()
+
+    @staticmethod
+    def _join_world(kwargs: dict, tensor_parallel_size: int, on_gpu: bool) -> str | None:
+        """With tensor_parallel_size > 1, set the engine up to run its TP group over the existing
+        torch.distributed world (vLLM's external launcher, added to ``kwargs``) and return the prefix of its
+        shared-memory segments; None for a single-rank engine."""
+        if tensor_parallel_size <= 1:
+            return None
+        if not on_gpu:
+            vllm_engine.eager_vocab_mask()
+        kwargs["distributed_executor_backend"] = "external_launcher"
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer owns thread placement
+        return _unique_dist_ident()
 
     def close(self) -> None:
         """Destroy vLLM's process groups: its CPU TP communicator keeps named /dev/shm segments that

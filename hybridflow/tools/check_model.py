@@ -28,6 +28,19 @@ import warnings
 
 import torch
 
+from hybridflow import device
+from hybridflow.config import ConfigError
+from hybridflow.megatron import parallel
+from hybridflow.megatron.model import check_architecture, check_rope_supported
+from hybridflow.megatron.role import MegatronRole
+from hybridflow.resharding.plan import HybridPlan, Layout
+from hybridflow.resharding.transition import Resharder, TransitionStats
+from hybridflow.resharding.vllm_layout import check_supported, to_checkpoint_names
+from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
+from hybridflow.spawn import run_ranks
+from hybridflow.trainer.preflight import check_weight_shapes
+from hybridflow.workers.common import load_hf_folder, open_hf_folder
+
 PROMPT_LEN, N_PROMPTS, NEW_TOKENS = 12, 3, 8
 # fp32: other kernels (fused q/k/v, megatron's attention) than transformers', on logits of O(10): relative
 # 1e-4 of the largest logit, the acceptance tolerance of the conversion tests.
@@ -115,11 +128,6 @@ def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm):
     import torch.distributed as dist
     from megatron.core import tensor_parallel
 
-    from hybridflow import device
-    from hybridflow.megatron import parallel
-    from hybridflow.megatron.role import MegatronRole
-    from hybridflow.workers.common import open_hf_folder
-
     device.bind()  # this rank's GPU (LOCAL_RANK = rank) before NCCL meets it; the CPU without one
     parallel.init_model_parallel(tp, pp, seed=0, ep=ep, etp=1 if ep > 1 else None)
     cfg, weights = open_hf_folder(model_dir)
@@ -164,11 +172,6 @@ def _vllm_leg(rank, module, cfg, model_dir, tp, pp, rollout_tp, ids) -> dict:
     nothing written into them, and a generate with its weights asleep never returns)."""
     from megatron.core import parallel_state as ps
 
-    from hybridflow.resharding.plan import HybridPlan, Layout
-    from hybridflow.resharding.transition import Resharder, TransitionStats
-    from hybridflow.resharding.vllm_layout import to_checkpoint_names
-    from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
-
     plan = HybridPlan(Layout(pp, tp, ps.get_data_parallel_world_size()), 1, rollout_tp)
     me = plan.ranks[rank]
     rollout = VLLMRollout(model_dir, max_model_len=PROMPT_LEN + NEW_TOKENS, tensor_parallel_size=rollout_tp,
@@ -195,8 +198,6 @@ def sync_and_generate(rollout, weights, prompts: list[list[int]], sampling) -> l
 
 
 def _formula_bytes(state: dict, cfg, tp: int, pp: int, ep: int, rollout_tp: int) -> float:
-    from hybridflow.resharding.plan import HybridPlan, Layout
-
     split = experts = replicated = 0
     for name, t in state.items():
         n = t.numel() * t.element_size()
@@ -220,10 +221,6 @@ def _read_folder(model_dir: str):
 
     from transformers import AutoConfig
 
-    from hybridflow.config import ConfigError
-    from hybridflow.megatron.model import check_architecture, check_rope_supported
-    from hybridflow.trainer.preflight import check_weight_shapes
-
     if not Path(model_dir).is_dir():
         raise ValueError(f"not a model folder: {model_dir}")
     try:
@@ -245,11 +242,6 @@ def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int
     """The comparison as numbers (``report`` prints it); raises ValueError (one line) on an unsupported setup.
     ``vllm_error`` in the result: why the vLLM leg did not run or failed (the megatron comparison stands)."""
     from transformers import AutoModelForCausalLM
-
-    from hybridflow import device
-    from hybridflow.resharding.vllm_layout import check_supported
-    from hybridflow.spawn import run_ranks
-    from hybridflow.workers.common import load_hf_folder
 
     cfg = _read_folder(model_dir)
     check_supported(cfg, rollout_tp)

@@ -20,12 +20,12 @@ from pathlib import Path
 
 from hybridflow.config import ConfigError
 from hybridflow.megatron.checkpoint_files import DamagedCheckpoint
+from hybridflow.trainer import checkpoint
+from hybridflow.workers.export import run_file_in
 
 
 def resolve(path: str) -> Path:
     """The checkpoint ``--checkpoint`` names, whole (ConfigError naming the damaged file otherwise)."""
-    from hybridflow.trainer import checkpoint
-
     p = Path(path)
     found = p if checkpoint.is_complete(p) else checkpoint.latest(str(p))
     if found is None:
@@ -39,9 +39,6 @@ def check_destination(out_dir: str, force: bool) -> None:
     """ConfigError, before anything is written, when writing ``out_dir`` could destroy data: it lies in a
     run's checkpoints, or it exists (not an empty folder) and is, holds or lies in a run's folder (refused
     even with ``force``); or, without ``force``, it is an existing file or a non-empty folder."""
-    from hybridflow.trainer import checkpoint
-    from hybridflow.workers.export import run_file_in
-
     out = Path(out_dir).resolve()  # a link to a run is the run
     for parent in out.parents:
         if parent.exists() and not parent.is_dir():
@@ -89,6 +86,7 @@ def export(ckpt: Path, out_dir: str) -> None:
     import yaml
     from transformers import AutoConfig, AutoTokenizer
 
+    # lazy, like torch above: `hybridflow export` refuses a bad --checkpoint or --out before torch and Ray load
     from hybridflow import device
     from hybridflow.controller.worker import Worker
     from hybridflow.megatron import parallel

@@ -63,110 +63,16 @@ import sys
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from hybridflow.config import ConfigError
+from hybridflow.plan import load_experiment, resolve
+from hybridflow.plan.model_shape import (Shape, count_params, expert_params, kv_bytes_per_token,  # noqa: F401
+                                         largest_layer_params, layer_params)
+
 GiB = 2 ** 30
 CONTEXT_BYTES = 2 * GiB
 CUDA_GRAPH_GIB = 2.0  # a sleeping vLLM's CUDA-graph pool (see the docstring)
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@dataclass(frozen=True)
-class Shape:
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool
-    experts: int = 0  # MoE: routed experts per sparse layer, each this wide
-    moe_intermediate: int = 0
-    shared_intermediate: int = 0  # Qwen2-MoE's shared expert
-    qk_norm: bool = False  # Qwen3's per-head q_norm/k_norm
-    top_k: int = 0  # MoE: experts each token goes through
-    sparse_layers: int | None = None  # MoE layers (None: every layer); the rest dense (mlp_only_layers)
-
-    @classmethod
-    def from_hf(cls, c: dict) -> "Shape":
-        from hybridflow.megatron.model import moe_layer_pattern
-
-        h, a = c["hidden_size"], c["num_attention_heads"]
-        # which layers are sparse: Qwen-MoE's decoder_sparse_step and mlp_only_layers, as the model builder reads them
-        sparse = sum(moe_layer_pattern(SimpleNamespace(**{"num_experts": None, **c})))
-        return cls(h, c["intermediate_size"], c["num_hidden_layers"], a, c.get("num_key_value_heads", a),
-                   c.get("head_dim") or h // a, c["vocab_size"], bool(c.get("tie_word_embeddings", False)),
-                   c.get("model_type") in ("qwen2", "qwen2_moe") or bool(c.get("attention_bias", False)),
-                   c.get("num_experts") or 0, c.get("moe_intermediate_size") or 0,
-                   c.get("shared_expert_intermediate_size") or 0, c.get("model_type") in ("qwen3", "qwen3_moe"),
-                   c.get("num_experts_per_tok") or 0, sparse if c.get("num_experts") else None)
-
-    @property
-    def moe_layers(self) -> int:
-        if not self.experts:
-            return 0
-        return self.layers if self.sparse_layers is None else self.sparse_layers
-
-
-def layer_params(s: Shape, sparse: bool | None = None) -> int:
-    """One decoder layer's dense parameters (its routed experts: expert_params); ``sparse``: a MoE layer
-    (None: whether the model has any)."""
-    sparse = bool(s.moe_layers) if sparse is None else sparse
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    attn = s.hidden * (q + 2 * kv) + (q + 2 * kv) * s.qkv_bias + q * s.hidden
-    if sparse:  # router, shared expert and its gate, no dense MLP
-        mlp = s.experts * s.hidden + 3 * s.hidden * s.shared_intermediate + s.hidden * bool(s.shared_intermediate)
-    else:
-        mlp = 3 * s.hidden * s.intermediate  # gate/up/down
-    return attn + mlp + 2 * s.hidden + 2 * s.head_dim * s.qk_norm  # + two RMSNorms (+ Qwen3's q/k norms)
-
-
-def decoder_params(s: Shape) -> int:
-    """Every decoder layer's dense parameters: the sparse layers' and the dense ones' (mlp_only_layers)."""
-    sparse = s.moe_layers
-    return sparse * layer_params(s, True) + (s.layers - sparse) * layer_params(s, False)
-
-
-def expert_params(s: Shape) -> int:
-    """The routed experts of the whole model (sharded over expert_model_parallel x expert TP, not TP x DP)."""
-    return s.moe_layers * s.experts * 3 * s.hidden * s.moe_intermediate
-
-
-def largest_layer_params(s: Shape) -> int:
-    """The largest single decoder layer, experts included."""
-    sizes = [layer_params(s, False)] if s.layers > s.moe_layers else []
-    if s.moe_layers:
-        sizes.append(layer_params(s, True) + s.experts * 3 * s.hidden * s.moe_intermediate)
-    return max(sizes)
-
-
-def kv_bytes_per_token(s: Shape, dtype_bytes: int, t_g: int = 1) -> int:
-    """KV cache per token on one generation rank: K and V of every layer for its share of the KV heads
-    (vLLM replicates a KV head on ranks beyond their number)."""
-    return 2 * s.layers * max(s.kv_heads // t_g, 1) * s.head_dim * dtype_bytes
-
-
-# Bytes per token of one sequence's columns in a step's batch: ids, masks and positions (int64) over the
-# whole row; responses, their mask (int64) and ~8 float32 columns (log-probs, reference, values, scores,
-# rewards, advantages, returns, entropy) over the response. The driver, Ray's object store and the workers
-# each hold such a batch at once.
-_ROW_BYTES_PER_TOKEN, _RESPONSE_BYTES_PER_TOKEN, _BATCH_COPIES = 24, 48, 3
-
-
-def step_batch_host_bytes(cfg) -> int:
-    """Host memory one step's rollout batch takes (driver, object store, workers)."""
-    d = cfg.data
-    rows = d.batch_size * cfg.rollout.n
-    per_row = (d.max_prompt_length + d.max_response_length) * _ROW_BYTES_PER_TOKEN \
-        + d.max_response_length * _RESPONSE_BYTES_PER_TOKEN
-    return rows * per_row * _BATCH_COPIES
-
-
-def count_params(s: Shape, value_head: bool = False) -> int:
-    """The causal LM's parameters, or the critic's (value head hidden x 1 in place of lm_head)."""
-    head = s.hidden if value_head else (0 if s.tied else s.vocab * s.hidden)
-    return s.vocab * s.hidden + decoder_params(s) + s.hidden + head + expert_params(s)
 
 
 @dataclass
@@ -253,70 +159,104 @@ def reward_model_role(rm, shape: Shape) -> Role:
                 f"forward {rm.micro_batch_size} x {rm.max_length} tokens")
 
 
-def plan(cfg, shape: Shape, gpu_mem_gib: float, *, rm_shape: Shape | None = None,
-         cuda_graph_gib: float = CUDA_GRAPH_GIB) -> dict:
-    """{phase: [(item, bytes)]} per GPU, plus 'params', 'kv_cache' (bytes) and 'critic_params'.
-    ``rm_shape``: the reward model's shapes (required when reward_model.enable)."""
-    P, n, seq = count_params(shape), cfg.resources.n_workers, cfg.data.max_prompt_length + cfg.data.max_response_length
+def _roles(cfg, run, shape: Shape, P: int, P_c: int, rm_shape: Shape | None) -> tuple[list[Role], Role | None]:
+    """Every role of the run, the actor first, and the critic's (None without a critic)."""
+    seq, n = run.longest_row, run.actor.world
     roles = [make_role("actor", cfg.actor, P, shape, seq, n, shape.vocab)]
-    if cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss:
+    if run.needs.reference:
         roles.append(make_role("ref", cfg.actor, P, shape, seq, n, shape.vocab, trainable=False))
-    P_c = count_params(shape, value_head=True) if cfg.use_critic else 0
-    if cfg.use_critic:
-        separate = cfg.critic.placement == "separate"
-        critic = make_role("critic", cfg.critic, P_c, shape, seq, cfg.resources.critic_n_workers if separate else n, 1)
-        critic.on_actor_gpus = not separate
+    critic = None
+    if run.critic is not None:
+        critic = make_role("critic", cfg.critic, P_c, shape, seq, run.critic.world, 1)
+        critic.on_actor_gpus = run.pool("critic") is run.pool("actor_rollout_ref")
         roles.append(critic)
     if cfg.reward_model.enable:
         if rm_shape is None:
             raise ValueError("reward_model.enable: the reward model's shapes are needed (rm_shape)")
         roles.append(reward_model_role(cfg.reward_model, rm_shape))
-    here = [r for r in roles if r.on_actor_gpus]
-    ro = cfg.rollout
-    budget, asleep = ro.gpu_memory_utilization * gpu_mem_gib * GiB, ro.free_cache_engine
-    vllm_weights = P * BYTES[ro.dtype] / ro.tensor_model_parallel_size
-    graphs = 0.0 if ro.enforce_eager else cuda_graph_gib * GiB  # held while vLLM sleeps
-    ctx = [("CUDA context + NCCL buffers (fixed)", CONTEXT_BYTES)]
+    return roles, critic
 
-    def resident(skip=()):
-        return [(f"{r.name} {k}", v) for r in here for k, v in r.resident.items() if (r.name, k) not in skip]
 
+def _resident(roles: list[Role], skip=()) -> list:
+    """The items the roles keep on the GPU in every phase, less ``skip`` ((role name, item) pairs)."""
+    return [(f"{r.name} {k}", v) for r in roles for k, v in r.resident.items() if (r.name, k) not in skip]
+
+
+def _vllm_outside_generation(ro, budget: float, graphs: float) -> tuple:
+    """What vLLM holds while the roles train: its whole budget unless it sleeps, else its CUDA-graph pool."""
+    if not ro.free_cache_engine:
+        return ("vLLM (awake: free_cache_engine false)", budget)
+    return ("vLLM (asleep: its CUDA-graph pool stays)", graphs) if graphs else ("vLLM (asleep, eager)", 0)
+
+
+def _training(here: list[Role], ctx: list, vllm_idle: tuple) -> list:
+    """The training phase: every resident item, plus the offloaded items and activations of the role that
+    needs the most while it computes (the roles compute one after another)."""
     busy = max(here, key=lambda r: sum(r.loaded.values()) + r.activations)
-    if not asleep:
-        vllm_idle = ("vLLM (awake: free_cache_engine false)", budget)
-    else:
-        vllm_idle = ("vLLM (asleep: its CUDA-graph pool stays)", graphs) if graphs else ("vLLM (asleep, eager)", 0)
     training = ctx + [vllm_idle]
-    training += resident() + [(f"{busy.name} {k} (loaded while it computes)", v) for k, v in busy.loaded.items()]
+    training += _resident(here) + [(f"{busy.name} {k} (loaded while it computes)", v) for k, v in busy.loaded.items()]
     training.append((f"{busy.name} activations ({busy.act_label})", busy.activations))
+    return training
 
-    actor = roles[0]
-    t_g, by_a = ro.tensor_model_parallel_size, BYTES[cfg.actor.megatron.dtype]
+
+def _resharding_buffers(cfg, shape: Shape, P: int) -> list:
+    """What resharding holds on top of the actor's params: the gathered shard, the largest piece assembled at a
+    time and, for an expert exchange, the experts in generation form."""
+    ro, mg_a = cfg.rollout, cfg.actor.megatron
+    t_g, by_a = ro.tensor_model_parallel_size, BYTES[mg_a.dtype]
+    t, p = mg_a.tensor_model_parallel_size, mg_a.pipeline_model_parallel_size
     if ro.resharding == "hybrid":  # assembles one layer (or the embeddings / lm_head) of its t_g shard at a time
         layer = largest_layer_params(shape)
         piece = ("largest piece assembled (hybrid)", max(layer, shape.vocab * shape.hidden) * by_a / t_g)
     else:  # gather_all holds a whole pipeline stage unsharded while converting it
-        piece = ("one stage gathered in full (gather_all)", P * by_a / cfg.actor.megatron.pipeline_model_parallel_size)
-    transition = ctx + [("vLLM weights (awake)" if asleep else "vLLM (awake, whole budget)", vllm_weights if asleep else budget)]
-    if asleep and graphs:
-        transition.append(("vLLM CUDA-graph pool", graphs))
-    t, p = cfg.actor.megatron.tensor_model_parallel_size, cfg.actor.megatron.pipeline_model_parallel_size
+        piece = ("one stage gathered in full (gather_all)", P * by_a / p)
     if t_g % t == 0 and t_g > t:  # each shard is cut from the rank's own: only the pipeline gather's buffers
         gathered = ("resharding: pipeline-gathered training shard", P * by_a / t if p > 1 else 0)
     else:
         gathered = ("resharding: gathered generation shard", P * by_a / t_g)
-    transition += [("actor params (loaded for the sync)", actor.items["params"]), gathered,
-                   (f"resharding: {piece[0]}", piece[1])]
-    mg_a = cfg.actor.megatron
+    buffers = [gathered, (f"resharding: {piece[0]}", piece[1])]
     if shape.experts and (mg_a.expert_model_parallel_size > 1 or (mg_a.expert_tensor_parallel_size or t) != t):
         # the expert all-to-all (transition.Resharder._exchange_experts): every expert's 1/t_g slice of the stage
-        transition.append(("resharding: experts in generation form", expert_params(shape) * by_a / (p * t_g)))
-    transition += resident(skip={("actor", "params")})
+        buffers.append(("resharding: experts in generation form", expert_params(shape) * by_a / (p * t_g)))
+    return buffers
 
-    generation = ctx + [(f"vLLM ({ro.gpu_memory_utilization:g} x {gpu_mem_gib:g} GiB: weights + KV cache)", budget)] + resident()
+
+def _transition(cfg, shape: Shape, P: int, actor: Role, here: list[Role], ctx: list, budget: float,
+                vllm_weights: float, graphs: float) -> list:
+    """The weight sync: vLLM awake, the actor's params loaded back, resharding's buffers and every other
+    resident item."""
+    asleep = cfg.rollout.free_cache_engine
+    vllm = ("vLLM weights (awake)", vllm_weights) if asleep else ("vLLM (awake, whole budget)", budget)
+    transition = ctx + [vllm]
+    if asleep and graphs:
+        transition.append(("vLLM CUDA-graph pool", graphs))
+    transition.append(("actor params (loaded for the sync)", actor.items["params"]))
+    transition += _resharding_buffers(cfg, shape, P)
+    return transition + _resident(here, skip={("actor", "params")})
+
+
+def plan(cfg, shape: Shape, gpu_mem_gib: float, *, rm_shape: Shape | None = None,
+         cuda_graph_gib: float = CUDA_GRAPH_GIB) -> dict:
+    """{phase: [(item, bytes)]} per GPU, plus 'params', 'kv_cache' (bytes) and 'critic_params'.
+    ``rm_shape``: the reward model's shapes (required when reward_model.enable)."""
+    run = resolve(cfg)
+    P = count_params(shape)
+    P_c = count_params(shape, value_head=True) if run.critic is not None else 0
+    roles, critic = _roles(cfg, run, shape, P, P_c, rm_shape)
+    here = [r for r in roles if r.on_actor_gpus]
+    ro = cfg.rollout
+    budget = ro.gpu_memory_utilization * gpu_mem_gib * GiB
+    vllm_weights = P * BYTES[ro.dtype] / ro.tensor_model_parallel_size
+    graphs = 0.0 if ro.enforce_eager else cuda_graph_gib * GiB  # held while vLLM sleeps
+    ctx = [("CUDA context + NCCL buffers (fixed)", CONTEXT_BYTES)]
+
+    training = _training(here, ctx, _vllm_outside_generation(ro, budget, graphs))
+    transition = _transition(cfg, shape, P, roles[0], here, ctx, budget, vllm_weights, graphs)
+    vllm = (f"vLLM ({ro.gpu_memory_utilization:g} x {gpu_mem_gib:g} GiB: weights + KV cache)", budget)
+    generation = ctx + [vllm] + _resident(here)
     out = {"training": training, "transition": transition, "generation": generation,
            "params": P, "critic_params": P_c, "kv_cache": budget - vllm_weights, "vllm_weights": vllm_weights}
-    if cfg.use_critic and not critic.on_actor_gpus:  # its own GPUs: it trains there, nothing else does
+    if critic is not None and not critic.on_actor_gpus:  # its own GPUs: it trains there, nothing else does
         out["critic GPUs (separate pool)"] = ctx + [(f"critic {k}", v) for k, v in critic.items.items()] + \
             [(f"critic activations ({critic.act_label})", critic.activations)]
     return out
@@ -386,11 +326,9 @@ def main(argv=None) -> int:
                          "estimate at start-up)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = ap.parse_args(argv)
-    from hybridflow.config import ConfigError, load_config
-    from hybridflow.config.schema import ExperimentConfig
 
     try:
-        cfg = load_config(ExperimentConfig, [args.config], args.overrides)
+        cfg = load_experiment([args.config], args.overrides)
         shapes = find_shapes(cfg.model.path, args.model_config)
         rm_shapes = (find_shapes(cfg.reward_model.path, args.reward_model_config, "reward_model.path",
                                  "--reward-model-config") if cfg.reward_model.enable else None)

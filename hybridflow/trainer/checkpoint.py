@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from hybridflow.config import ConfigError
+from hybridflow.megatron.checkpoint_files import find_damage as role_damage, zip_is_whole
 from hybridflow.util import write_atomically
 
 log = logging.getLogger(__name__)
@@ -111,8 +112,6 @@ def find_damage(path: Path, roles: tuple[str, ...] = ("actor", "critic"), rng: b
     """The first missing, cut-short or corrupt file of checkpoint ``path`` that resuming (or, with
     ``roles=("actor",), rng=False``, exporting) reads, in a few words naming it; None when whole. Reads the
     small files and the data files' sizes only. A role other than the actor is checked when it was saved."""
-    from hybridflow.megatron.checkpoint_files import find_damage as role_damage, zip_is_whole
-
     try:
         state = read_state(path)
     except FileNotFoundError:

@@ -21,15 +21,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from hybridflow.config.schema import FILTER_SCORE as _SCORE
+from hybridflow.config.schema import FILTER_SEQ_REWARD as _SEQ_REWARD
 from hybridflow.protocol import Batch
 
-# verl's names for the sequence reward before any KL penalty (the recipe's "seq_reward", v1's "reward"), and the
-# reward managers' reward_extra_info entries that hold the scorer's own value ("acc" for a float, "score").
-_SEQ_REWARD = ("reward", "seq_reward", "seq_final_reward")
-_SCORE = ("score", "acc")
-# Per-row columns every scored batch may hold besides a reward function's returned entries (ppo.py: the
-# scorer's value, the rule score beside a reward model's, DAPO's overlong penalty with overlong_buffer.log).
-_COLUMNS = ("scores", "rule_scores", "overlong_reward")
 log = logging.getLogger(__name__)
 
 
@@ -104,18 +99,3 @@ def fill_batch(first: Batch, more: Iterator[Batch] | None, generate: Callable[[B
     return out, metrics
 
 
-def check_config(fg, algorithm, custom_reward_path: str | None = None) -> None:
-    """``seq_final_reward`` is the reward after the KL penalty, which does not exist yet when groups are
-    filtered here (before the old and reference log-probs): refused with KL in the reward. Without a custom
-    reward function (``custom_reward_path``) no scorer returns entries of its own, so the metric must be one
-    of verl's names or a scored batch's column. Run by ``ExperimentConfig.validate``, before any worker
-    starts."""
-    if not fg.enable:
-        return
-    if fg.metric == "seq_final_reward" and algorithm.use_kl_in_reward:
-        raise ValueError("algorithm.filter_groups.metric 'seq_final_reward' with algorithm.use_kl_in_reward: groups "
-                         "are filtered before the KL penalty is known; use 'seq_reward'")
-    known = _SEQ_REWARD + _SCORE + _COLUMNS
-    if custom_reward_path is None and fg.metric not in known:
-        raise ValueError(f"algorithm.filter_groups.metric {fg.metric!r} is not a reward column: use one of "
-                         f"{', '.join(known)} (a key a custom_reward_function returns in its dict works too)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hybridflow.algorithms import compute_advantage, kl_penalty, masked_mean
+from hybridflow.algorithms import ADVANTAGE_ESTIMATORS, compute_advantage, kl_penalty, masked_mean
 from hybridflow.protocol import Batch
 from hybridflow.rewards import on_last_token, score_batch
 from hybridflow.rewards.custom import CustomScorer, RewardFunctionError, verl_extra_info
@@ -91,7 +91,6 @@ def apply_kl_in_reward(batch: Batch, kl_coef: float, kind: str) -> tuple[Batch, 
     return batch.union(Batch.from_dict(tensors={"token_level_rewards": rewards})), current_kl
 
 
-_OPTIMAL_TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 def _gdpo_reward_components(batch: Batch, algo) -> dict:
@@ -112,8 +111,8 @@ def add_advantages(batch: Batch, algo) -> Batch:
     """``advantages`` and ``returns`` by ``algo.adv_estimator``, given what verl's driver gives each
     estimator: gdpo the reward components (``_gdpo_reward_components``), the optimal token baselines the
     old log-probs, ``sum_pi_squared`` and any ``rollout_is_weights``."""
-    t = batch.tensors
-    if algo.adv_estimator in _OPTIMAL_TOKEN_BASELINES and "sum_pi_squared" not in t:
+    t, needs = batch.tensors, ADVANTAGE_ESTIMATORS.needs(algo.adv_estimator)
+    if "sum_pi_squared" in needs and "sum_pi_squared" not in t:
         raise ValueError(f"adv_estimator {algo.adv_estimator} needs the actor's sum_pi_squared (the sum of "
                          "squared token probabilities per position, verl's actor.calculate_sum_pi_squared), "
                          "which this batch lacks")
@@ -123,7 +122,7 @@ def add_advantages(batch: Batch, algo) -> Batch:
         gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
         old_log_probs=t.get("old_log_probs"), sum_pi_squared=t.get("sum_pi_squared"),
         rollout_is_weights=t.get("rollout_is_weights"),
-        reward_components=_gdpo_reward_components(batch, algo) if algo.adv_estimator == "gdpo" else None,
+        reward_components=_gdpo_reward_components(batch, algo) if "reward_components" in needs else None,
         reward_weights=algo.gdpo_reward_weights)
     return batch.union(Batch.from_dict(tensors={"advantages": adv, "returns": returns}))
 

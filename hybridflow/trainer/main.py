@@ -9,9 +9,15 @@ import argparse
 import errno
 import sys
 
-from hybridflow.config import ConfigError, load_config
+from hybridflow import device
+from hybridflow.config import ConfigError
 from hybridflow.config.schema import ExperimentConfig
+from hybridflow.config.show import render
+from hybridflow.config.verl import check_agreement, split_argv, translate
+from hybridflow.plan import load_experiment
 from hybridflow.trainer import preflight
+from hybridflow.trainer.signals import EXIT_PREEMPTED, Preempted
+from hybridflow.versions import check_stack
 
 # Writes that fail for want of room or permission on the run's disk: a one-line error, not a traceback.
 _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
@@ -19,8 +25,6 @@ _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 
 def parse_args(argv=None):
     """Our arguments; everything after ``--verl-overrides`` is a verl command line's (``args.verl``)."""
-    from hybridflow.config.verl import split_argv
-
     ours, verl_args = split_argv(list(sys.argv[1:] if argv is None else argv))
     ap = argparse.ArgumentParser(prog="hybridflow", description=__doc__.splitlines()[0])
     ap.add_argument("--config", action="append", required=True, help="YAML file(s); later ones override")
@@ -51,11 +55,9 @@ def parse_intermixed(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.N
 def load(argv=None, sources: dict | None = None, no_effect: dict | None = None) -> ExperimentConfig:
     """The config of a command line; ``sources`` and ``no_effect`` (when given) receive where each value
     came from and the verl keys accepted without effect (with the reason)."""
-    from hybridflow.config.verl import check_agreement, translate
-
     args = parse_args(argv)
     verl = translate(args.verl)
-    cfg = load_config(ExperimentConfig, args.config, [*args.overrides, *verl.overrides], sources=sources)
+    cfg = load_experiment(args.config, [*args.overrides, *verl.overrides], sources=sources)
     check_agreement(cfg, verl.agree)
     if no_effect is not None:
         no_effect.update(verl.no_effect)
@@ -64,8 +66,6 @@ def load(argv=None, sources: dict | None = None, no_effect: dict | None = None) 
 
 def dry_run(argv) -> str:
     """The resolved config with the source of every value, then the verl keys that change nothing here."""
-    from hybridflow.config.show import render
-
     sources, no_effect = {}, {}
     cfg = load(argv, sources, no_effect)
     preflight.check_config(cfg)
@@ -86,11 +86,6 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
-    from hybridflow import device
-    from hybridflow.trainer.session import RunFailed, Trainer
-    from hybridflow.trainer.signals import EXIT_PREEMPTED, Preempted
-    from hybridflow.versions import check_stack
-
     try:
         if parse_args(argv).dry_run:
             print(dry_run(argv))
@@ -100,6 +95,8 @@ def _main(argv) -> int:
         # transformers fails here in one line, not at the first weight sync.
         check_stack(device.has_gpu())
         checked = None if cfg.prepare.enable else preflight.check_run(cfg)
+        from hybridflow.trainer.session import RunFailed, Trainer  # lazy: Ray and the workers, once checked
+
         trainer = Trainer(cfg, checked=checked)  # with prepare.enable: prepares, then checks
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

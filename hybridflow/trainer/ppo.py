@@ -7,13 +7,12 @@ from collections.abc import Iterator
 import torch
 
 from hybridflow.agent.loop import agent_metrics
-from hybridflow.agent.tools import tool_schemas
 from hybridflow.algorithms import make_kl_controller
-from hybridflow.algorithms.rollout_correction import active as rollout_correction_active
 from hybridflow.algorithms.rollout_correction import correct
 from hybridflow.data.dataset import PromptDataset
 from hybridflow.protocol import Batch
 from hybridflow.rewards import SourceRouter, on_last_token
+from hybridflow.rewards.custom import adapt_to_scorer, load_custom_reward_function
 from hybridflow.rewards.overlong import overlong_penalty
 from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.dynamic_sampling import fill_batch
@@ -32,7 +31,6 @@ def training_scorer(cfg):
     c, key = cfg.custom_reward_function, cfg.data.reward_fn_key
     if c.path is None:
         return SourceRouter.from_config(cfg.reward, key)
-    from hybridflow.rewards.custom import adapt_to_scorer, load_custom_reward_function
 
     return adapt_to_scorer(load_custom_reward_function(c.path, c.name), timeout_s=c.timeout_s, source_key=key)
 
@@ -41,17 +39,14 @@ class PPODriver:
     """The single controller's algorithm: holds the prompts, scorers and KL controller, and calls the worker
     groups, which hold the models, through their typed interfaces (workers/interfaces.py)."""
 
-    def __init__(self, cfg, tokenizer, workers: WorkerGroups):
-        self.cfg, self.tokenizer = cfg, tokenizer
+    def __init__(self, cfg, plan, tokenizer, workers: WorkerGroups, train_data: PromptDataset,
+                 val_data: PromptDataset | None):
+        """``plan``: the run plan (what the run needs: a reference, a greedy baseline, the old-log-prob forward);
+        the prompts as preflight loaded and checked them (every row's source has a scorer)."""
+        self.cfg, self.needs, self.tokenizer = cfg, plan.needs, tokenizer
         self.actor_rollout, self.critic, self.reward_model = workers.actor_rollout, workers.critic, workers.reward_model
-        d, tools = cfg.data, tool_schemas(cfg.rollout.multi_turn)
-        self.train_data = PromptDataset.from_config(d.train_files, tokenizer, d, tools=tools)
-        self.val_data = PromptDataset.from_config(d.val_files, tokenizer, d, tools=tools) if d.val_files else None
+        self.train_data, self.val_data = train_data, val_data
         self.train_scorer = training_scorer(cfg)  # training reward and validation accuracy
-        if isinstance(self.train_scorer, SourceRouter):  # sources no scorer takes fail here, not at a step
-            for data in (self.train_data, self.val_data):
-                if data is not None:
-                    self.train_scorer.check_dataset(data)
         # dynamic sampling's own prompt stream, for a caller of step() that passes none (the Trainer passes its
         # counted data stream, whose position its checkpoints record)
         self._more_prompts = None
@@ -68,7 +63,7 @@ class PPODriver:
         batch, metrics = self.rollout(prompts, step, t, more_prompts)
         batch = balance_batch(batch, cfg, self.actor_rollout.dispatch_infos()[0]["dp_size"], metrics)
         batch = self.add_old_log_probs(batch, t)
-        if self.needs_ref:
+        if self.needs.reference:
             with t("ref"):
                 batch = batch.union(self.actor_rollout.compute_ref_log_prob(batch))
         if self.critic is not None:
@@ -80,7 +75,7 @@ class PPODriver:
                 self.kl_ctrl.update(kl, n_steps=len(batch))
                 metrics.update({"actor/ref_kl": kl, "actor/kl_coef": self.kl_ctrl.value})
             else:
-                batch = batch.union(Batch.from_dict(tensors={"token_level_rewards": batch.tensors["token_level_scores"]}))
+                batch = batch.replace(tensors={"token_level_rewards": batch.tensors["token_level_scores"]})
             batch = self.correct_rollout(batch, metrics)
             batch = add_advantages(batch, algo)
         if self.critic is not None:
@@ -107,7 +102,7 @@ class PPODriver:
                 metrics.update(agent_metrics(batch.tensors, batch.non_tensors))
             with t("reward"):
                 batch = self.reward(batch)
-                if cfg.algorithm.adv_estimator == "remax":
+                if self.needs.greedy_baseline:
                     batch = batch.union(self.greedy_baseline(prompts))
             return batch
 
@@ -124,10 +119,10 @@ class PPODriver:
 
     def add_old_log_probs(self, batch: Batch, t: Timer) -> Batch:
         """The old log-probs: vLLM's own in rollout_correction.bypass_mode, none when the update's own are them
-        (``update_is_on_policy``), else the actor's forward."""
+        (the run plan's ``on_policy_reuse``), else the actor's forward."""
         if self.cfg.algorithm.rollout_correction.bypass_mode:
             return batch.union(Batch.from_dict(tensors={"old_log_probs": batch.tensors["rollout_log_probs"]}))
-        if self.update_is_on_policy:
+        if self.needs.on_policy_reuse:
             return batch
         with t("old_log_prob"):
             return batch.union(self.actor_rollout.compute_log_prob(batch))
@@ -141,22 +136,8 @@ class PPODriver:
             return batch
         weights, mask, m = correct(t["old_log_probs"], t["rollout_log_probs"], t["response_mask"], rc)
         metrics.update(m)
-        tensors = {**t, "response_mask": mask, **({} if weights is None else {"rollout_is_weights": weights})}
-        return Batch(tensors=tensors, non_tensors=batch.non_tensors, meta=batch.meta)
-
-    @property
-    def update_is_on_policy(self) -> bool:
-        """The actor's one update sees exactly the rollout's weights: its own log-probs are the old ones.
-        Not with rollout-correction weights or rejection (computed on the whole batch before the update) nor
-        for the optimal token baselines (their advantages need the forward's sum_pi_squared)."""
-        a, cfg, algo = self.cfg.actor, self.cfg, self.cfg.algorithm
-        return (a.reuse_on_policy_log_prob and a.ppo_epochs == 1 and a.ppo_mini_batch_size >= cfg.data.batch_size
-                and not algo.use_kl_in_reward and not rollout_correction_active(algo.rollout_correction)
-                and algo.adv_estimator not in ("optimal_token_baseline", "tir_optimal_token_baseline"))
-
-    @property
-    def needs_ref(self) -> bool:
-        return self.cfg.algorithm.use_kl_in_reward or self.cfg.actor.use_kl_loss
+        weighted = {} if weights is None else {"rollout_is_weights": weights}
+        return batch.replace(tensors={"response_mask": mask, **weighted})
 
     def reward(self, batch: Batch) -> Batch:
         """Training reward: the reward model's score when enabled, else the custom function or rule
@@ -170,7 +151,7 @@ class PPODriver:
         rm = self.reward_model.compute_rm_score(batch).tensors["rm_scores"]
         token = on_last_token(rm, batch.tensors["response_mask"])
         out = Batch.from_dict(tensors={"scores": rm, "token_level_scores": token, "rule_scores": rule})
-        return Batch(tensors={**batch.tensors, **out.tensors}, non_tensors=batch.non_tensors, meta=batch.meta)
+        return batch.replace(tensors=out.tensors)
 
     def shape_overlong(self, batch: Batch) -> Batch:
         """``token_level_scores`` + DAPO's overlong penalty (rewards/overlong.py); ``scores`` stay the scorer's
@@ -180,15 +161,14 @@ class PPODriver:
             return batch
         mask = batch.tensors["response_mask"]
         penalty = overlong_penalty(response_lengths(batch), self.cfg.data.max_response_length, ob.len, ob.penalty_factor)
-        tensors = {**batch.tensors, "token_level_scores": batch.tensors["token_level_scores"] + on_last_token(penalty, mask)}
+        tensors = {"token_level_scores": batch.tensors["token_level_scores"] + on_last_token(penalty, mask)}
         if ob.log:
             tensors["overlong_reward"] = penalty
-        return Batch(tensors=tensors, non_tensors=batch.non_tensors, meta=batch.meta)
+        return batch.replace(tensors=tensors)
 
     def greedy_baseline(self, prompts: Batch) -> Batch:
         """ReMax: the reward of a greedy response per prompt, repeated for its n samples."""
-        greedy = self.actor_rollout.generate(Batch(tensors=prompts.tensors, non_tensors=prompts.non_tensors,
-                                                   meta={**prompts.meta, "temperature": 0.0}))
+        greedy = self.actor_rollout.generate(prompts.replace(meta={"temperature": 0.0}))
         greedy.meta.pop("memory", None)
         base = self.reward(greedy).tensors["token_level_scores"].sum(-1)
         return Batch.from_dict(tensors={"reward_baselines": base.repeat_interleave(self.cfg.rollout.n)})

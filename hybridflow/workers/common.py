@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import os
 
+from hybridflow import rng
+from hybridflow.megatron import lr_schedule, parallel
+from hybridflow.megatron.checkpoint import load_role, save_role
+from hybridflow.megatron.hf_weights import HFWeights
+from hybridflow.megatron.role import OffloadSettings, OptimSettings
+
 
 def open_hf_folder(path: str) -> tuple:
     """(HF config, ``HFWeights``) of a HF model folder with safetensors weights: nothing is read until
     asked for, so a rank converting its shard reads only that (megatron/hf_weights.py)."""
     from transformers import AutoConfig
-
-    from hybridflow.megatron.hf_weights import HFWeights
 
     weights = HFWeights(path)
     return AutoConfig.from_pretrained(path), weights
@@ -41,9 +45,6 @@ def optim_settings(optim, megatron_cfg, total_steps: int, key: str = "optim"):
     """The engine's optimizer settings from a role's ``optim`` and ``megatron`` config sections, with the
     learning-rate schedule over the run's ``total_steps`` PPO steps (``key``: the optim section's name in
     errors, e.g. ``actor.optim``)."""
-    from hybridflow.megatron import lr_schedule
-    from hybridflow.megatron.role import OptimSettings
-
     return OptimSettings(lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
                          clip_grad=optim.clip_grad, use_distributed_optimizer=megatron_cfg.use_distributed_optimizer,
                          schedule=lr_schedule.resolve(optim, total_steps, key))
@@ -51,8 +52,6 @@ def optim_settings(optim, megatron_cfg, total_steps: int, key: str = "optim"):
 
 def offload_settings(megatron_cfg):
     """The engine's offload settings from a role's ``megatron`` config section."""
-    from hybridflow.megatron.role import OffloadSettings
-
     m = megatron_cfg
     return OffloadSettings(params=m.param_offload, grads=m.grad_offload, optimizer=m.optimizer_offload)
 
@@ -61,8 +60,6 @@ def ref_offload_settings(actor_cfg):
     """The reference role's offload settings: only parameters (it has no grads or optimizer), as
     ``actor.ref_param_offload`` says (verl's actor_rollout_ref.ref.megatron.param_offload); None: as the
     actor's ``megatron.param_offload`` (schema's ``resolve_defaults`` normally fills it in)."""
-    from hybridflow.megatron.role import OffloadSettings
-
     wanted = actor_cfg.ref_param_offload
     return OffloadSettings(params=actor_cfg.megatron.param_offload if wanted is None else wanted)
 
@@ -70,8 +67,6 @@ def ref_offload_settings(actor_cfg):
 def init_megatron_worker(worker, megatron_cfg, seed: int, model_path: str, timeout_s: float) -> tuple:
     """Join the group's torch.distributed world, create megatron's groups for the role's layout, and
     open the HF weights the role starts from: (HF config, ``HFWeights``, read lazily)."""
-    from hybridflow.megatron import parallel
-
     worker.init_distributed(timeout_s=timeout_s)
     parallel.init_model_parallel(megatron_cfg.tensor_model_parallel_size, megatron_cfg.pipeline_model_parallel_size,
                                  seed=seed, timeout_s=timeout_s, ep=megatron_cfg.expert_model_parallel_size,
@@ -84,9 +79,6 @@ def save_role_checkpoint(worker, role, name: str, path: str) -> None:
     it) and this rank's random streams into ``<path>/rng/<name>_rank<r>.pt``."""
     import os
 
-    from hybridflow import rng
-    from hybridflow.megatron.checkpoint import save_role
-
     save_role(role, f"{path}/{name}")
     os.makedirs(f"{path}/rng", exist_ok=True)
     rng.save(f"{path}/rng/{name}_rank{worker.rank}.pt")
@@ -95,9 +87,6 @@ def save_role_checkpoint(worker, role, name: str, path: str) -> None:
 def load_role_checkpoint(worker, role, name: str, path: str, restore_rng: bool) -> None:
     """Inverse of ``save_role_checkpoint``; the random streams only at the saved layout (``restore_rng``):
     at another layout the ranks draw differently anyway."""
-    from hybridflow import rng
-    from hybridflow.megatron.checkpoint import load_role
-
     load_role(role, f"{path}/{name}")
     if restore_rng:
         rng.load(f"{path}/rng/{name}_rank{worker.rank}.pt")

@@ -27,12 +27,12 @@ class CriticWorker(Worker):
     def dispatch_info(self, mesh: str = "train") -> dict:  # noqa: ARG002 (the critic has one mesh)
         return parallel.dispatch_info()
 
-    @register(Dispatch.DP_COMPUTE_PROTO_3D)
+    @register(Dispatch.DP_COMPUTE_3D)
     def compute_values(self, batch: Batch) -> Batch:
         return role_ops.last_stage_batch(
             values=role_ops.values(self.critic, batch, role_ops.value_batching(self.cfg.critic)))
 
-    @register(Dispatch.DP_COMPUTE_PROTO_3D)
+    @register(Dispatch.DP_COMPUTE_3D)
     def update_critic(self, batch: Batch) -> dict:
         metrics = role_ops.update_value(self.critic, batch, self.cfg.critic, parallel.dispatch_info()["dp_size"],
                                         self.cfg.rollout.n)

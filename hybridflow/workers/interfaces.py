@@ -3,8 +3,8 @@
 A ``RayWorkerGroup`` binds its worker class's ``@register``-ed methods by reflection, so neither an IDE nor
 a reader could follow ``self.actor_rollout.generate`` from the driver to the worker. The driver holds its
 groups as these Protocols instead; each method is the worker method of the same name, with the group-level
-result its dispatch mode collects: one Batch for DP_COMPUTE / DP_COMPUTE_PROTO_3D methods that return a
-Batch, a list of per-rank results otherwise (ONE_TO_ALL: every rank; DP_COMPUTE_PROTO_3D: the collecting
+result its dispatch mode collects: one Batch for DP_COMPUTE / DP_COMPUTE_3D methods that return a
+Batch, a list of per-rank results otherwise (ONE_TO_ALL: every rank; DP_COMPUTE_3D: the collecting
 ranks, in data-parallel order). tests/unit/test_worker_interfaces.py checks that every Protocol method is a
 registered worker method with the same parameters and that every registered method is listed here.
 """

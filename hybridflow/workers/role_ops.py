@@ -216,6 +216,35 @@ def _train(role, batch, *, name, mini_batch_size, micro, epochs, keys, loss_fn, 
     return metrics
 
 
+def _role_step_metrics(metrics: dict, prefix: str) -> dict:
+    """The optimizer steps' metrics under the role's prefix, as verl's trainer names them (actor/..., critic/...)."""
+    for key in ("grad_norm", "lr", "update_skipped"):
+        metrics[f"{prefix}/{key}"] = metrics.pop(key)
+    return metrics
+
+
+def _policy_update_keys(batch: Batch, actor_cfg, on_policy: bool, measure: bool) -> list[str]:
+    """The batch tensors the policy update reads: the old log-probs unless on-policy, the reference's for the
+    KL loss, the rollout's to measure the mismatch, and rollout correction's weights when the batch has them."""
+    return ["advantages", "response_mask"] + ([] if on_policy else ["old_log_probs"]) + (
+        ["ref_log_prob"] if actor_cfg.use_kl_loss else []) + (["rollout_log_probs"] if measure else []) + (
+        ["rollout_is_weights"] if "rollout_is_weights" in batch.tensors else [])
+
+
+def _surrogate_loss(old, log_prob, mb: dict, whole: GlobalBatch, actor_cfg, rollout_correction):
+    """The policy-gradient loss of a micro-batch and its metrics: verl's bypass loss in rollout correction's
+    ``bypass_mode``, else the loss ``actor.policy_loss.loss_mode`` names."""
+    a, rc, mask = actor_cfg, rollout_correction, mb["response_mask"]
+    if rc is not None and rc.bypass_mode:  # verl's apply_bypass_mode: loss_mode becomes bypass_mode
+        return compute_policy_loss_bypass_mode(old, log_prob, mb["advantages"], mask, loss_agg_mode=a.loss_agg_mode,
+                                               config=a, global_batch=whole, rollout_correction=rc)
+    # actor.policy_loss.loss_mode picks the loss; each reads its settings from the actor config
+    weights = {"rollout_is_weights": mb["rollout_is_weights"]} if "rollout_is_weights" in mb else {}
+    return POLICY_LOSSES.get(a.policy_loss.loss_mode)(
+        old, log_prob, mb["advantages"], mask, loss_agg_mode=a.loss_agg_mode, config=a, global_batch=whole,
+        **weights)
+
+
 def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rollout_n: int = 1,
                   rollout_correction=None, temperature: float = 1.0) -> dict:
     """PPO clipped policy loss (- entropy_coeff x entropy, + optional KL-to-reference loss) over mini-batches of
@@ -229,28 +258,18 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
     rollout's and verl's bypass loss replaces ``loss_mode``; an on-policy update measures the mismatch of its
     own (detached) log-probs to the rollout's, per micro-batch (averaged, as verl's bypass metrics are)."""
     a, rc = actor_cfg, rollout_correction
-    bypass = rc is not None and rc.bypass_mode
-    # Without old log-probs the update is on-policy (PPODriver.update_is_on_policy): its own log-probs,
+    # Without old log-probs the update is on-policy (the run plan's needs.on_policy_reuse): its own log-probs,
     # detached, are the old ones (ratio 1, the same gradient), and it reports the entropy the skipped
     # forward would have.
     on_policy = "old_log_probs" not in batch.tensors
     measure = on_policy and "rollout_log_probs" in batch.tensors
-    keys = ["advantages", "response_mask"] + ([] if on_policy else ["old_log_probs"]) + (
-        ["ref_log_prob"] if a.use_kl_loss else []) + (["rollout_log_probs"] if measure else []) + (
-        ["rollout_is_weights"] if "rollout_is_weights" in batch.tensors else [])
+    keys = _policy_update_keys(batch, a, on_policy, measure)
 
     def loss_fn(mb, logits, whole):
         log_prob = response_log_probs(logits, mb, temperature)
         mask = mb["response_mask"]
         old = log_prob.detach() if on_policy else mb["old_log_probs"]
-        if bypass:  # verl's apply_bypass_mode: loss_mode becomes bypass_mode
-            loss, m = compute_policy_loss_bypass_mode(old, log_prob, mb["advantages"], mask, loss_agg_mode=a.loss_agg_mode,
-                                                      config=a, global_batch=whole, rollout_correction=rc)
-        else:  # actor.policy_loss.loss_mode picks the loss; each reads its settings from the actor config
-            weights = {"rollout_is_weights": mb["rollout_is_weights"]} if "rollout_is_weights" in mb else {}
-            loss, m = POLICY_LOSSES.get(a.policy_loss.loss_mode)(
-                old, log_prob, mb["advantages"], mask, loss_agg_mode=a.loss_agg_mode, config=a, global_batch=whole,
-                **weights)
+        loss, m = _surrogate_loss(old, log_prob, mb, whole, a, rc)
         # verl's trainer prefixes every update metric with actor/ (rename_dict): bypass_mode's rollout_corr/...
         # become actor/rollout_corr/...
         metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
@@ -278,10 +297,7 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
     metrics = _train(role, batch, name="actor", mini_batch_size=a.ppo_mini_batch_size * rollout_n // dp_size,
                      micro=_update_batching(a, "actor"), epochs=a.ppo_epochs, keys=keys, loss_fn=loss_fn,
                      loss_scale_factor=a.loss_scale_factor)
-    metrics["actor/grad_norm"] = metrics.pop("grad_norm")
-    metrics["actor/lr"] = metrics.pop("lr")
-    metrics["actor/update_skipped"] = metrics.pop("update_skipped")
-    return metrics
+    return _role_step_metrics(metrics, "actor")
 
 
 def update_value(role: MegatronRole, batch: Batch, critic_cfg, dp_size: int, rollout_n: int = 1) -> dict:
@@ -299,7 +315,4 @@ def update_value(role: MegatronRole, batch: Batch, critic_cfg, dp_size: int, rol
                      micro=_update_batching(c, "critic"), epochs=c.ppo_epochs,
                      keys=["values", "returns", "response_mask"], loss_fn=loss_fn,
                      loss_scale_factor=c.loss_scale_factor)
-    metrics["critic/grad_norm"] = metrics.pop("grad_norm")
-    metrics["critic/lr"] = metrics.pop("lr")
-    metrics["critic/update_skipped"] = metrics.pop("update_skipped")
-    return metrics
+    return _role_step_metrics(metrics, "critic")

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.distributed
 # Mistral converts as Llama does (Llama at TP 1 and 2: test_rope_scaling.py); its own check: test_check_model.py
 ARCHS = ("qwen3", "qwen3_moe", "qwen2_moe")
 # (t, p, e); data parallel = e. TP 2 with EP 2 keeps the experts whole (expert TP 1): with both above 1,
-# megatron's dispatcher all-gathers uneven token counts, which gloo cannot (preflight.check_expert_layout).
+# megatron's dispatcher all-gathers uneven token counts, which gloo cannot (plan.layout.ParallelLayout.check_experts).
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)]
 IDS = [f"tp{t}_pp{p}_ep{e}" for t, p, e in LAYOUTS]
 

@@ -69,10 +69,9 @@ ARCH_CASES = [  # (architecture, GPUs, overrides): GRPO with the KL loss, so the
 
 
 def gpu_config(assets, tmp_path, n_workers: int, *overrides, model_dir=None):
-    from hybridflow.config import load_config
-    from hybridflow.config.schema import ExperimentConfig
+    from hybridflow.plan import load_experiment
 
-    return load_config(ExperimentConfig, [str(REPO / "configs" / "ppo_megatron.yaml")], [
+    return load_experiment([str(REPO / "configs" / "ppo_megatron.yaml")], [
         f"model.path={model_dir or assets.model_dir}", f"data.train_files=[{assets.train_file}]",
         f"data.val_files=[{assets.val_file}]", f"trainer.output_dir={tmp_path}/run", "trainer.save_hf_at_end=false",
         "prepare.enable=false", f"reward.name={SCORER}",
@@ -298,17 +297,20 @@ def test_rollout_after_validation_without_sync(gpu_assets, tmp_path):
     from transformers import AutoTokenizer
 
     from hybridflow.controller.decorator import get_register_spec
+    from hybridflow.plan import resolve
     from hybridflow.trainer.placement import build_worker_groups
     from hybridflow.trainer.ppo import PPODriver
+    from hybridflow.trainer.preflight import load_prompts
     from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 
     cfg = gpu_config(gpu_assets, tmp_path, 1, "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
                      "rollout.n=2")  # no critic, no reference: the smallest build
     with gpu_ray_cluster():
-        workers = build_worker_groups(cfg)
+        plan, tokenizer = resolve(cfg), AutoTokenizer.from_pretrained(cfg.model.path)
+        workers = build_worker_groups(cfg, plan)
         stuck = False
         try:
-            trainer = PPODriver(cfg, AutoTokenizer.from_pretrained(cfg.model.path), workers)
+            trainer = PPODriver(cfg, plan, tokenizer, workers, *load_prompts(cfg, tokenizer))
             probe = with_meta(trainer.val_data.batch(list(range(N_PROBE))), temperature=0.0)
             first = _vllm_tokens(trainer.actor_rollout.generate(probe))
             # The second call through a future with a deadline: if it hangs, the test fails instead.

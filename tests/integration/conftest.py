@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridflow.config import load_config
-from hybridflow.config.schema import ExperimentConfig
+from hybridflow.plan import load_experiment, resolve
 from hybridflow.rewards import register_scorer
 
 SMALL = ["prepare.sft_steps=150", "prepare.num_layers=2", "prepare.n_val=32", "data.batch_size=16",
@@ -22,7 +21,7 @@ def digit_overlap(response: str, answer: str) -> float:
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     out = tmp_path_factory.mktemp("assets")
-    cfg = load_config(ExperimentConfig, ["configs/quickstart_cpu.yaml"], [
+    cfg = load_experiment(["configs/quickstart_cpu.yaml"], [
         f"prepare.data_dir={out}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
         "prepare.vocab_multiple=128", *SMALL])  # vocab 128: vLLM's vocab shards match megatron's at TP 2
     from hybridflow.trainer.prepare import prepare_quickstart
@@ -32,7 +31,7 @@ def assets(tmp_path_factory):
 
 
 def make_cfg(assets, tmp_path, *overrides, config="configs/quickstart_cpu.yaml"):
-    return load_config(ExperimentConfig, [config], [
+    return load_experiment([config], [
         f"model.path={assets}/sft", f"data.train_files=[{assets}/data/train.parquet]",
         f"data.val_files=[{assets}/data/val.parquet]", f"trainer.output_dir={tmp_path}/run", "prepare.enable=false",
         *SMALL, "reward.name=test_digit_overlap", *overrides])
@@ -46,9 +45,12 @@ def run_steps(cfg, n_steps: int, check=None) -> list[dict]:
     from hybridflow.trainer.placement import build_worker_groups
     from hybridflow.trainer.ppo import PPODriver
 
-    workers = build_worker_groups(cfg)
+    from hybridflow.trainer.preflight import load_prompts
+
+    plan, tokenizer = resolve(cfg), AutoTokenizer.from_pretrained(cfg.model.path)
+    workers = build_worker_groups(cfg, plan)
     try:
-        trainer = PPODriver(cfg, AutoTokenizer.from_pretrained(cfg.model.path), workers)
+        trainer = PPODriver(cfg, plan, tokenizer, workers, *load_prompts(cfg, tokenizer))
         data = trainer.train_data.iterate(cfg.data.batch_size, shuffle=True, seed=0)
         history = []
         for step in range(1, n_steps + 1):

@@ -93,11 +93,11 @@ class Worker3D(Worker):
         return {"dp_rank": self.rank // 2, "dp_size": self.world_size // 2,
                 "collect": self.rank % 2 == 1}
 
-    @register(Dispatch.DP_COMPUTE_PROTO_3D, mesh="flat")
+    @register(Dispatch.DP_COMPUTE_3D, mesh="flat")
     def tag_flat(self, batch: Batch) -> Batch:
         return Batch.from_dict(tensors={"rank": torch.full((len(batch),), self.rank)})
 
-    @register(Dispatch.DP_COMPUTE_PROTO_3D)
+    @register(Dispatch.DP_COMPUTE_3D)
     def compute(self, batch: Batch) -> Batch:
         self.seen = batch["x"].tolist()
         return Batch.from_dict(tensors={"x": batch["x"] * 2},
@@ -245,7 +245,7 @@ def test_torch_distributed_gloo_all_reduce(dp_group):
     assert dp_group.allreduce() == [(3.0, "gloo", 2), (3.0, "gloo", 2)]
 
 
-def test_dp_compute_proto_3d(ray_cluster):
+def test_dp_compute_3d(ray_cluster):
     pool = ResourcePool("three_d", world_size=4, cpus_per_bundle=0.25)
     wg = RayWorkerGroup(pool, Worker3D, name_prefix="three_d")
     try:
@@ -254,7 +254,7 @@ def test_dp_compute_proto_3d(ray_cluster):
         assert out["rank"].tolist() == [1, 1, 1, 3, 3, 3]  # only collect ranks, dp order
         # every rank computed its dp shard, collecting or not
         assert wg.last_seen() == [[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
-        with pytest.raises(ValueError, match="compute: DP_COMPUTE_PROTO_3D .* size 5 into 2"):
+        with pytest.raises(ValueError, match="compute: DP_COMPUTE_3D .* size 5 into 2"):
             wg.compute(_batch(5))
         # a method registered on another mesh splits over that mesh's layout
         assert wg.tag_flat(_batch(8))["rank"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]

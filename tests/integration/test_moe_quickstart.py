@@ -15,12 +15,11 @@ pytestmark = pytest.mark.integration
 
 
 def test_moe_overlay_trains_with_expert_parallelism(assets, tmp_path, ray_cluster):
-    from hybridflow.config import load_config
-    from hybridflow.config.schema import ExperimentConfig
+    from hybridflow.plan import load_experiment
     from hybridflow.trainer.prepare import prepare_quickstart
 
     model = tmp_path / "moe"
-    prep = load_config(ExperimentConfig, ["configs/quickstart_moe_cpu.yaml"], [
+    prep = load_experiment(["configs/quickstart_moe_cpu.yaml"], [
         f"prepare.data_dir={assets}/data", f"prepare.base_model_dir={model}/base", f"model.path={model}/sft",
         "prepare.vocab_multiple=128", *SMALL, "prepare.sft_steps=20", "prepare.sft_target_accuracy=null"])
     prepare_quickstart(prep)  # a short warm start: this checks the mechanics, the closing note the learning

@@ -37,7 +37,7 @@ def _perturb_rollout(worker, scale: float) -> None:
 
 
 def _perturb_after_step_1(trainer, step, metrics):
-    metrics["update_is_on_policy"] = trainer.update_is_on_policy
+    metrics["update_is_on_policy"] = trainer.needs.on_policy_reuse
     if step == 1:
         ray.get([w.__ray_call__.remote(_perturb_rollout, 0.5) for w in trainer.actor_rollout.workers])
 

@@ -21,8 +21,8 @@ def _hf_trajectories(cfg, state: dict, prompts) -> list[tuple[list[int], list[in
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from hybridflow.agent.hf_engine import HFEngine
-    from hybridflow.workers.actor_rollout_ref import build_agent_loop
     from hybridflow.rollout.vllm_rollout import SamplingSettings
+    from hybridflow.workers.actor_rollout_ref import build_agent_loop
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path)).float().eval()
@@ -38,17 +38,16 @@ def _hf_trajectories(cfg, state: dict, prompts) -> list[tuple[list[int], list[in
 
 
 def test_tools_overlay_trains_multi_turn(tmp_path, ray_cluster):
-    from hybridflow.config import load_config
-    from hybridflow.config.schema import ExperimentConfig
+    from hybridflow.plan import load_experiment
     from hybridflow.trainer.prepare import prepare_quickstart
     from tests.integration.conftest import run_steps
 
     base = [f"prepare.data_dir={tmp_path}/data", f"prepare.base_model_dir={tmp_path}/base",
             f"model.path={tmp_path}/sft", "prepare.num_layers=2", "prepare.n_train=2000", "prepare.n_val=16"]
-    prep = load_config(ExperimentConfig, ["configs/quickstart_tools_cpu.yaml"],
+    prep = load_experiment(["configs/quickstart_tools_cpu.yaml"],
                        [*base, "prepare.sft_steps=80", "prepare.tool_trace_fraction=1.0"])
     prepare_quickstart(prep)  # a short warm start: enough to call the calculator; the closing note has the learning
-    cfg = load_config(ExperimentConfig, ["configs/quickstart_tools_cpu.yaml"], [
+    cfg = load_experiment(["configs/quickstart_tools_cpu.yaml"], [
         *base, f"data.train_files=[{tmp_path}/data/train.parquet]", f"data.val_files=[{tmp_path}/data/val.parquet]",
         f"trainer.output_dir={tmp_path}/run", "prepare.enable=false", "data.batch_size=8",
         "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=4", "ray.num_cpus=2"])

@@ -37,11 +37,10 @@ def verl_assets(tmp_path_factory):
 
 
 def test_two_ppo_steps_on_verl_format(verl_assets, tmp_path, ray_cluster):
-    from hybridflow.config import load_config
-    from hybridflow.config.schema import ExperimentConfig
+    from hybridflow.plan import load_experiment
 
     d = verl_assets
-    cfg = load_config(ExperimentConfig, ["configs/quickstart_cpu.yaml"], [
+    cfg = load_experiment(["configs/quickstart_cpu.yaml"], [
         f"model.path={d}/model", f"data.train_files=[{d}/train.parquet]", f"data.val_files=[{d}/test.parquet]",
         f"trainer.output_dir={tmp_path}/run", "prepare.enable=false", *SMALL, "data.batch_size=15",
         "actor.ppo_mini_batch_size=15", "actor.ppo_micro_batch_size_per_gpu=5", "critic.ppo_mini_batch_size=15",

@@ -355,7 +355,7 @@ def test_prompts_the_tokenizer_cannot_represent_are_counted_in_one_warning(good,
     train = _write(tmp_path / "train.parquet", prompt=prompts, answer=["2"] * len(prompts))
     with caplog.at_level(logging.WARNING, logger="hybridflow.trainer.preflight"):
         checked = check_run(_load(good, tmp_path, f"data.train_files=[{train}]"))
-    assert checked.n_train == len(prompts)  # kept: a warning, not an error
+    assert len(checked.train_data) == len(prompts)  # kept: a warning, not an error
     assert [r.getMessage() for r in caplog.records] == [
         f"data.train_files: 2 prompts in {train} hold characters the tokenizer of {good}/model cannot represent "
         "(unknown tokens, or dropped); the first is row 64"]
@@ -435,6 +435,7 @@ def test_a_sequence_that_cannot_fit_the_cpu_kv_cache_is_refused(tmp_path):
     sequence does not fit into 1 GiB of it."""
     from transformers import Qwen2Config
 
+    from hybridflow.plan import resolve
     from hybridflow.trainer.main import load
     from hybridflow.trainer.preflight import check_step_fits
 
@@ -444,6 +445,7 @@ def test_a_sequence_that_cannot_fit_the_cpu_kv_cache_is_refused(tmp_path):
                 "rollout.dtype=bfloat16"])
     with pytest.raises(ConfigError, match=r"^rollout.kv_cache_gib=1 holds 3,276 tokens of this model, but one "
                                           r"sequence takes up to 4,096"):
-        check_step_fits(cfg, big)
-    check_step_fits(load(["--config", QUICKSTART, "data.max_prompt_length=1024", "data.max_response_length=2048",
-                          "rollout.dtype=bfloat16"]), big)
+        check_step_fits(cfg, big, resolve(cfg))
+    cfg = load(["--config", QUICKSTART, "data.max_prompt_length=1024", "data.max_response_length=2048",
+                "rollout.dtype=bfloat16"])
+    check_step_fits(cfg, big, resolve(cfg))

@@ -7,12 +7,12 @@ import re
 from pathlib import Path
 
 import pytest
-
 import yaml
 
-from hybridflow.config import config_to_dict, flat_items, load_config
+from hybridflow.config import config_to_dict, flat_items
 from hybridflow.config.schema import ExperimentConfig
-from hybridflow.config.show import main, show
+from hybridflow.tools.config_show import main, show
+from hybridflow.plan import load_experiment
 
 BASE = "configs/ppo_megatron.yaml"
 
@@ -41,7 +41,7 @@ def test_no_config_restates_what_it_inherits(path):
     """Every value a file sets differs from what it would inherit (its defaults files, then the schema,
     with keys that default to another key's value resolved): a restated value is drift waiting to happen."""
     parents = [path.parent / p for p in (yaml.safe_load(path.read_text()).get("defaults") or [])]
-    inherited = load_config(ExperimentConfig, parents) if parents else ExperimentConfig()
+    inherited = load_experiment(parents) if parents else ExperimentConfig()
     inherited.resolve_defaults()
     values = dict(flat_items(config_to_dict(inherited)))
     restated = [k for k, v in _set_keys(path) if k in values and values[k] == v]
@@ -69,4 +69,4 @@ def test_dump_is_the_schema_defaults(tmp_path, capsys):
     path.write_text(capsys.readouterr().out)
     defaults = ExperimentConfig()
     defaults.resolve_defaults()  # loading fills the keys that default to another key's value
-    assert config_to_dict(load_config(ExperimentConfig, [str(path)])) == config_to_dict(defaults)
+    assert config_to_dict(load_experiment([str(path)])) == config_to_dict(defaults)

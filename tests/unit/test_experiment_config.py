@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from hybridflow.config import ConfigError, load_config
-from hybridflow.config.schema import ExperimentConfig
+from hybridflow.config import ConfigError
+from hybridflow.plan import load_experiment, resolve
 from hybridflow.trainer.main import main
 
 QUICKSTART = "configs/quickstart_cpu.yaml"
 
 
 def load(*overrides):
-    return load_config(ExperimentConfig, [QUICKSTART], list(overrides))
+    return load_experiment([QUICKSTART], list(overrides))
 
 
 def test_quickstart_and_base_load():
     cfg = load()
-    assert cfg.prepare.enable and cfg.data.batch_size == 64 and cfg.use_critic
-    base = load_config(ExperimentConfig, ["configs/ppo_megatron.yaml"])
+    assert cfg.prepare.enable and cfg.data.batch_size == 64 and resolve(cfg).needs.critic
+    base = load_experiment(["configs/ppo_megatron.yaml"])
     assert base.rollout.dtype == "bfloat16" and base.resources.n_workers == 8
 
 
@@ -58,7 +58,7 @@ def test_unknown_key_in_file_names_the_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"defaults: [{__import__('os').path.abspath(QUICKSTART)}]\ntrainer:\n  totl_steps: 3\n")
     with pytest.raises(ConfigError, match=r"unknown key 'trainer.totl_steps' in .*bad.yaml; did you mean 'trainer.total_steps'\?"):
-        load_config(ExperimentConfig, [str(bad)])
+        load_experiment([str(bad)])
 
 
 def test_cli_reports_config_errors_before_starting_anything(capsys):
@@ -75,7 +75,7 @@ def test_cli_reports_missing_data_file(capsys, tmp_path):
 
 @pytest.mark.parametrize("path", sorted(__import__("glob").glob("configs/*.yaml")))
 def test_every_shipped_config_loads(path):
-    cfg = load_config(ExperimentConfig, [path])
+    cfg = load_experiment([path])
     assert cfg.data.batch_size > 0
 
 

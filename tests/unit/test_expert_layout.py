@@ -8,31 +8,29 @@ from types import SimpleNamespace
 
 import pytest
 
-from hybridflow.config import ConfigError, load_config
-from hybridflow.config.schema import ExperimentConfig
-from hybridflow.trainer.preflight import check_expert_layout
+from hybridflow.plan import ParallelLayout, load_experiment
 
 MOE = SimpleNamespace(num_experts=8, moe_intermediate_size=64)
 
 
 def _actor(*overrides):
-    cfg = load_config(ExperimentConfig, ["configs/quickstart_moe_cpu.yaml"],
-                      ["actor.megatron.tensor_model_parallel_size=2", *overrides])
+    cfg = load_experiment(["configs/quickstart_moe_cpu.yaml"], ["actor.megatron.tensor_model_parallel_size=2", *overrides])
     return cfg.actor.megatron
 
 
-@pytest.fixture(params=[False, True], ids=["cpu", "gpu"])
-def on_gpu(request, monkeypatch):
-    from hybridflow import device
+def check_expert_layout(mp, model, on_gpu):
+    ParallelLayout.of("actor", mp, 4, "resources.n_workers").check_experts(model, "m", on_gpu)
 
-    monkeypatch.setattr(device, "has_gpu", lambda: request.param)
+
+@pytest.fixture(params=[False, True], ids=["cpu", "gpu"])
+def on_gpu(request):
     return request.param
 
 
 def test_expert_tp_defaults_to_1_with_ep_above_1(on_gpu):
     mp = _actor("actor.megatron.expert_model_parallel_size=2")
     assert mp.expert_tensor_parallel_size == 1
-    check_expert_layout(mp, MOE, "actor.megatron", "m")  # passes: the layout the workers can run
+    check_expert_layout(mp, MOE, on_gpu)  # passes: the layout the workers can run
 
 
 def test_without_ep_expert_tp_stays_megatrons_default():
@@ -43,5 +41,5 @@ def test_without_ep_expert_tp_stays_megatrons_default():
 def test_an_explicit_expert_tp_the_transition_cannot_move_is_one_line_on_every_device(on_gpu):
     mp = _actor("actor.megatron.expert_model_parallel_size=2", "actor.megatron.expert_tensor_parallel_size=2",
                 "resources.n_workers=4")
-    with pytest.raises(ConfigError, match=r"^actor\.megatron\.expert_tensor_parallel_size \(2\) must be 1"):
-        check_expert_layout(mp, MOE, "actor.megatron", "m")
+    with pytest.raises(ValueError, match=r"^actor\.megatron\.expert_tensor_parallel_size \(2\) must be 1"):
+        check_expert_layout(mp, MOE, on_gpu)

@@ -5,8 +5,7 @@ import os
 
 import pytest
 
-from hybridflow.config import load_config
-from hybridflow.config.schema import ExperimentConfig
+from hybridflow.plan import load_experiment
 from hybridflow.tools import memory_plan as mp
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,7 +43,7 @@ def tiny(tmp_path):
     (tmp_path / "tiny.json").write_text(json.dumps(TINY))
 
     def load(*overrides):
-        return load_config(ExperimentConfig, [str(tmp_path / "tiny.yaml")], list(overrides))
+        return load_experiment([str(tmp_path / "tiny.yaml")], list(overrides))
     load.dir = tmp_path
     return load
 
@@ -230,7 +229,7 @@ def test_moe_counts_and_expert_sharding():
     assert mp.count_params(shipped_shape("qwen3-8b.json")) == 8_190_735_360
     experts = mp.expert_params(shape)
     assert experts == 48 * 128 * 3 * 2048 * 768
-    cfg = load_config(ExperimentConfig, ["configs/gsm8k_qwen3_30b_a3b_gspo.yaml"], [])
+    cfg = load_experiment(["configs/gsm8k_qwen3_30b_a3b_gspo.yaml"], [])
     role = mp.make_role("actor", cfg.actor, mp.count_params(shape), shape, 1024, 16, shape.vocab)
     dense = mp.count_params(shape) - experts
     per_gpu = dense / 2 + experts / 8  # TP 2; EP 8 x expert TP 1

@@ -156,24 +156,23 @@ def test_reward_function_entries_become_columns_for_filtering(tmp_path):
      r"seq_final_reward, score, acc, scores, rule_scores, overlong_reward \(a key a custom_reward_function returns"),
 ])
 def test_config_errors_come_from_loading_the_config(overrides, message):
-    """Raised by ExperimentConfig.validate, before any worker starts, on one line."""
-    from hybridflow.config import ConfigError, load_config
-    from hybridflow.config.schema import ExperimentConfig
+    """Raised by the run plan's rules as the config loads, before any worker starts, on one line."""
+    from hybridflow.config import ConfigError
+    from hybridflow.plan import load_experiment
 
     with pytest.raises(ConfigError, match=message) as e:
-        load_config(ExperimentConfig, [{}], ["data.batch_size=16", "actor.ppo_mini_batch_size=16", *overrides])
+        load_experiment([{}], ["data.batch_size=16", "actor.ppo_mini_batch_size=16", *overrides])
     assert "\n" not in str(e.value)
 
 
 def test_a_custom_reward_functions_keys_are_accepted_as_the_metric(tmp_path):
     """With a custom reward function any key it may return is a metric (checked when a batch is scored)."""
-    from hybridflow.config import load_config
-    from hybridflow.config.schema import ExperimentConfig
+    from hybridflow.plan import load_experiment
 
     fn = tmp_path / "my_reward.py"
     fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                   "    return {'score': 1.0, 'format_ok': 1.0}\n")
-    cfg = load_config(ExperimentConfig, [{}], ["data.batch_size=16", "actor.ppo_mini_batch_size=16",
+    cfg = load_experiment([{}], ["data.batch_size=16", "actor.ppo_mini_batch_size=16",
                                                "algorithm.filter_groups.enable=true",
                                                "algorithm.filter_groups.metric=format_ok",
                                                f"custom_reward_function.path={fn}"])

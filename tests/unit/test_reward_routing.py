@@ -137,8 +137,7 @@ def _preflight_cfg(chat_model, tmp_path, val_source, *overrides):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from hybridflow.config import load_config
-    from hybridflow.config.schema import ExperimentConfig
+    from hybridflow.plan import load_experiment
 
     def rows(n, source):
         return [{"data_source": source, "prompt": [{"role": "user", "content": f"{i}+1="}],
@@ -146,7 +145,7 @@ def _preflight_cfg(chat_model, tmp_path, val_source, *overrides):
 
     pq.write_table(pa.Table.from_pylist(rows(4, "openai/gsm8k")), tmp_path / "train.parquet")
     pq.write_table(pa.Table.from_pylist(rows(2, val_source)), tmp_path / "val.parquet")
-    return load_config(ExperimentConfig, ["configs/quickstart_cpu.yaml"], [
+    return load_experiment(["configs/quickstart_cpu.yaml"], [
         f"model.path={chat_model}", f"data.train_files=[{tmp_path}/train.parquet]",
         f"data.val_files=[{tmp_path}/val.parquet]", f"trainer.output_dir={tmp_path}/run", "prepare.enable=false",
         "data.batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4",
@@ -166,5 +165,5 @@ def test_preflight_refuses_an_unknown_validation_source(chat_model, tmp_path):
     # a custom reward function scores every source: nothing to refuse
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
-    assert check_files(_preflight_cfg(chat_model, tmp_path, "my/task", f"custom_reward_function.path={reward}"))[2] == 4
-    assert check_files(_preflight_cfg(chat_model, tmp_path, "lighteval/MATH"))[2] == 4
+    assert len(check_files(_preflight_cfg(chat_model, tmp_path, "my/task", f"custom_reward_function.path={reward}"))[2]) == 4
+    assert len(check_files(_preflight_cfg(chat_model, tmp_path, "lighteval/MATH"))[2]) == 4

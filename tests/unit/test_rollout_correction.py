@@ -12,12 +12,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridflow.algorithms import GlobalBatch, POLICY_LOSSES
-from hybridflow.algorithms.rollout_correction import (HYBRIDFLOW_ONLY_METRICS, check_config,
-                                                      compute_policy_loss_bypass_mode, correct, is_weights,
-                                                      mismatch_metrics, parse_rs, rejection_mask)
-from hybridflow.config import ConfigError, load_config
-from hybridflow.config.schema import ExperimentConfig, RolloutCorrection
+from hybridflow.algorithms import POLICY_LOSSES, GlobalBatch
+from hybridflow.algorithms.rollout_correction import (
+    HYBRIDFLOW_ONLY_METRICS,
+    compute_policy_loss_bypass_mode,
+    correct,
+    is_weights,
+    mismatch_metrics,
+    parse_rs,
+    rejection_mask,
+)
+from hybridflow.config import ConfigError
+from hybridflow.config.schema import RolloutCorrection
+from hybridflow.plan import load_experiment
+from hybridflow.plan.rules import check_rollout_correction as check_config
 from tests.numerics import assert_close
 
 DTYPES = [torch.float32, torch.float64]
@@ -174,7 +182,7 @@ def test_config_checks_are_one_line():
 
 
 def _load(*overrides):
-    return load_config(ExperimentConfig, [{}], ["data.batch_size=16", "actor.ppo_mini_batch_size=16", *overrides])
+    return load_experiment([{}], ["data.batch_size=16", "actor.ppo_mini_batch_size=16", *overrides])
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

@@ -259,12 +259,13 @@ def test_a_huge_rollout_n_is_one_warning_before_start(n, warned, good, caplog):
     engine runs at once: one line says so before anything starts, and the run goes on as asked."""
     from transformers import AutoConfig
 
+    from hybridflow.plan import resolve
     from hybridflow.trainer.main import load
     from hybridflow.trainer.preflight import check_step_fits
 
     cfg = load(["--config", QUICKSTART, f"rollout.n={n}"])
     with caplog.at_level("WARNING", logger="hybridflow.trainer.preflight"):
-        check_step_fits(cfg, AutoConfig.from_pretrained(good / "model"))
+        check_step_fits(cfg, AutoConfig.from_pretrained(good / "model"), resolve(cfg))
     lines = [r.getMessage() for r in caplog.records]
     expected = ["rollout.n=1024: one step generates and trains on 65,536 responses (data.batch_size 64 x rollout.n "
                 "1024), about 256 rounds of the 256 sequences 1 rollout engine(s) run at once: each step will be "

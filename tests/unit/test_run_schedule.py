@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from hybridflow.config import load_config
-from hybridflow.config.schema import ExperimentConfig
-from hybridflow.trainer.session import due, total_steps
+from hybridflow.plan import load_experiment, total_steps
+from hybridflow.trainer.session import due
 
 
 def cfg(*overrides):
-    return load_config(ExperimentConfig, [{}], ["data.batch_size=16", "actor.ppo_mini_batch_size=16", *overrides])
+    return load_experiment([{}], ["data.batch_size=16", "actor.ppo_mini_batch_size=16", *overrides])
 
 
 @pytest.mark.parametrize("overrides, n_train, want", [

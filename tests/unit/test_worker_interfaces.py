@@ -48,7 +48,7 @@ def test_interface_lists_every_registered_method_with_its_signature(index):
         worker_returns = typing.get_type_hints(getattr(worker_cls, name)).get("return")
         group_returns = typing.get_type_hints(getattr(protocol, name))["return"]
         # What the dispatch mode's collect function makes of the per-rank results.
-        if spec.dispatch_mode in (Dispatch.DP_COMPUTE, Dispatch.DP_COMPUTE_PROTO_3D) and worker_returns is Batch:
+        if spec.dispatch_mode in (Dispatch.DP_COMPUTE, Dispatch.DP_COMPUTE_3D) and worker_returns is Batch:
             assert group_returns is Batch, name
         else:
             assert typing.get_origin(group_returns) is list, f"{name}: per-rank results come back as a list"

@@ -1,0 +1,133 @@
+"""Process layouts: a megatron role's TP/PP/DP/EP/expert-TP over its pool, and the generation layout of the
+rollout engines. One value object per role owns the arithmetic and its checks (as torchtitan's
+``ParallelDims``); nothing else divides pool sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.config.schema import SEED_LIMIT
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """One megatron role (actor, critic) over ``world`` ranks of the pool named by ``pool_key``."""
+
+    role: str
+    world: int
+    pool_key: str  # the config key that sizes the pool (named in errors)
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1  # expert TP (resolved: the config's None is TP, or 1 when EP > 1)
+
+    @classmethod
+    def of(cls, role: str, megatron, world: int, pool_key: str) -> ParallelLayout:
+        mp = megatron
+        return cls(role, world, pool_key, mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size,
+                   mp.expert_model_parallel_size, mp.expert_tensor_parallel_size or mp.tensor_model_parallel_size)
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def expert_dp(self) -> int:
+        return self.world // (self.etp * self.ep * self.pp)
+
+    @property
+    def moves_experts(self) -> bool:
+        """The transition to vLLM exchanges whole experts between ranks (EP > 1 or expert TP != TP)."""
+        return self.ep > 1 or self.etp != self.tp
+
+    def check(self) -> None:
+        """The pool splits into whole TP x PP groups and whole expert-TP x EP x PP groups."""
+        if self.world % (self.tp * self.pp):
+            raise ValueError(f"{self.pool_key} ({self.world}) is not divisible by {self.role} tensor x pipeline "
+                             f"parallel size ({self.tp * self.pp})")
+        if self.world % (self.etp * self.ep * self.pp):
+            raise ValueError(f"{self.pool_key} ({self.world}) is not divisible by {self.role} expert tensor x expert "
+                             f"x pipeline parallel size ({self.etp * self.ep * self.pp})")
+
+    def check_model(self, model, path: str, on_gpu: bool) -> None:
+        """TP divides the model's (HF config's) heads, KV groups and vocab; PP its layers; EP and expert TP
+        its experts (``check_experts``)."""
+        key = f"{self.role}.megatron"
+        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
+            if getattr(model, name) % self.tp:
+                raise ValueError(f"{key}.tensor_model_parallel_size ({self.tp}) does not divide the model's {name} "
+                                 f"({getattr(model, name)}) in {path}")
+        if model.num_hidden_layers % self.pp:
+            raise ValueError(f"{key}.pipeline_model_parallel_size ({self.pp}) does not divide the model's "
+                             f"{model.num_hidden_layers} layers in {path}")
+        self.check_experts(model, path, on_gpu)
+
+    def check_experts(self, model, path: str, on_gpu: bool) -> None:
+        """EP divides the model's experts, expert TP its expert width. On CPU, expert TP above 1 with EP above 1
+        is refused for every role: megatron's all-to-all dispatcher then all-gathers uneven token counts over
+        the expert-TP group (token_dispatcher.py dispatch_postprocess), which gloo cannot do (it hangs; NCCL
+        can). The actor's experts must be whole per rank (expert TP 1) wherever the transition exchanges them."""
+        key = f"{self.role}.megatron"
+        experts = getattr(model, "num_experts", None) or 0
+        if not experts:
+            return
+        if experts % self.ep:
+            raise ValueError(f"{key}.expert_model_parallel_size ({self.ep}) does not divide the model's {experts} "
+                             f"experts in {path}")
+        if model.moe_intermediate_size % self.etp:
+            raise ValueError(f"{key}.expert_tensor_parallel_size ({self.etp}) does not divide the model's "
+                             f"moe_intermediate_size ({model.moe_intermediate_size}) in {path}")
+        if self.ep > 1 and self.etp > 1 and not on_gpu:
+            raise ValueError(f"{key}.expert_tensor_parallel_size ({self.etp}) must be 1 with "
+                             f"expert_model_parallel_size {self.ep} on CPU: gloo cannot all-gather the uneven token "
+                             "counts megatron's MoE dispatcher sends over the expert-TP group")
+        # Any device: the actor's Resharder refuses it after every worker has loaded (Resharder.__init__)
+        if self.role == "actor" and self.etp > 1 and self.moves_experts:
+            raise ValueError(f"{key}.expert_tensor_parallel_size ({self.etp}) must be 1 with expert_model_parallel_size "
+                             f"{self.ep} and tensor_model_parallel_size {self.tp}: the transition to vLLM moves "
+                             "experts whole (resharding/transition.py)")
+
+    def check_batches(self, mini_prompts: int, batch_size: int, n: int, micro: int) -> None:
+        """A mini-batch of ``mini_prompts`` prompts divides the step's ``batch_size`` and its ``x n`` sequences
+        split over the data-parallel ranks, then into micro-batches of ``micro`` (1 with token budgets)."""
+        if batch_size % mini_prompts:
+            raise ValueError(f"{self.role}.ppo_mini_batch_size ({mini_prompts} prompts) must divide "
+                             f"data.batch_size ({batch_size})")
+        mini = mini_prompts * n
+        if mini % self.dp or (mini // self.dp) % micro:
+            raise ValueError(f"{self.role}.ppo_mini_batch_size x rollout.n ({mini} sequences) must split into the "
+                             f"{self.role}'s {self.dp} data-parallel ranks and then into micro-batches of "
+                             f"{self.role}.ppo_micro_batch_size_per_gpu ({micro})")
+
+    def record(self) -> list[int]:
+        """What of the layout decides which rank draws which random numbers (checkpoint resume)."""
+        return [self.tp, self.pp]
+
+
+@dataclass(frozen=True)
+class GenerationLayout:
+    """The rollout engines over the actor's pool: ``replicas`` engines of generation TP ``tp`` each."""
+
+    tp: int
+    world: int
+
+    @property
+    def replicas(self) -> int:
+        return self.world // self.tp
+
+    def check(self, actor_tp: int, seed: int, rollout_batch: int) -> None:
+        """t_g divides or is a multiple of the actor's TP (each generation shard is then a slice of what its
+        training rank holds), splits the pool, and each replica (sampling with seed + r) gets whole rows."""
+        if actor_tp % self.tp and self.tp % actor_tp:
+            raise ValueError(f"rollout.tensor_model_parallel_size ({self.tp}) must divide "
+                             f"actor.megatron.tensor_model_parallel_size ({actor_tp}) or be a multiple of it")
+        if self.world % self.tp:
+            raise ValueError(f"resources.n_workers ({self.world}) is not divisible by "
+                             f"rollout.tensor_model_parallel_size ({self.tp})")
+        if seed + self.replicas - 1 >= SEED_LIMIT:  # generation replica r samples with seed + r
+            raise ValueError(f"trainer.seed ({seed}) + {self.replicas - 1} (the last generation replica's "
+                             "offset) must stay below 2**32 (vLLM seeds numpy with it)")
+        if rollout_batch % self.replicas:
+            raise ValueError(f"data.batch_size x rollout.n ({rollout_batch}) must divide across the "
+                             f"{self.replicas} generation replicas (resources.n_workers / "
+                             "rollout.tensor_model_parallel_size)")

@@ -1,0 +1,106 @@
+"""A model's shapes (from its HF config) and what they cost: parameters per layer and in all, the KV cache per
+token, one step's batch in host memory. Torch-free; the memory-plan tool and preflight count with these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from hybridflow import families
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    experts: int = 0  # MoE: routed experts per sparse layer, each this wide
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert
+    qk_norm: bool = False  # Qwen3's per-head q_norm/k_norm
+    top_k: int = 0  # MoE: experts each token goes through
+    sparse_layers: int | None = None  # MoE layers (None: every layer); the rest dense (mlp_only_layers)
+
+    @classmethod
+    def from_hf(cls, c: dict) -> Shape:
+        h, a = c["hidden_size"], c["num_attention_heads"]
+        hf = SimpleNamespace(**{"num_experts": None, "model_type": None, **c})
+        # which layers are sparse: Qwen-MoE's decoder_sparse_step and mlp_only_layers, as the model builder reads them
+        sparse = sum(families.moe_layer_pattern(hf))
+        return cls(h, c["intermediate_size"], c["num_hidden_layers"], a, c.get("num_key_value_heads", a),
+                   c.get("head_dim") or h // a, c["vocab_size"], bool(c.get("tie_word_embeddings", False)),
+                   families.qkv_bias(hf), c.get("num_experts") or 0, c.get("moe_intermediate_size") or 0,
+                   c.get("shared_expert_intermediate_size") or 0, families.qk_layernorm(hf),
+                   c.get("num_experts_per_tok") or 0, sparse if c.get("num_experts") else None)
+
+    @property
+    def moe_layers(self) -> int:
+        if not self.experts:
+            return 0
+        return self.layers if self.sparse_layers is None else self.sparse_layers
+
+
+def layer_params(s: Shape, sparse: bool | None = None) -> int:
+    """One decoder layer's dense parameters (its routed experts: expert_params); ``sparse``: a MoE layer
+    (None: whether the model has any)."""
+    sparse = bool(s.moe_layers) if sparse is None else sparse
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    attn = s.hidden * (q + 2 * kv) + (q + 2 * kv) * s.qkv_bias + q * s.hidden
+    if sparse:  # router, shared expert and its gate, no dense MLP
+        mlp = s.experts * s.hidden + 3 * s.hidden * s.shared_intermediate + s.hidden * bool(s.shared_intermediate)
+    else:
+        mlp = 3 * s.hidden * s.intermediate  # gate/up/down
+    return attn + mlp + 2 * s.hidden + 2 * s.head_dim * s.qk_norm  # + two RMSNorms (+ Qwen3's q/k norms)
+
+
+def decoder_params(s: Shape) -> int:
+    """Every decoder layer's dense parameters: the sparse layers' and the dense ones' (mlp_only_layers)."""
+    sparse = s.moe_layers
+    return sparse * layer_params(s, True) + (s.layers - sparse) * layer_params(s, False)
+
+
+def expert_params(s: Shape) -> int:
+    """The routed experts of the whole model (sharded over expert_model_parallel x expert TP, not TP x DP)."""
+    return s.moe_layers * s.experts * 3 * s.hidden * s.moe_intermediate
+
+
+def largest_layer_params(s: Shape) -> int:
+    """The largest single decoder layer, experts included."""
+    sizes = [layer_params(s, False)] if s.layers > s.moe_layers else []
+    if s.moe_layers:
+        sizes.append(layer_params(s, True) + s.experts * 3 * s.hidden * s.moe_intermediate)
+    return max(sizes)
+
+
+def kv_bytes_per_token(s: Shape, dtype_bytes: int, t_g: int = 1) -> int:
+    """KV cache per token on one generation rank: K and V of every layer for its share of the KV heads
+    (vLLM replicates a KV head on ranks beyond their number)."""
+    return 2 * s.layers * max(s.kv_heads // t_g, 1) * s.head_dim * dtype_bytes
+
+
+# Bytes per token of one sequence's columns in a step's batch: ids, masks and positions (int64) over the
+# whole row; responses, their mask (int64) and ~8 float32 columns (log-probs, reference, values, scores,
+# rewards, advantages, returns, entropy) over the response. The driver, Ray's object store and the workers
+# each hold such a batch at once.
+_ROW_BYTES_PER_TOKEN, _RESPONSE_BYTES_PER_TOKEN, _BATCH_COPIES = 24, 48, 3
+
+
+def step_batch_host_bytes(cfg) -> int:
+    """Host memory one step's rollout batch takes (driver, object store, workers)."""
+    d = cfg.data
+    rows = d.batch_size * cfg.rollout.n
+    per_row = (d.max_prompt_length + d.max_response_length) * _ROW_BYTES_PER_TOKEN \
+        + d.max_response_length * _RESPONSE_BYTES_PER_TOKEN
+    return rows * per_row * _BATCH_COPIES
+
+
+def count_params(s: Shape, value_head: bool = False) -> int:
+    """The causal LM's parameters, or the critic's (value head hidden x 1 in place of lm_head)."""
+    head = s.hidden if value_head else (0 if s.tied else s.vocab * s.hidden)
+    return s.vocab * s.hidden + decoder_params(s) + s.hidden + head + expert_params(s)

@@ -1,0 +1,116 @@
+"""The rules that span config sections, or name what other modules register (estimators, losses, scorers):
+checked once, before any worker starts, as one-line errors naming the keys. The per-field checks stay
+with the dataclasses (config/schema.py)."""
+
+from __future__ import annotations
+
+import inspect
+
+from hybridflow.algorithms import registry
+from hybridflow.algorithms.rollout_correction import active as rollout_correction_active
+from hybridflow.algorithms.rollout_correction import parse_is_threshold, parse_rs
+from hybridflow.config.schema import FILTER_METRICS
+from hybridflow.rewards import get_scorer
+from hybridflow.rewards.custom import load_custom_reward_function
+
+
+def check_names(cfg) -> None:
+    """Every estimator, loss, KL kind and scorer the config names is registered (the error lists those that
+    are), and a custom reward function loads."""
+    a, algo = cfg.actor, cfg.algorithm
+    for section, reg, name in (("actor.policy_loss", registry.POLICY_LOSSES, a.policy_loss.loss_mode),
+                               ("actor", registry.LOSS_AGG_MODES, a.loss_agg_mode),
+                               ("actor", registry.KL_PENALTIES, a.kl_loss_type.rstrip("+")),
+                               ("critic", registry.LOSS_AGG_MODES, cfg.critic.loss_agg_mode),
+                               ("algorithm", registry.ADVANTAGE_ESTIMATORS, algo.adv_estimator),
+                               ("algorithm", registry.KL_PENALTIES, algo.kl_penalty.rstrip("+"))):
+        try:
+            reg.get(name)
+        except KeyError as e:
+            raise ValueError(f"{section}: {e}") from None
+
+    try:
+        get_scorer(cfg.reward.name)
+    except KeyError as e:
+        raise ValueError(f"reward: {e.args[0]}") from None
+    c = cfg.custom_reward_function
+    if c.path is not None:
+        try:
+            load_custom_reward_function(c.path, c.name)
+        except (OSError, ImportError, AttributeError, TypeError) as e:
+            raise ValueError(f"custom_reward_function: {' '.join(str(e).split())}") from None
+
+
+def check_token_budgets(cfg, critic: bool) -> None:
+    """The longest row (prompt + response) fits each token budget in use: vLLM's batch without chunked
+    prefill, and every dynamic-batch-size micro-batch (verl asserts the same)."""
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    r = cfg.rollout
+    if not r.enable_chunked_prefill and r.max_num_batched_tokens is not None and r.max_num_batched_tokens < longest:
+        raise ValueError(f"rollout.max_num_batched_tokens ({r.max_num_batched_tokens}) must hold a whole sequence "
+                         f"without chunked prefill: data.max_prompt_length + data.max_response_length = {longest}")
+    budgets = [("actor.ppo_max_token_len_per_gpu", cfg.actor.use_dynamic_bsz),
+               ("actor.log_prob_max_token_len_per_gpu", cfg.actor.log_prob_use_dynamic_bsz)]
+    if critic:
+        budgets += [("critic.ppo_max_token_len_per_gpu", cfg.critic.use_dynamic_bsz),
+                    ("critic.forward_max_token_len_per_gpu", cfg.critic.use_dynamic_bsz)]
+    for key, used in budgets:
+        role, name = key.split(".")
+        if used and getattr(getattr(cfg, role), name) < longest:
+            raise ValueError(f"{key} ({getattr(getattr(cfg, role), name)} tokens) must hold the longest row: "
+                             f"data.max_prompt_length + data.max_response_length = {longest}")
+
+
+def check_algorithm(cfg, needs, replicas: int) -> None:
+    """What the estimator, the reward settings and the rollout correction ask of the rest of the config."""
+    algo = cfg.algorithm
+    if needs.greedy_baseline and cfg.data.batch_size % replicas:
+        raise ValueError(f"data.batch_size ({cfg.data.batch_size}) must divide across the {replicas} generation "
+                         f"replicas: {algo.adv_estimator} generates a greedy baseline per prompt")
+    if not needs.critic and "values" in registry.ADVANTAGE_ESTIMATORS.needs(algo.adv_estimator):
+        raise ValueError(f"algorithm.adv_estimator '{algo.adv_estimator}' needs a critic: critic.enable is false")
+    if cfg.reward.manager == "prime" and cfg.custom_reward_function.path is not None:
+        raise ValueError("reward.manager 'prime' runs the rule and sandbox scorers; custom_reward_function.path "
+                         "is called row by row (custom_reward_function.timeout_s bounds each call): use naive")
+    ob = cfg.reward.overlong_buffer
+    if ob.enable and ob.len > cfg.data.max_response_length:
+        raise ValueError(f"reward.overlong_buffer.len ({ob.len}) must be <= data.max_response_length "
+                         f"({cfg.data.max_response_length})")
+    check_filter_groups(cfg)
+    check_rollout_correction(algo.rollout_correction, cfg.actor.policy_loss.loss_mode, cfg.rollout.temperature)
+
+
+def check_filter_groups(cfg) -> None:
+    """DAPO's dynamic sampling: ``seq_final_reward`` is the reward after the KL penalty, which does not exist
+    yet when groups are filtered (before the old and reference log-probs): refused with KL in the reward.
+    Without a custom reward function no scorer returns entries of its own, so the metric must be one of
+    verl's names or a scored batch's column."""
+    fg = cfg.algorithm.filter_groups
+    if not fg.enable:
+        return
+    if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        raise ValueError("algorithm.filter_groups.metric 'seq_final_reward' with algorithm.use_kl_in_reward: groups "
+                         "are filtered before the KL penalty is known; use 'seq_reward'")
+    if cfg.custom_reward_function.path is None and fg.metric not in FILTER_METRICS:
+        raise ValueError(f"algorithm.filter_groups.metric {fg.metric!r} is not a reward column: use one of "
+                         f"{', '.join(FILTER_METRICS)} (a key a custom_reward_function returns in its dict works too)")
+
+
+def check_rollout_correction(rc, loss_mode: str, temperature: float) -> None:
+    """An ``algorithm.rollout_correction`` the run cannot honour: malformed thresholds, greedy rollouts (vLLM's
+    log-probs are taken only when sampling), ``loss_mode=bypass_mode`` without ``bypass_mode``, or IS weights
+    for a loss that takes none."""
+    parse_is_threshold(rc.rollout_is_threshold)
+    if rc.rollout_rs is not None:
+        parse_rs(rc.rollout_rs, rc.rollout_rs_threshold)
+    if rollout_correction_active(rc) and temperature == 0:
+        raise ValueError("algorithm.rollout_correction needs sampled rollouts (rollout.temperature > 0): greedy "
+                         "generation records no rollout log-probs")
+    if loss_mode == "bypass_mode" and not rc.bypass_mode:
+        raise ValueError("actor.policy_loss.loss_mode 'bypass_mode' needs algorithm.rollout_correction.bypass_mode=true "
+                         "(verl's trainer sets that loss from it, with the rollout log-probs as the old ones): set "
+                         "bypass_mode=true and loss_type ppo_clip or reinforce instead")
+    if rc.rollout_is is not None and not rc.bypass_mode:  # every registered loss takes them: a user loss may not
+        if "rollout_is_weights" not in inspect.signature(registry.POLICY_LOSSES.get(loss_mode)).parameters:
+            raise ValueError(f"algorithm.rollout_correction.rollout_is={rc.rollout_is!r}: actor.policy_loss.loss_mode "
+                             f"{loss_mode!r} takes no rollout_is_weights")

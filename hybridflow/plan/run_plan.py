@@ -1,0 +1,76 @@
+"""``resolve(cfg, model, n_train) -> RunPlan``: every fact derived from the config — each role's layout, the
+generation layout, pools and bundle shares, what the run needs, total steps — computed and checked once.
+Session, placement, the driver, preflight and the memory-plan tool read the plan instead of deriving
+these again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.plan.layout import GenerationLayout, ParallelLayout
+from hybridflow.plan.needs import Needs, run_needs
+from hybridflow.plan.pools import Pool, plan_pools
+from hybridflow.plan.rules import check_algorithm, check_names, check_token_budgets
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    actor: ParallelLayout
+    critic: ParallelLayout | None  # None: the run trains no critic
+    generation: GenerationLayout
+    needs: Needs
+    pools: tuple[Pool, ...]
+    longest_row: int  # tokens: data.max_prompt_length + data.max_response_length
+    total_steps: int | None  # None until the number of training prompts is known
+
+    def pool(self, group: str) -> Pool:
+        """The pool a worker group runs in."""
+        return next(p for p in self.pools if group in p.groups)
+
+    def required_resources(self, resources) -> dict:
+        """What the pools ask of Ray: {"CPU": n, "GPU": n}."""
+        bundles = sum(p.size for p in self.pools)
+        return {"CPU": bundles * resources.cpus_per_worker, "GPU": bundles * resources.gpus_per_worker}
+
+    @property
+    def trained_roles(self) -> tuple[str, ...]:
+        return ("actor", "critic") if self.critic is not None else ("actor",)
+
+
+def total_steps(cfg, n_train: int) -> int:
+    """verl's rule: trainer.total_steps (total_training_steps) wins when set; else total_epochs passes over
+    the training prompts, each of n_train // batch_size steps (the last partial batch is dropped, as verl's
+    loader does)."""
+    t = cfg.trainer
+    return t.total_steps if t.total_steps is not None else t.total_epochs * (n_train // cfg.data.batch_size)
+
+
+def resolve(cfg, model=None, n_train: int | None = None, *, on_gpu: bool = False) -> RunPlan:
+    """The run plan of ``cfg`` (raises ``ValueError`` naming the keys of the first rule broken). ``model``:
+    the HF config, whose heads, layers and experts each layout must divide (unchecked when None);
+    ``n_train``: the number of training prompts (total steps); ``on_gpu``: whether the workers run on GPUs."""
+    check_names(cfg)
+    needs = run_needs(cfg)
+    res, n = cfg.resources, cfg.rollout.n
+    actor = ParallelLayout.of("actor", cfg.actor.megatron, res.n_workers, "resources.n_workers")
+    critic = None
+    if needs.critic:
+        separate = cfg.critic.placement == "separate"
+        critic = ParallelLayout.of("critic", cfg.critic.megatron, res.critic_n_workers if separate else res.n_workers,
+                                   "resources.critic_n_workers" if separate else "resources.n_workers")
+    for layout, section in ((actor, cfg.actor), (critic, cfg.critic)):
+        if layout is not None:
+            layout.check()
+            micro = 1 if section.use_dynamic_bsz else section.ppo_micro_batch_size_per_gpu  # token budgets instead
+            layout.check_batches(section.ppo_mini_batch_size, cfg.data.batch_size, n, micro)
+    check_token_budgets(cfg, needs.critic)
+    generation = GenerationLayout(cfg.rollout.tensor_model_parallel_size, res.n_workers)
+    generation.check(actor.tp, cfg.trainer.seed, cfg.data.batch_size * n)
+    check_algorithm(cfg, needs, generation.replicas)
+    if model is not None:
+        for layout in (actor, critic):
+            if layout is not None:
+                layout.check_model(model, cfg.model.path, on_gpu)
+    return RunPlan(actor, critic, generation, needs, plan_pools(cfg, needs.critic),
+                   cfg.data.max_prompt_length + cfg.data.max_response_length,
+                   None if n_train is None else total_steps(cfg, n_train))

@@ -1,0 +1,131 @@
+"""The package's shape holds as it grows: imports point down the layers (DESIGN.md, "Which layer may import
+which"), the only import circle is the patch registry's, no function runs over 60 lines, and few of our own
+modules are imported inside functions (each such import is a heavy optional one, or breaks a circle)."""
+
+from __future__ import annotations
+
+import ast
+import collections
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "hybridflow"
+# Lowest first. A module may import its own layer and those below; never one above.
+LAYERS = [
+    {"util", "device", "rng", "spawn", "protocol", "patches", "families", "registry"},
+    {"config"},
+    {"algorithms", "models", "rewards", "data", "controller", "versions"},
+    {"plan"},
+    {"megatron", "rollout", "agent", "resharding"},
+    {"workers"},
+    {"trainer"},
+    {"tools", "cli", "__init__"},
+]
+LAYER = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+MAX_FUNCTION_LINES = 60
+MAX_LOCAL_IMPORTS = 44  # a third of the 133 counted when the run plan landed (issue 29)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _targets(module: str, node) -> list[str]:
+    """Our modules an import statement names (the module itself when it imports a name from it)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module.split(".")
+            if not MODULES[module].name == "__init__.py":
+                package = package[:-1]
+            package = package[: len(package) - node.level + 1]
+            base = ".".join(package + ([node.module] if node.module else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+    out = []
+    for name in names:
+        while name not in MODULES and "." in name:
+            name = name.rsplit(".", 1)[0]
+        if name in MODULES and name != "hybridflow" and name != module:
+            out.append(name)
+    return out
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imports():
+    """(importer, imported, the import statement if inside a function else None) for every import of ours."""
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        local = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in _targets(module, node):
+                    yield module, target, (module, node.lineno) if id(node) in local else None
+
+
+def test_imports_point_down_the_layers():
+    upward = sorted({f"{a} -> {b}" for a, b, _ in _imports() if LAYER[_package(b)] > LAYER[_package(a)]})
+    assert not upward, "imports that run back up a layer:\n" + "\n".join(upward)
+
+
+def test_the_only_import_circle_is_the_patch_registrys():
+    graph = collections.defaultdict(set)
+    for a, b, _ in _imports():
+        graph[a].add(b)
+    circles = [c for c in _strongly_connected(graph) if len(c) > 1]
+    outside = [sorted(c) for c in circles if not all(m.startswith("hybridflow.patches") for m in c)]
+    assert len(circles) <= 1 and not outside, f"import circles: {outside}"
+
+
+def test_no_function_is_over_60_lines():
+    long = [f"{m}.{f.name}: {f.end_lineno - f.lineno + 1} lines" for m, path in MODULES.items()
+            for f in ast.walk(ast.parse(path.read_text())) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, "\n".join(long)
+
+
+def test_few_imports_of_our_own_modules_inside_functions():
+    statements = sorted({inside for _, _, inside in _imports() if inside})
+    assert len(statements) <= MAX_LOCAL_IMPORTS, statements
+
+
+def _strongly_connected(graph) -> list[list[str]]:
+    """Tarjan's strongly connected components of ``graph`` (node -> successors)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            out.append(component)
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return out
