@@ -8,9 +8,14 @@ SUPPORTED_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "
                    "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 
 
+def num_experts(hf_config) -> int:
+    """Routed experts per sparse layer (0: a dense model)."""
+    return getattr(hf_config, "num_experts", None) or 0
+
+
 def is_moe(hf_config) -> bool:
     """A mixture of experts (Qwen3-MoE, Qwen2-MoE): routed experts in its sparse layers."""
-    return bool(getattr(hf_config, "num_experts", None))
+    return num_experts(hf_config) > 0
 
 
 def moe_layer_pattern(hf_config) -> list[int]:

@@ -312,8 +312,6 @@ class Algorithm:
 
     def validate(self):
         check_numbers(self, gamma=dict(ge=0, le=1), lam=dict(ge=0, le=1))
-        if self.adv_estimator == "gdpo" and not self.gdpo_reward_keys:
-            raise ValueError("algorithm.gdpo_reward_keys must name the reward components for adv_estimator 'gdpo'")
         weights = self.gdpo_reward_weights
         if weights is not None and len(weights) != len(self.gdpo_reward_keys or []):
             raise ValueError(f"algorithm.gdpo_reward_weights has {len(weights)} values for "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow import families
 from hybridflow.megatron.hf_weights import tp_chunk
 
 
@@ -266,7 +267,7 @@ def megatron_to_hf(full_sd: dict, cfg, shard: Shard, *, value_head: bool = False
                 mlp = _gated_mlp_to_hf(full_sd[src + mpre + "linear_fc1.weight"], full_sd[src + mpre + "linear_fc2.weight"], tp)
                 out.update({dst + hpre + k: v for k, v in mlp.items()})
         # Experts: full_sd holds every expert under its global index, fc1 gathered over expert TP.
-        for e in range(getattr(cfg, "num_experts", 0) or 0):
+        for e in range(families.num_experts(cfg)):
             fc1 = full_sd.get(src + expert_prefix(e) + "linear_fc1.weight")
             if fc1 is not None:
                 mlp = _gated_mlp_to_hf(fc1, full_sd[src + expert_prefix(e) + "linear_fc2.weight"], shard.expert_tp[1])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridflow import families
 from hybridflow.config.schema import SEED_LIMIT
 
 
@@ -68,7 +69,7 @@ class ParallelLayout:
         the expert-TP group (token_dispatcher.py dispatch_postprocess), which gloo cannot do (it hangs; NCCL
         can). The actor's experts must be whole per rank (expert TP 1) wherever the transition exchanges them."""
         key = f"{self.role}.megatron"
-        experts = getattr(model, "num_experts", None) or 0
+        experts = families.num_experts(model)
         if not experts:
             return
         if experts % self.ep:

@@ -30,14 +30,15 @@ class Shape:
     @classmethod
     def from_hf(cls, c: dict) -> Shape:
         h, a = c["hidden_size"], c["num_attention_heads"]
-        hf = SimpleNamespace(**{"num_experts": None, "model_type": None, **c})
+        hf = SimpleNamespace(**{"model_type": None, **c})
+        experts = families.num_experts(hf)
         # which layers are sparse: Qwen-MoE's decoder_sparse_step and mlp_only_layers, as the model builder reads them
         sparse = sum(families.moe_layer_pattern(hf))
         return cls(h, c["intermediate_size"], c["num_hidden_layers"], a, c.get("num_key_value_heads", a),
                    c.get("head_dim") or h // a, c["vocab_size"], bool(c.get("tie_word_embeddings", False)),
-                   families.qkv_bias(hf), c.get("num_experts") or 0, c.get("moe_intermediate_size") or 0,
+                   families.qkv_bias(hf), experts, c.get("moe_intermediate_size") or 0,
                    c.get("shared_expert_intermediate_size") or 0, families.qk_layernorm(hf),
-                   c.get("num_experts_per_tok") or 0, sparse if c.get("num_experts") else None)
+                   c.get("num_experts_per_tok") or 0, sparse if experts else None)
 
     @property
     def moe_layers(self) -> int:

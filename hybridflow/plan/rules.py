@@ -64,6 +64,9 @@ def check_token_budgets(cfg, critic: bool) -> None:
 def check_algorithm(cfg, needs, replicas: int) -> None:
     """What the estimator, the reward settings and the rollout correction ask of the rest of the config."""
     algo = cfg.algorithm
+    if needs.reward_components and not algo.gdpo_reward_keys:
+        raise ValueError(f"algorithm.gdpo_reward_keys must name the reward components for adv_estimator "
+                         f"'{algo.adv_estimator}'")
     if needs.greedy_baseline and cfg.data.batch_size % replicas:
         raise ValueError(f"data.batch_size ({cfg.data.batch_size}) must divide across the {replicas} generation "
                          f"replicas: {algo.adv_estimator} generates a greedy baseline per prompt")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hybridflow import families
 from hybridflow.megatron import convert
 from hybridflow.resharding import vllm_layout
 from hybridflow.resharding.plan import HybridPlan
@@ -72,7 +73,7 @@ class Resharder:
         from megatron.core import parallel_state as ps
 
         ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
-        self.num_experts = getattr(hf_config, "num_experts", None) or 0
+        self.num_experts = families.num_experts(hf_config)
         # Experts reach the generation layout through their own exchange (see _exchange_experts) wherever
         # they are not split like a dense MLP over the TP group alone (one EP rank, expert TP = TP).
         self.expert_exchange = bool(self.num_experts) and (ep > 1 or etp != train.t)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow import device
+from hybridflow import device, families
 from hybridflow.megatron.convert import _heads, split_qkv
 
 
@@ -63,7 +63,7 @@ def check_supported(cfg, t_g: int) -> None:
         if size and size % t_g:  # a t_g above the training TP is not yet held to it by megatron
             raise ValueError(f"generation TP {t_g} must divide {key} ({size})")
 
-    experts_width = getattr(cfg, "moe_intermediate_size", None) if getattr(cfg, "num_experts", None) else None
+    experts_width = cfg.moe_intermediate_size if families.is_moe(cfg) else None
     if experts_width and not device.on_accelerator() and (experts_width // t_g) % CPU_MOE_ALIGNMENT:
         raise ValueError(f"moe_intermediate_size / generation TP ({experts_width} / {t_g}) must be a multiple of "
                          f"{CPU_MOE_ALIGNMENT} on CPU: vLLM-CPU pads its experts to that width and cannot reload "

@@ -13,10 +13,11 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
-from hybridflow import device
+from hybridflow import device, families
 from hybridflow.patches import vllm_engine
 from hybridflow.util import environ
 
@@ -64,7 +65,7 @@ def _has_experts(hf_dir: str) -> bool:
     import json
 
     with open(os.path.join(hf_dir, "config.json")) as f:
-        return bool(json.load(f).get("num_experts"))
+        return families.is_moe(SimpleNamespace(**json.load(f)))
 
 
 def check_free_memory(utilization: float) -> None:

@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from hybridflow import device
+from hybridflow import device, families
 from hybridflow.config import ConfigError
 from hybridflow.megatron import parallel
 from hybridflow.megatron.model import check_architecture, check_rope_supported
@@ -246,7 +246,7 @@ def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int
     cfg = _read_folder(model_dir)
     check_supported(cfg, rollout_tp)
     for name, size, n in (("--tp", tp, cfg.num_attention_heads), ("--pp", pp, cfg.num_hidden_layers),
-                          ("--ep", ep, getattr(cfg, "num_experts", None) or ep)):
+                          ("--ep", ep, families.num_experts(cfg) or ep)):
         if size < 1 or n % size:
             raise ValueError(f"{name} {size} does not divide the model's {n}")
     on_gpu = device.has_gpu()

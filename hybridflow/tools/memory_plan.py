@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from hybridflow.config import ConfigError
-from hybridflow.plan import load_experiment, resolve
+from hybridflow.plan import ParallelLayout, load_experiment, resolve
 from hybridflow.plan.model_shape import (Shape, count_params, expert_params, kv_bytes_per_token,  # noqa: F401
                                          largest_layer_params, layer_params)
 
@@ -126,12 +126,10 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
     over DP; routed experts over expert TP x EP x PP and theirs over the expert-data-parallel ranks
     (n / (etp x ep x pp)), as megatron's distributed optimizer shards each kind in its own group."""
     mg = cfg_role.megatron
-    tp = mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size
-    d, by = max(1, n // tp), BYTES[mg.dtype]
+    layout = ParallelLayout.of(name, mg, n, "")
+    tp, etp = layout.tp * layout.pp, layout.etp * layout.ep * layout.pp  # the groups each kind is split over
+    d, ed, by = max(1, layout.dp), max(1, layout.expert_dp), BYTES[mg.dtype]
     experts = expert_params(shape)
-    etp = (mg.expert_tensor_parallel_size or mg.tensor_model_parallel_size) * mg.expert_model_parallel_size \
-        * mg.pipeline_model_parallel_size
-    ed = max(1, n // etp)
     per_gpu = (P - experts) / tp + experts / etp  # parameters on one GPU
     items = {"params": per_gpu * by}
     off = {"params"} if mg.param_offload else set()

@@ -129,3 +129,27 @@ def _strongly_connected(graph) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+# Facts the run plan and the model families derive once, by the expressions their old copies used (issue 29):
+# none may come back outside the module that owns it.
+OWNED = {
+    r"use_kl_in_reward or ": "plan/needs.py",  # does the run need a reference
+    r"adv_estimator (==|in |not in )": "plan/needs.py",  # what an estimator needs: declared when it registers
+    r"\.use_critic\b|critic\.placement ==": "plan/",  # the critic and its pool
+    r"n_workers (//|%)|critic_n_workers (//|%)": "plan/",  # pool arithmetic
+    r"\"num_experts\"": "families.py",  # is it MoE, how many experts
+}
+
+
+def test_each_derived_fact_has_one_definition():
+    import re
+
+    found = []
+    for module, path in MODULES.items():
+        text, where = path.read_text(), str(path.relative_to(PACKAGE))
+        for pattern, owner in OWNED.items():
+            if not where.startswith(owner):
+                found += [f"{where}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)!r} (owned by {owner})"
+                          for m in re.finditer(pattern, text)]
+    assert not found, "\n".join(found)
