@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from hybridflow.plan.layout import GenerationLayout, ParallelLayout
 from hybridflow.plan.needs import Needs, run_needs
-from hybridflow.plan.pools import Pool, plan_pools
+from hybridflow.plan.pools import Pool, plan_pools, pool_of
 from hybridflow.plan.rules import check_algorithm, check_names, check_token_budgets
 
 
@@ -25,7 +25,7 @@ class RunPlan:
 
     def pool(self, group: str) -> Pool:
         """The pool a worker group runs in."""
-        return next(p for p in self.pools if group in p.groups)
+        return pool_of(self.pools, group)
 
     def required_resources(self, resources) -> dict:
         """What the pools ask of Ray: {"CPU": n, "GPU": n}."""
@@ -51,26 +51,27 @@ def resolve(cfg, model=None, n_train: int | None = None, *, on_gpu: bool = False
     ``n_train``: the number of training prompts (total steps); ``on_gpu``: whether the workers run on GPUs."""
     check_names(cfg)
     needs = run_needs(cfg)
-    res, n = cfg.resources, cfg.rollout.n
-    actor = ParallelLayout.of("actor", cfg.actor.megatron, res.n_workers, "resources.n_workers")
-    critic = None
-    if needs.critic:
-        separate = cfg.critic.placement == "separate"
-        critic = ParallelLayout.of("critic", cfg.critic.megatron, res.critic_n_workers if separate else res.n_workers,
-                                   "resources.critic_n_workers" if separate else "resources.n_workers")
+    n, pools = cfg.rollout.n, plan_pools(cfg, needs.critic)
+
+    def layout_of(role: str, group: str) -> ParallelLayout:
+        pool = pool_of(pools, group)
+        return ParallelLayout.of(role, getattr(cfg, role).megatron, pool.size, pool.size_key)
+
+    actor = layout_of("actor", "actor_rollout_ref")
+    critic = layout_of("critic", "critic") if needs.critic else None
     for layout, section in ((actor, cfg.actor), (critic, cfg.critic)):
         if layout is not None:
             layout.check()
             micro = 1 if section.use_dynamic_bsz else section.ppo_micro_batch_size_per_gpu  # token budgets instead
             layout.check_batches(section.ppo_mini_batch_size, cfg.data.batch_size, n, micro)
     check_token_budgets(cfg, needs.critic)
-    generation = GenerationLayout(cfg.rollout.tensor_model_parallel_size, res.n_workers)
+    generation = GenerationLayout(cfg.rollout.tensor_model_parallel_size, actor.world)
     generation.check(actor.tp, cfg.trainer.seed, cfg.data.batch_size * n)
     check_algorithm(cfg, needs, generation.replicas)
     if model is not None:
         for layout in (actor, critic):
             if layout is not None:
                 layout.check_model(model, cfg.model.path, on_gpu)
-    return RunPlan(actor, critic, generation, needs, plan_pools(cfg, needs.critic),
+    return RunPlan(actor, critic, generation, needs, pools,
                    cfg.data.max_prompt_length + cfg.data.max_response_length,
                    None if n_train is None else total_steps(cfg, n_train))
