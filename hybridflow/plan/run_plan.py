@@ -11,6 +11,7 @@ from hybridflow.plan.layout import GenerationLayout, ParallelLayout
 from hybridflow.plan.needs import Needs, run_needs
 from hybridflow.plan.pools import Pool, plan_pools, pool_of
 from hybridflow.plan.rules import check_algorithm, check_names, check_token_budgets
+from hybridflow.plan.specs import ActorSpec, CriticSpec, RewardModelSpec, role_specs
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,10 @@ class RunPlan:
     needs: Needs
     pools: tuple[Pool, ...]
     longest_row: int  # tokens: data.max_prompt_length + data.max_response_length
-    total_steps: int | None  # None until the number of training prompts is known
+    total_steps: int | None  # None until the number of training prompts is known (unless trainer.total_steps)
+    actor_spec: ActorSpec  # what each worker group is given
+    critic_spec: CriticSpec | None
+    reward_model_spec: RewardModelSpec | None
 
     def pool(self, group: str) -> Pool:
         """The pool a worker group runs in."""
@@ -37,12 +41,14 @@ class RunPlan:
         return ("actor", "critic") if self.critic is not None else ("actor",)
 
 
-def total_steps(cfg, n_train: int) -> int:
+def total_steps(cfg, n_train: int | None) -> int | None:
     """verl's rule: trainer.total_steps (total_training_steps) wins when set; else total_epochs passes over
     the training prompts, each of n_train // batch_size steps (the last partial batch is dropped, as verl's
-    loader does)."""
+    loader does); None when that count is needed and unknown."""
     t = cfg.trainer
-    return t.total_steps if t.total_steps is not None else t.total_epochs * (n_train // cfg.data.batch_size)
+    if t.total_steps is not None:
+        return t.total_steps
+    return None if n_train is None else t.total_epochs * (n_train // cfg.data.batch_size)
 
 
 def resolve(cfg, model=None, n_train: int | None = None, *, on_gpu: bool = False) -> RunPlan:
@@ -72,6 +78,6 @@ def resolve(cfg, model=None, n_train: int | None = None, *, on_gpu: bool = False
         for layout in (actor, critic):
             if layout is not None:
                 layout.check_model(model, cfg.model.path, on_gpu)
-    return RunPlan(actor, critic, generation, needs, pools,
-                   cfg.data.max_prompt_length + cfg.data.max_response_length,
-                   None if n_train is None else total_steps(cfg, n_train))
+    steps = total_steps(cfg, n_train)
+    return RunPlan(actor, critic, generation, needs, pools, cfg.data.max_prompt_length + cfg.data.max_response_length,
+                   steps, *role_specs(cfg, needs, steps))

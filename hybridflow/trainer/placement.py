@@ -48,7 +48,7 @@ def build_worker_groups(cfg, plan) -> WorkerGroups:
         return group(pools[spec.name], worker_cls, *args, name_prefix=name, share=spec.share, env=env)
 
     on_gpu = res.gpus_per_worker > 0
-    actor_rollout = placed("actor_rollout_ref", ActorRolloutRefWorker, cfg, plan.needs,
+    actor_rollout = placed("actor_rollout_ref", ActorRolloutRefWorker, plan.actor_spec,
                            env=megatron_process_env(cfg.actor.megatron, on_gpu))
     groups = WorkerGroups(cast(ActorRolloutRefGroup, actor_rollout), pools=list(pools.values()))
     # On GPUs, wait until the actors (and their vLLM engines) are built: vLLM measures the free device
@@ -57,8 +57,8 @@ def build_worker_groups(cfg, plan) -> WorkerGroups:
     if on_gpu:
         groups.actor_rollout.dispatch_infos()
     if plan.critic is not None:
-        groups.critic = cast(CriticGroup, placed("critic", CriticWorker, cfg,
+        groups.critic = cast(CriticGroup, placed("critic", CriticWorker, plan.critic_spec,
                                                  env=megatron_process_env(cfg.critic.megatron, on_gpu)))
     if cfg.reward_model.enable:
-        groups.reward_model = cast(RewardModelGroup, placed("reward_model", RewardModelWorker, cfg))
+        groups.reward_model = cast(RewardModelGroup, placed("reward_model", RewardModelWorker, plan.reward_model_spec))
     return groups

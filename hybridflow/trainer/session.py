@@ -62,7 +62,7 @@ class Trainer:
             checked = preflight.check_run(cfg)
         self.model_config, self.tokenizer, self.resume_from = checked.model, checked.tokenizer, checked.resume_from
         self.plan, self._prompts = checked.plan, (checked.train_data, checked.val_data)
-        # The resolved count goes into the config the workers get (their LR schedules span it).
+        # The resolved count (the workers' LR schedules span it: plan.actor_spec) shows in the run's config.yaml.
         self.total_steps = cfg.trainer.total_steps = self.plan.total_steps
         self._resume_state = checkpoint.read_state(self.resume_from) if self.resume_from else None
         self.step_count = self._resume_state["step"] if self._resume_state else 0

@@ -83,53 +83,53 @@ def rollout_log_probs(log_probs: list[list[float]], response_mask: torch.Tensor)
     return out
 
 
-def build_agent_loop(cfg, tokenizer):
+def build_agent_loop(multi_turn, max_response_length: int, chat_template_kwargs: dict, tokenizer):
     """The multi-turn agent loop of ``rollout.multi_turn``: its tools (verl's tool config), tool-call parser and
     the tokenizer's chat template."""
-    m = cfg.rollout.multi_turn
+    m = multi_turn
     return AgentLoop(tokenizer, load_tools(m.tool_config_path), get_parser(m.format),
-                     AgentSettings.from_config(m, cfg.data.max_response_length),
-                     ChatFormat(tokenizer, cfg.data.apply_chat_template_kwargs))
+                     AgentSettings.from_config(m, max_response_length), ChatFormat(tokenizer, chat_template_kwargs))
 
 
 class ActorRolloutRefWorker(Worker):
-    def __init__(self, cfg, needs):
-        """``needs``: the run plan's ``Needs`` (a reference model; the actor's sum_pi_squared)."""
+    def __init__(self, spec):
+        """``spec``: the run plan's ``ActorSpec`` (the actor's and the rollout's sections, what the run needs:
+        a reference model, the actor's sum_pi_squared)."""
         super().__init__()
-        self.cfg, self.needs = cfg, needs
-        mp = cfg.actor.megatron
-        hf_config, state = init_megatron_worker(self, mp, cfg.trainer.seed, cfg.model.path,
-                                                 cfg.trainer.dist_timeout_s)
+        self.spec, self.needs, p = spec, spec.needs, spec.process
+        mp = spec.actor.megatron
+        hf_config, state = init_megatron_worker(self, mp, p.seed, p.model_path, p.dist_timeout_s)
         dtype = device.torch_dtype(mp.dtype)
-        self.actor = MegatronRole(hf_config, state, optim=optim_settings(cfg.actor.optim, mp, cfg.trainer.total_steps,
+        self.actor = MegatronRole(hf_config, state, optim=optim_settings(spec.actor.optim, mp, p.total_steps,
                                                                          "actor.optim"),
                                   dtype=dtype, sequence_parallel=mp.sequence_parallel, offload=offload_settings(mp),
                                   transformer_overrides=mp.override_transformer_config)
         # The reference lives in the actor's processes, with the actor's layout and its own param offload.
         self.ref = MegatronRole(hf_config, state, dtype=dtype, sequence_parallel=mp.sequence_parallel,
-                                offload=ref_offload_settings(cfg.actor),
-                                transformer_overrides=mp.override_transformer_config) if needs.reference else None
+                                offload=ref_offload_settings(spec.actor),
+                                transformer_overrides=mp.override_transformer_config) if self.needs.reference else None
         del state
         from transformers import AutoTokenizer
 
         shard = self.actor.shard
         train = Layout(shard.pp_size, shard.tp_size, parallel.dispatch_info()["dp_size"])
-        self.hybrid_plan = HybridPlan(train, p_g=1, t_g=cfg.rollout.tensor_model_parallel_size)
-        self.resharder = Resharder(self.actor.module, hf_config, self.hybrid_plan, cfg.rollout.resharding)
+        self.hybrid_plan = HybridPlan(train, p_g=1, t_g=spec.rollout.tensor_model_parallel_size)
+        self.resharder = Resharder(self.actor.module, hf_config, self.hybrid_plan, spec.rollout.resharding)
 
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        r = cfg.rollout
+        self.tokenizer = AutoTokenizer.from_pretrained(p.model_path)
+        r = spec.rollout
         self.rollout = VLLMRollout(
-            cfg.model.path, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+            p.model_path, max_model_len=spec.max_prompt_length + spec.max_response_length,
             tensor_parallel_size=r.tensor_model_parallel_size, kv_cache_gib=r.kv_cache_gib, dtype=r.dtype,
             gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
             free_cache_engine=r.free_cache_engine, max_num_batched_tokens=r.max_num_batched_tokens,
             max_num_seqs=r.max_num_seqs, enable_chunked_prefill=r.enable_chunked_prefill,
             engine_kwargs=r.engine_kwargs,
             # ranks of one generation TP group must sample identically: seed per replica
-            seed=cfg.trainer.seed + self.hybrid_plan.ranks[self.rank].replica,
+            seed=p.seed + self.hybrid_plan.ranks[self.rank].replica,
             generation_groups=self.hybrid_plan.replicas)
-        self.agent = build_agent_loop(cfg, self.tokenizer) if r.multi_turn.enable else None
+        self.agent = (build_agent_loop(r.multi_turn, spec.max_response_length, spec.chat_template_kwargs, self.tokenizer)
+                      if r.multi_turn.enable else None)
 
     def dispatch_info(self, mesh: str = "train") -> dict:
         """'train': megatron's DP shards; 'rollout': one shard per generation replica."""
@@ -165,11 +165,11 @@ class ActorRolloutRefWorker(Worker):
         ``prompts.meta`` may override sampling: ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (validation's
         rollout.val_kwargs), ``max_new_tokens``.
         """
-        r, meta = self.cfg.rollout, prompts.meta
+        r, meta = self.spec.rollout, prompts.meta
         sampling = SamplingSettings(
             temperature=meta.get("temperature", r.temperature), top_p=meta.get("top_p", r.top_p),
             top_k=meta.get("top_k", r.top_k),
-            max_new_tokens=prompts.meta.get("max_new_tokens", self.cfg.data.max_response_length))
+            max_new_tokens=prompts.meta.get("max_new_tokens", self.spec.max_response_length))
         ids, mask = prompts.tensors["input_ids"], prompts.tensors["attention_mask"].bool()
         prompt_ids = [row[m].tolist() for row, m in zip(ids, mask)]
         sampled = sampling.temperature > 0  # sampled rollouts carry vLLM's log-prob of each token; greedy ones none
@@ -177,14 +177,14 @@ class ActorRolloutRefWorker(Worker):
         if self.agent is not None:  # multi-turn: turns of generation and tool calls (agent/loop.py)
             trajectories = self.agent.run(self.rollout, prompt_ids, sampling, log_probs=sampled)
             self.rollout.sleep()
-            new = trajectories_to_batch(prompts, trajectories, self.cfg.data.max_response_length,
+            new = trajectories_to_batch(prompts, trajectories, self.spec.max_response_length,
                                         self.tokenizer.pad_token_id)
             if not sampled:
                 del new.tensors["rollout_log_probs"]
         else:
             outs = self.rollout.generate_with_log_probs(prompt_ids, sampling, log_probs=sampled)
             self.rollout.sleep()
-            new = responses_to_batch(prompts, [o for o, _ in outs], self.cfg.data.max_response_length,
+            new = responses_to_batch(prompts, [o for o, _ in outs], self.spec.max_response_length,
                                      self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
             if sampled:
                 new.tensors["rollout_log_probs"] = rollout_log_probs([lp for _, lp in outs], new.tensors["response_mask"])
@@ -197,22 +197,22 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, batch: Batch) -> Batch:
         # the optimal token baselines also need sum_vocab p^2 per position (verl's actor.calculate_sum_pi_squared)
         otb = self.needs.sum_pi_squared
-        out = role_ops.log_probs(self.actor, batch, role_ops.log_prob_batching(self.cfg.actor), with_entropy=True,
-                                 with_sum_pi_squared=otb, temperature=role_ops.logit_temperature(self.cfg.rollout))
+        out = role_ops.log_probs(self.actor, batch, role_ops.log_prob_batching(self.spec.actor), with_entropy=True,
+                                 with_sum_pi_squared=otb, temperature=self.spec.logit_temperature)
         extra = {"sum_pi_squared": out["sum_pi_squared"]} if otb else {}
         return role_ops.last_stage_batch(old_log_probs=out["log_probs"], entropy=out["entropy"], **extra)
 
     @register(Dispatch.DP_COMPUTE_3D)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        out = role_ops.log_probs(self.ref, batch, role_ops.log_prob_batching(self.cfg.actor, ref=True),
-                                 temperature=role_ops.logit_temperature(self.cfg.rollout))
+        out = role_ops.log_probs(self.ref, batch, role_ops.log_prob_batching(self.spec.actor, ref=True),
+                                 temperature=self.spec.logit_temperature)
         return role_ops.last_stage_batch(ref_log_prob=out["log_probs"])
 
     @register(Dispatch.DP_COMPUTE_3D)
     def update_actor(self, batch: Batch) -> dict:
-        metrics = role_ops.update_policy(self.actor, batch, self.cfg.actor, parallel.dispatch_info()["dp_size"],
-                                         self.cfg.rollout.n, rollout_correction=self.cfg.algorithm.rollout_correction,
-                                         temperature=role_ops.logit_temperature(self.cfg.rollout))
+        s = self.spec
+        metrics = role_ops.update_policy(self.actor, batch, s.actor, parallel.dispatch_info()["dp_size"], s.rollout.n,
+                                         rollout_correction=s.rollout_correction, temperature=s.logit_temperature)
         return {**metrics, **device.memory_stats("memory/update_actor")}
 
     @register(Dispatch.ONE_TO_ALL)

@@ -13,14 +13,14 @@ from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoin
 
 
 class CriticWorker(Worker):
-    def __init__(self, cfg):
+    def __init__(self, spec):
+        """``spec``: the run plan's ``CriticSpec`` (the critic's section and the process settings)."""
         super().__init__()
-        self.cfg = cfg
-        mp = cfg.critic.megatron
-        hf_config, state = init_megatron_worker(self, mp, cfg.trainer.seed, cfg.model.path,
-                                                 cfg.trainer.dist_timeout_s)
+        self.spec, p = spec, spec.process
+        mp = spec.critic.megatron
+        hf_config, state = init_megatron_worker(self, mp, p.seed, p.model_path, p.dist_timeout_s)
         self.critic = MegatronRole(hf_config, state, value_head=True,
-                                   optim=optim_settings(cfg.critic.optim, mp, cfg.trainer.total_steps, "critic.optim"),
+                                   optim=optim_settings(spec.critic.optim, mp, p.total_steps, "critic.optim"),
                                    dtype=device.torch_dtype(mp.dtype), sequence_parallel=mp.sequence_parallel,
                                    offload=offload_settings(mp), transformer_overrides=mp.override_transformer_config)
 
@@ -30,12 +30,12 @@ class CriticWorker(Worker):
     @register(Dispatch.DP_COMPUTE_3D)
     def compute_values(self, batch: Batch) -> Batch:
         return role_ops.last_stage_batch(
-            values=role_ops.values(self.critic, batch, role_ops.value_batching(self.cfg.critic)))
+            values=role_ops.values(self.critic, batch, role_ops.value_batching(self.spec.critic)))
 
     @register(Dispatch.DP_COMPUTE_3D)
     def update_critic(self, batch: Batch) -> dict:
-        metrics = role_ops.update_value(self.critic, batch, self.cfg.critic, parallel.dispatch_info()["dp_size"],
-                                        self.cfg.rollout.n)
+        metrics = role_ops.update_value(self.critic, batch, self.spec.critic, parallel.dispatch_info()["dp_size"],
+                                        self.spec.responses_per_prompt)
         return {**metrics, **device.memory_stats("memory/update_critic")}
 
     @register(Dispatch.ONE_TO_ALL)

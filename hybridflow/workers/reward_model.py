@@ -14,11 +14,12 @@ from hybridflow.protocol import Batch
 
 
 class RewardModelWorker(Worker):
-    def __init__(self, cfg):
+    def __init__(self, spec):
+        """``spec``: the run plan's ``RewardModelSpec``."""
         super().__init__()
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        rm = cfg.reward_model
+        rm = spec.reward_model
         # On this worker's device (its GPU share: an fp32 model on the host would leave it idle and
         # take host memory and time), in the configured dtype.
         self.model = AutoModelForSequenceClassification.from_pretrained(
@@ -27,7 +28,7 @@ class RewardModelWorker(Worker):
             raise ValueError(f"reward_model.path {rm.path}: expected one output logit, got num_labels="
                              f"{self.model.config.num_labels}")
         self.tokenizer = AutoTokenizer.from_pretrained(rm.path)
-        self.policy_tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.policy_tokenizer = AutoTokenizer.from_pretrained(spec.policy_path)
         self.micro_batch_size, self.max_length = rm.micro_batch_size, rm.max_length
 
     def _texts(self, batch: Batch) -> list[str]:

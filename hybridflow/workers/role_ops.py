@@ -30,14 +30,6 @@ def _valid(x: torch.Tensor, mb: dict) -> torch.Tensor:
     return torch.where(mb["response_valid"].bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def logit_temperature(rollout_cfg) -> float:
-    """The temperature the actor's and reference's log-probs divide their logits by: the rollout's, so the
-    trainer's policy is the one vLLM sampled from (verl 0.9.1: ``logits.div_(temperature)`` in
-    workers/engine/megatron/transformer_impl.py, with ``rollout.temperature``). Greedy rollouts (0) have no
-    sampled distribution: 1."""
-    return rollout_cfg.temperature if rollout_cfg.temperature > 0 else 1.0
-
-
 def _picked_logits(logits: torch.Tensor, mb: dict, temperature: float) -> torch.Tensor:
     """The logits [N, R, V/t] that predict each response token, divided by ``temperature``."""
     z = _picked(logits, mb)
@@ -139,8 +131,8 @@ def _update_batching(role_cfg, name: str) -> int | TokenBudget:
 def log_probs(role: MegatronRole, batch: Batch, micro: int | TokenBudget, with_entropy: bool = False,
               with_sum_pi_squared: bool = False, temperature: float = 1.0) -> dict:
     """{'log_probs': [b, R], 'entropy': [b, R], 'sum_pi_squared': [b, R]} of the response tokens (the last two
-    when asked; None off the last stage) under the policy at ``temperature`` (``logit_temperature``);
-    ``micro``: rows per micro-batch, or a token budget (``log_prob_batching``)."""
+    when asked; None off the last stage) under the policy at ``temperature`` (the run plan's
+    ``ActorSpec.logit_temperature``); ``micro``: rows per micro-batch, or a token budget (``log_prob_batching``)."""
     def output_fn(mb, logits):
         out = {"log_probs": response_log_probs(logits, mb, temperature)}
         if with_entropy:
@@ -249,8 +241,8 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
                   rollout_correction=None, temperature: float = 1.0) -> dict:
     """PPO clipped policy loss (- entropy_coeff x entropy, + optional KL-to-reference loss) over mini-batches of
     this DP shard; a mini-batch is ``ppo_mini_batch_size`` prompts with their ``rollout_n`` responses each
-    (verl's meaning), under the policy at ``temperature`` (``logit_temperature``). The entropy bonus is verl
-    0.9.1's (workers/utils/losses.py ``ppo_loss``): the entropy of the response tokens, with its gradient,
+    (verl's meaning), under the policy at ``temperature`` (the run plan's ``ActorSpec.logit_temperature``). The
+    entropy bonus is verl 0.9.1's (workers/utils/losses.py ``ppo_loss``): the entropy of the response tokens, with its gradient,
     aggregated with ``loss_agg_mode`` over the mini-batch.
 
     Rollout correction (``algorithm.rollout_correction``, algorithms/rollout_correction.py): the batch's

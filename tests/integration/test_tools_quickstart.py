@@ -27,7 +27,8 @@ def _hf_trajectories(cfg, state: dict, prompts) -> list[tuple[list[int], list[in
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path)).float().eval()
     model.load_state_dict({k: torch.as_tensor(v).float() for k, v in state.items()})
-    loop, engine, out = build_agent_loop(cfg, tok), HFEngine(model, tok.pad_token_id), []
+    loop = build_agent_loop(cfg.rollout.multi_turn, cfg.data.max_response_length, cfg.data.apply_chat_template_kwargs, tok)
+    engine, out = HFEngine(model, tok.pad_token_id), []
     try:
         for row, mask in zip(prompts.tensors["input_ids"], prompts.tensors["attention_mask"]):
             (t,) = loop.run(engine, [row[mask.bool()].tolist()], SamplingSettings(temperature=0.0), log_probs=False)

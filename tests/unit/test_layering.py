@@ -153,3 +153,13 @@ def test_each_derived_fact_has_one_definition():
                 found += [f"{where}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)!r} (owned by {owner})"
                           for m in re.finditer(pattern, text)]
     assert not found, "\n".join(found)
+
+
+def test_workers_read_their_role_spec_not_the_experiment_config():
+    """Each worker group is given its role's spec (hybridflow/plan/specs.py); none reads the whole config."""
+    import re
+
+    found = [f"{path.name}:{n}: {line.strip()}" for path in (PACKAGE / "workers").glob("*.py")
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"\bcfg\.(trainer|data|algorithm|rollout|actor|critic|resources|model)\b|ExperimentConfig", line)]
+    assert not found, "\n".join(found)

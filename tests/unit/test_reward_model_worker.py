@@ -1,7 +1,5 @@
 """The reward-model worker scores on its own device (its GPU share; the CPU here) in reward_model.dtype."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -39,11 +37,12 @@ def _batch(tok):
 def test_scores_on_its_device_in_the_configured_dtype(reward_model_dir, dtype):
     from transformers import AutoModelForSequenceClassification
 
+    from hybridflow.plan.specs import RewardModelSpec
     from hybridflow.workers.reward_model import RewardModelWorker
 
     path, tok = reward_model_dir
     rm = RewardModel(enable=True, path=str(path), micro_batch_size=1, dtype=dtype)
-    worker = RewardModelWorker(SimpleNamespace(reward_model=rm, model=SimpleNamespace(path=str(path))))
+    worker = RewardModelWorker(RewardModelSpec(rm, str(path)))
     params = list(worker.model.parameters())
     assert {p.dtype for p in params} == {getattr(torch, dtype)}
     assert {p.device for p in params} == {device.current()}

@@ -1,0 +1,61 @@
+"""What each worker group is given: its role's spec, cut from the config and the plan, instead of the whole
+ExperimentConfig. A worker reads nothing else of the run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.config.schema import Actor, Critic, RewardModel, Rollout, RolloutCorrection
+from hybridflow.plan.needs import Needs
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """What every process of a megatron role needs to join its world and open the weights it starts from."""
+
+    model_path: str
+    seed: int
+    dist_timeout_s: float
+    total_steps: int | None  # the learning-rate schedules span it (None: the run's length is not known yet)
+
+
+@dataclass(frozen=True)
+class ActorSpec:
+    """The actor, its reference and its rollout engine (one process per device)."""
+
+    process: ProcessSpec
+    actor: Actor  # layout, optimizer, batching, losses
+    rollout: Rollout  # the engine, sampling, multi-turn
+    rollout_correction: RolloutCorrection
+    needs: Needs
+    max_prompt_length: int
+    max_response_length: int
+    chat_template_kwargs: dict
+    # the actor's and reference's log-probs divide the logits by it: the rollout's temperature, so the trainer's
+    # policy is the one vLLM sampled from (verl 0.9.1: ``logits.div_(temperature)`` in
+    # workers/engine/megatron/transformer_impl.py); greedy rollouts (0) have no sampled distribution: 1
+    logit_temperature: float
+
+
+@dataclass(frozen=True)
+class CriticSpec:
+    process: ProcessSpec
+    critic: Critic
+    responses_per_prompt: int  # rollout.n: the mini-batch's prompts x this are its sequences
+
+
+@dataclass(frozen=True)
+class RewardModelSpec:
+    reward_model: RewardModel
+    policy_path: str  # the policy's tokenizer decodes the responses the reward model re-tokenizes
+
+
+def role_specs(cfg, needs: Needs, total_steps: int | None) -> tuple[ActorSpec, CriticSpec | None,
+                                                                     RewardModelSpec | None]:
+    process = ProcessSpec(cfg.model.path, cfg.trainer.seed, cfg.trainer.dist_timeout_s, total_steps)
+    r, d = cfg.rollout, cfg.data
+    actor = ActorSpec(process, cfg.actor, r, cfg.algorithm.rollout_correction, needs, d.max_prompt_length,
+                      d.max_response_length, d.apply_chat_template_kwargs, r.temperature if r.temperature > 0 else 1.0)
+    critic = CriticSpec(process, cfg.critic, r.n) if needs.critic else None
+    reward_model = RewardModelSpec(cfg.reward_model, cfg.model.path) if cfg.reward_model.enable else None
+    return actor, critic, reward_model
