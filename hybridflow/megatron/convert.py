@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridflow import families
+from hybridflow.families import weights
+from hybridflow.families.weights import Split
 from hybridflow.megatron.hf_weights import tp_chunk
 
 
@@ -92,46 +94,37 @@ def split_qkv(qkv: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor, torch
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
-# Per-layer params: megatron suffix -> (HF suffix, TP split dim or None for replicated).
-_LAYER_SIMPLE = {
-    "input_layernorm.weight": ("input_layernorm.weight", None),
-    "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight", None),
-    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight", 1),
-    "self_attention.q_layernorm.weight": ("self_attn.q_norm.weight", None),  # Qwen3
-    "self_attention.k_layernorm.weight": ("self_attn.k_norm.weight", None),
-    "mlp.router.weight": ("mlp.gate.weight", None),  # MoE
-    "mlp.shared_experts.gate_weight": ("mlp.shared_expert_gate.weight", None),  # Qwen2-MoE
-}
-# Gated MLPs: megatron prefix (linear_fc1 = [gate; up], linear_fc2 = down) -> HF prefix. Experts are
-# listed per layer (moe_mlps); these are the dense MLP and Qwen2-MoE's shared expert.
-_DENSE_MLPS = {"mlp.": "mlp.", "mlp.shared_experts.": "mlp.shared_expert."}
-
-
-def expert_prefix(local: int) -> str:
-    return f"mlp.experts.local_experts.{local}."
-
-
 def is_expert_param(name: str) -> bool:
     """A routed expert's weight: sharded over the expert-parallel and expert-TP groups, not TP/DP."""
-    return ".mlp.experts." in name or name.startswith("mlp.experts.")
+    return weights.is_expert(name)
 
 
-def _gated_mlp_to_megatron(part, src: str) -> dict:
-    gate, up = part(src + "gate_proj.weight", 0), part(src + "up_proj.weight", 0)
-    return {"linear_fc1.weight": torch.cat([gate, up], dim=0), "linear_fc2.weight": part(src + "down_proj.weight", 1)}
+def _to_megatron(weight: weights.Weight, src: str, part, cfg, tp_size: int) -> torch.Tensor:
+    """One megatron tensor (this rank's TP chunk) from its HF tensors under layer prefix ``src``."""
+    if weight.split is Split.QKV:
+        return fuse_qkv(*(part(src + h, 0) for h in weight.hf), cfg, tp_size)
+    if weight.split is Split.GATED:  # [gate_r; up_r]
+        return torch.cat([part(src + h, 0) for h in weight.hf], dim=0)
+    return part(src + weight.hf[0], weight.split.dim)
 
 
-def _gated_mlp_to_hf(fc1: torch.Tensor, fc2: torch.Tensor, parts: int) -> dict:
-    """HF gate/up/down from a gathered linear_fc1 (``parts`` concatenated [gate_r; up_r] blocks) and fc2."""
-    blocks = [torch.chunk(b, 2, dim=0) for b in torch.chunk(fc1, parts, dim=0)]
-    return {"gate_proj.weight": torch.cat([g for g, _ in blocks], dim=0),
-            "up_proj.weight": torch.cat([u for _, u in blocks], dim=0), "down_proj.weight": fc2}
+def _to_hf(weight: weights.Weight, tensor: torch.Tensor, dst: str, cfg, tp_size: int) -> dict:
+    """The HF tensors of one TP-gathered megatron tensor, under layer prefix ``dst``. A gathered linear_fc1
+    is ``tp_size`` concatenated [gate_r; up_r] blocks."""
+    if weight.split is Split.QKV:
+        return {dst + h: t for h, t in zip(weight.hf, split_qkv(tensor, cfg))}
+    if weight.split is Split.GATED:
+        blocks = [torch.chunk(b, 2, dim=0) for b in torch.chunk(tensor, tp_size, dim=0)]
+        return {dst + weight.hf[0]: torch.cat([g for g, _ in blocks], dim=0),
+                dst + weight.hf[1]: torch.cat([u for _, u in blocks], dim=0)}
+    return {dst + weight.hf[0]: tensor}
 
 
 def hf_to_megatron(hf_sd: Mapping, cfg, shard: Shard = Shard(), *, value_head: bool = False) -> dict:
     """This rank's megatron state dict (local layer numbering) from a HF state dict: a dict of full
-    tensors, or an ``HFWeights`` from which only this rank's stage and TP chunks are read."""
-    out = {}
+    tensors, or an ``HFWeights`` from which only this rank's stage and TP chunks are read. Which tensors a
+    layer has is the model family's declaration (hybridflow/families)."""
+    family = families.of(cfg)
     tie = bool(getattr(cfg, "tie_word_embeddings", False))
 
     def part(name: str, dim: int | None) -> torch.Tensor:
@@ -139,38 +132,29 @@ def hf_to_megatron(hf_sd: Mapping, cfg, shard: Shard = Shard(), *, value_head: b
 
     etp_rank, etp_size = shard.expert_tp
 
-    def expert_part(name: str, dim: int) -> torch.Tensor:
+    def expert_part(name: str, dim: int | None) -> torch.Tensor:
         return tp_chunk(hf_sd, name, dim, etp_size, etp_rank)
 
+    out = {}
     if shard.first_stage:
-        out["embedding.word_embeddings.weight"] = part("model.embed_tokens.weight", 0)
+        out[weights.EMBEDDING.megatron] = part(weights.EMBEDDING.hf[0], 0)
+    held = list(enumerate(shard.expert_range(family.num_experts(cfg))))
     for local, layer in enumerate(shard.layer_range(cfg.num_hidden_layers)):
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
-        for mkey, (hkey, dim) in _LAYER_SIMPLE.items():
-            if src + hkey in hf_sd:
-                out[dst + mkey] = part(src + hkey, dim)
-        for kind in ("weight", "bias"):
-            if src + f"self_attn.q_proj.{kind}" not in hf_sd:
-                continue
-            qkv = [part(src + f"self_attn.{p}_proj.{kind}", 0) for p in "qkv"]
-            out[dst + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(*qkv, cfg, shard.tp_size)
-        for mpre, hpre in _DENSE_MLPS.items():
-            if src + hpre + "gate_proj.weight" in hf_sd:
-                out.update({dst + mpre + k: v for k, v in _gated_mlp_to_megatron(part, src + hpre).items()})
-        if src + "mlp.gate.weight" in hf_sd:  # a MoE layer: this rank's experts
-            for i, e in enumerate(shard.expert_range(cfg.num_experts)):
-                mlp = _gated_mlp_to_megatron(expert_part, f"{src}mlp.experts.{e}.")
-                out.update({dst + expert_prefix(i) + k: v for k, v in mlp.items()})
+        for w in family.layer_weights(cfg, layer):
+            out[dst + w.megatron] = _to_megatron(w, src, part, cfg, shard.tp_size)
+        for w in family.layer_experts(cfg, layer, held):
+            out[dst + w.megatron] = _to_megatron(w, src, expert_part, cfg, etp_size)
     if shard.last_stage:
-        out["decoder.final_layernorm.weight"] = part("model.norm.weight", None)
+        out[weights.FINAL_NORM.megatron] = part(weights.FINAL_NORM.hf[0], None)
         if value_head:
-            if "score.weight" in hf_sd:  # a critic checkpoint: keep its trained head
-                out["output_layer.weight"] = part("score.weight", None)
+            if weights.VALUE_HEAD.hf[0] in hf_sd:  # a critic checkpoint: keep its trained head
+                out[weights.VALUE_HEAD.megatron] = part(weights.VALUE_HEAD.hf[0], None)
         elif tie:
             if not shard.first_stage:  # megatron keeps a copy of the tied embedding on the last stage
-                out["output_layer.weight"] = part("model.embed_tokens.weight", 0)
+                out[weights.LM_HEAD.megatron] = part(weights.EMBEDDING.hf[0], 0)
         else:
-            out["output_layer.weight"] = part("lm_head.weight", 0)
+            out[weights.LM_HEAD.megatron] = part(weights.LM_HEAD.hf[0], 0)
     return out
 
 
@@ -243,51 +227,40 @@ def load_into(model: torch.nn.Module, local_sd: dict) -> None:
 def megatron_to_hf(full_sd: dict, cfg, shard: Shard, *, value_head: bool = False) -> dict:
     """HF tensors for the layers of one pipeline stage, from that stage's TP-gathered megatron tensors.
 
-    ``full_sd`` holds full (unsharded along TP) tensors; for linear_fc1 the gather is expected to
-    have concatenated per-rank [gate_r; up_r] blocks, which is undone here.
+    ``full_sd`` holds full (unsharded along TP) tensors, experts under their global index; for linear_fc1
+    the gather is expected to have concatenated per-rank [gate_r; up_r] blocks, which is undone here. A
+    subset of the layers converts too (streamed export); a tensor the family does not declare is refused.
     """
-    out = {}
-    tp = shard.tp_size
-    if "embedding.word_embeddings.weight" in full_sd:
-        out["model.embed_tokens.weight"] = full_sd["embedding.word_embeddings.weight"]
+    family = families.of(cfg)
+    out, used = {}, set()
+    every_expert = [(e, e) for e in range(family.num_experts(cfg))]
     for local, layer in enumerate(shard.layer_range(cfg.num_hidden_layers)):
         src, dst = f"decoder.layers.{local}.", f"model.layers.{layer}."
-        if src + "input_layernorm.weight" not in full_sd:  # converting a subset of the layers (streamed export)
-            continue
-        for mkey, (hkey, _) in _LAYER_SIMPLE.items():
-            if src + mkey in full_sd:
-                out[dst + hkey] = full_sd[src + mkey]
-        for kind in ("weight", "bias"):
-            key = src + f"self_attention.linear_qkv.{kind}"
-            if key in full_sd:
-                for p, t in zip("qkv", split_qkv(full_sd[key], cfg)):
-                    out[dst + f"self_attn.{p}_proj.{kind}"] = t
-        for mpre, hpre in _DENSE_MLPS.items():
-            if src + mpre + "linear_fc1.weight" in full_sd:
-                mlp = _gated_mlp_to_hf(full_sd[src + mpre + "linear_fc1.weight"], full_sd[src + mpre + "linear_fc2.weight"], tp)
-                out.update({dst + hpre + k: v for k, v in mlp.items()})
-        # Experts: full_sd holds every expert under its global index, fc1 gathered over expert TP.
-        for e in range(families.num_experts(cfg)):
-            fc1 = full_sd.get(src + expert_prefix(e) + "linear_fc1.weight")
-            if fc1 is not None:
-                mlp = _gated_mlp_to_hf(fc1, full_sd[src + expert_prefix(e) + "linear_fc2.weight"], shard.expert_tp[1])
-                out.update({f"{dst}mlp.experts.{e}.{k}": v for k, v in mlp.items()})
-    if "decoder.final_layernorm.weight" in full_sd:
-        out["model.norm.weight"] = full_sd["decoder.final_layernorm.weight"]
+        for w, tp in ([(w, shard.tp_size) for w in family.layer_weights(cfg, layer)]
+                      + [(w, shard.expert_tp[1]) for w in family.layer_experts(cfg, layer, every_expert)]):
+            if src + w.megatron in full_sd:
+                out.update(_to_hf(w, full_sd[src + w.megatron], dst, cfg, tp))
+                used.add(src + w.megatron)
+    if weights.EMBEDDING.megatron in full_sd:
+        out.update(_to_hf(weights.EMBEDDING, full_sd[weights.EMBEDDING.megatron], "", cfg, 1))
+    if weights.FINAL_NORM.megatron in full_sd:
+        out.update(_to_hf(weights.FINAL_NORM, full_sd[weights.FINAL_NORM.megatron], "", cfg, 1))
         # A tied policy's last-stage output layer is megatron's copy of the embedding: not exported.
         tied = not value_head and getattr(cfg, "tie_word_embeddings", False)
-        if "output_layer.weight" in full_sd and not tied:
-            out["score.weight" if value_head else "lm_head.weight"] = full_sd["output_layer.weight"]
+        if weights.LM_HEAD.megatron in full_sd and not tied:
+            head = weights.VALUE_HEAD if value_head else weights.LM_HEAD
+            out.update(_to_hf(head, full_sd[head.megatron], "", cfg, 1))
+    unknown = sorted(k for k in full_sd if k.startswith("decoder.layers.") and k not in used)
+    if unknown:
+        raise KeyError(f"{families.of(cfg).architecture} declares no weight {unknown[0]} (hybridflow/families)")
     return out
 
 
-# TP split dim of each megatron param (by suffix, local-spec names); None = replicated across TP.
 def tp_split_dim(name: str, value_head: bool = False) -> int | None:
-    """For experts the dim split over the expert-TP group (is_expert_param)."""
-    if name.endswith(("layernorm.weight", "layer_norm_weight", "router.weight", "gate_weight")):
+    """The dim TP splits a megatron parameter along (local-spec names; None: replicated); for experts the
+    dim split over the expert-TP group (is_expert_param)."""
+    if name.endswith("layer_norm_weight"):  # TE's norms fused into the next linear: replicated
         return None
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        return 1
-    if name == "output_layer.weight" and value_head:
+    if value_head and name == weights.VALUE_HEAD.megatron:
         return None
-    return 0
+    return weights.megatron_weight(name).split.dim

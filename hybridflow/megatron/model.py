@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow import device
+from hybridflow import families
 from hybridflow.families import SUPPORTED_ARCHS, head_dim, is_moe, moe_layer_pattern, qk_layernorm, qkv_bias
 from hybridflow.patches import megatron_core
 from hybridflow.patches.transformers_rope import hf_inverse_frequencies
@@ -21,7 +22,7 @@ def check_architecture(hf_config) -> None:
         raise ValueError(f"model architecture {archs[0]} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
     # Mistral v0.1's sliding window attention (and Qwen's use_sliding_window) is not megatron's causal attention.
     window = getattr(hf_config, "sliding_window", None)
-    uses_window = getattr(hf_config, "use_sliding_window", hf_config.model_type == "mistral")
+    uses_window = getattr(hf_config, "use_sliding_window", families.of(hf_config).sliding_window_by_default)
     if uses_window and window and window < hf_config.max_position_embeddings:
         raise ValueError(f"sliding_window {window} (< max_position_embeddings {hf_config.max_position_embeddings}) "
                          "is not supported: megatron's attention here is full causal")

@@ -7,7 +7,6 @@ so the same code runs at any TP/PP/DP layout; losses and outputs appear on the l
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow import device
+from hybridflow.families import weights
 from hybridflow.megatron import convert, lr_schedule, parallel
 from hybridflow.megatron.model import build_gpt, moe_layer_pattern_of, transformer_config_from_hf
 from hybridflow.megatron.offload import Offloader, optimizer_tensors
@@ -350,9 +350,9 @@ class MegatronRole:
                 every = self._gather(tensor[None], 0, ep_group)  # [ep, ...]: one per EP rank, same local index
                 if every is None:
                     continue
-                pre, i, rest = re.match(r"^(.*local_experts\.)(\d+)(\..*)$", name).groups()
+                pre, i, rest = weights.local_expert(name)
                 for r in range(self.shard.ep_size):
-                    full[f"{pre}{r * per_rank + int(i)}{rest}"] = every[r]
+                    full[f"{pre}local_experts.{r * per_rank + i}.{rest}"] = every[r]
                 continue
             if experts_only:
                 continue

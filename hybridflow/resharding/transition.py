@@ -15,7 +15,6 @@ p_g = 1 (vLLM on CPU has no pipeline stages).
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow import families
+from hybridflow.families import weights
 from hybridflow.megatron import convert
 from hybridflow.resharding import vllm_layout
 from hybridflow.resharding.plan import HybridPlan
@@ -44,9 +44,6 @@ class TransitionStats:
         return {f"{prefix}/bytes_received": float(self.bytes_received), f"{prefix}/bytes_sent": float(self.bytes_sent),
                 f"{prefix}/peak_extra_bytes": float(self.peak_extra_bytes + self.staging_bytes),
                 f"{prefix}/staging_bytes": float(self.staging_bytes), f"{prefix}/seconds": self.seconds}
-
-
-_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(.*)$")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -127,7 +124,7 @@ class Resharder:
     @staticmethod
     def _generation_expert(name: str) -> bool:
         """An expert already in its generation form (every stage member holds the same one)."""
-        return ".mlp.experts." in name and "local_experts" not in name
+        return weights.is_expert(name) and weights.local_expert(name) is None
 
     def _split_dim(self, name: str) -> int | None:
         return None if self._generation_expert(name) else convert.tp_split_dim(name)
@@ -142,13 +139,13 @@ class Resharder:
         if not self.expert_exchange:
             return meta
         for name, fc1 in local.items():
-            m = _LOCAL_EXPERT.match(name)
-            if m and m[3] == "linear_fc1.weight" and m[2] == "0":
+            m = weights.local_expert(name)
+            if m and m[2] == "linear_fc1.weight" and m[1] == 0:
                 fc2 = local[name.replace("linear_fc1", "linear_fc2")]
                 gate_up, down = vllm_layout.expert_generation_shapes(fc1.shape, fc2.shape, self.plan.t_g)
                 for x in range(self.num_experts):
-                    meta[f"{m[1]}{x}.gate_up_proj.weight"] = (gate_up, fc1.dtype)
-                    meta[f"{m[1]}{x}.down_proj.weight"] = (down, fc2.dtype)
+                    meta[f"{m[0]}{x}.gate_up_proj.weight"] = (gate_up, fc1.dtype)
+                    meta[f"{m[0]}{x}.down_proj.weight"] = (down, fc2.dtype)
         return meta
 
     def _exchange_experts(self, local: dict, stats: TransitionStats) -> dict:
@@ -164,7 +161,7 @@ class Resharder:
         e, t_g = len(members), self.plan.t_g
         per_rank = self.num_experts // e
         out = {k: v for k, v in local.items() if not convert.is_expert_param(k)}
-        layers = sorted({m[1] for m in map(_LOCAL_EXPERT.match, local) if m})
+        layers = sorted({m[0] for m in map(weights.local_expert, local) if m})
         for prefix in layers:
             pieces = []  # per receiver: my experts' slices for its k, flat
             for k in ks:
@@ -244,7 +241,7 @@ class Resharder:
         base, transient = stats.peak_extra_bytes, 0
         for s in range(tr.p):
             members = [by_pos[j + block * s] for j in range(block)]  # consecutive TP shards of stage s
-            replicated = next(m for m in members if "decoder.layers.0.input_layernorm.weight" in m)
+            replicated = next(m for m in members if "decoder.layers.0." + weights.NORMS[0].megatron in m)
             members = [{**replicated, **m} for m in members]  # norms from whichever member holds them
             pieces = []
             if s == 0:
@@ -253,8 +250,7 @@ class Resharder:
             for local in range(per_stage):
                 pre = f"decoder.layers.{local}."
                 layer = [{k[len(pre):]: v for k, v in m.items() if k.startswith(pre)} for m in members]
-                pieces.append(vllm_layout.layer_from_megatron_shards(
-                    layer, f"model.layers.{s * per_stage + local}.", self.cfg, tr.t))
+                pieces.append(vllm_layout.layer_from_megatron_shards(layer, s * per_stage + local, self.cfg, tr.t))
             if s == tr.p - 1:
                 last = {"model.norm.weight": members[0]["decoder.final_layernorm.weight"]}
                 if not self.tie:
@@ -263,7 +259,7 @@ class Resharder:
             for piece in pieces:
                 held = sum(_nbytes(t) for t in piece.values())
                 if self.plan.tp_split > 1:  # t_g a multiple of t: cut this rank's slice of training shard k // m
-                    cut = {n: t for n, t in piece.items() if not (self.expert_exchange and ".mlp.experts." in n)}
+                    cut = {n: t for n, t in piece.items() if not (self.expert_exchange and weights.is_expert(n))}
                     sliced = {**piece, **vllm_layout.slice_shard(cut, self.cfg, self.me.gen_tp_rank, self.plan.t_g, tr.t)}
                     held += sum(_nbytes(t) for n, t in sliced.items() if t._base is None and t is not piece[n])
                     piece = sliced

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 
 from hybridflow import device, families
+from hybridflow.families import weights
+from hybridflow.families.weights import Split
 from hybridflow.megatron.convert import _heads, split_qkv
 
 
@@ -78,37 +80,32 @@ def check_supported(cfg, t_g: int) -> None:
                          "vLLM's vocab shards coincide with megatron's")
 
 
-def layer_from_megatron_shards(shards: list[dict], prefix: str, cfg, t: int) -> dict:
-    """vLLM-layout tensors of one decoder layer from the consecutive megatron TP shards (each a dict of
-    that shard's ``decoder.layers.{local}.*`` tensors, keyed by suffix) that form one vLLM shard."""
+def _from_megatron_shards(weight: weights.Weight, parts: list[torch.Tensor], sub) -> torch.Tensor:
+    """One vLLM tensor from consecutive megatron TP shards of it (``sub``: the config's heads per shard)."""
+    if weight.split is Split.QKV:
+        qkv = [split_qkv(p, sub) for p in parts]  # per training shard: its q, k, v
+        return torch.cat([torch.cat(p) for p in zip(*qkv)])
+    if weight.split is Split.GATED:
+        gates, ups = zip(*(torch.chunk(p, 2, dim=0) for p in parts))
+        return torch.cat([*gates, *ups])
+    if weight.split is Split.REPLICATED:
+        return parts[0]
+    return torch.cat(parts, weight.split.dim)
+
+
+def layer_from_megatron_shards(shards: list[dict], layer: int, cfg, t: int) -> dict:
+    """vLLM-layout tensors of decoder layer ``layer`` from the consecutive megatron TP shards (each a dict of
+    that shard's ``decoder.layers.{local}.*`` tensors, keyed by suffix) that form one vLLM shard. Experts
+    come split over TP like a dense MLP (one expert-parallel rank, expert TP = TP) or already in their
+    generation form (transition.Resharder's expert exchange: every member holds the same)."""
+    family, prefix = families.of(cfg), f"model.layers.{layer}."
+    experts = family.layer_experts(cfg, layer, [(e, e) for e in range(family.num_experts(cfg))])
+    exchanged = bool(experts) and experts[0].megatron not in shards[0]
     sub = _shard_cfg(cfg, t)
-    out = {}
-    for kind in ("weight", "bias"):
-        key = f"self_attention.linear_qkv.{kind}"
-        if key in shards[0]:
-            parts = [split_qkv(s[key], sub) for s in shards]  # per training shard: its q, k, v
-            out[f"{prefix}self_attn.qkv_proj.{kind}"] = torch.cat([torch.cat(p) for p in zip(*parts)])
-    out[f"{prefix}self_attn.o_proj.weight"] = torch.cat([s["self_attention.linear_proj.weight"] for s in shards], 1)
-    out[f"{prefix}input_layernorm.weight"] = shards[0]["input_layernorm.weight"]
-    out[f"{prefix}post_attention_layernorm.weight"] = shards[0]["pre_mlp_layernorm.weight"]
-    mlps = {"mlp.": "mlp.", "mlp.shared_experts.": "mlp.shared_expert."}  # dense MLP, Qwen2-MoE's shared expert
-    # Experts split over TP like a dense MLP (one expert-parallel rank, expert TP = TP)
-    mlps.update({k[:-len("linear_fc1.weight")]: "mlp.experts." + k.split(".")[3] + "."
-                 for k in shards[0] if k.startswith("mlp.experts.local_experts.") and k.endswith("linear_fc1.weight")})
-    for mpre, vpre in mlps.items():
-        if mpre + "linear_fc1.weight" not in shards[0]:
-            continue
-        gates, ups = zip(*(torch.chunk(s[mpre + "linear_fc1.weight"], 2, dim=0) for s in shards))
-        out[f"{prefix}{vpre}gate_up_proj.weight"] = torch.cat([*gates, *ups])
-        out[f"{prefix}{vpre}down_proj.weight"] = torch.cat([s[mpre + "linear_fc2.weight"] for s in shards], 1)
-    for mkey, vkey in (("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
-                       ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
-                       ("mlp.router.weight", "mlp.gate.weight"),
-                       ("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight")):
-        if mkey in shards[0]:
-            out[prefix + vkey] = shards[0][mkey]
-    # Experts already in generation form (transition.Resharder's expert exchange): as they are
-    out.update({prefix + k: v for k, v in shards[0].items() if k.startswith("mlp.experts.") and "local_experts" not in k})
+    out = {prefix + w.vllm: _from_megatron_shards(w, [s[w.megatron] for s in shards], sub)
+           for w in family.layer_weights(cfg, layer) + (() if exchanged else experts)}
+    if exchanged:
+        out.update({prefix + w.vllm: shards[0][w.vllm] for w in experts})
     return out
 
 
@@ -136,46 +133,47 @@ def slice_shard(shard: dict, cfg, k: int, t_g: int, t: int) -> dict:
     kv = slice((first - j * ng // t) * hd, (first - j * ng // t + count) * hd)  # within shard j's kv heads
     out = {}
     for name, x in shard.items():
-        if ".qkv_proj." in name:
+        split = weights.vllm_weight(name)[1].split
+        if split is Split.QKV:
             q, kt, vt = torch.split(x, [nh * hd // t, ng * hd // t, ng * hd // t])
             out[name] = torch.cat([torch.chunk(q, m)[r], kt[kv], vt[kv]])
-        elif ".gate_up_proj." in name:
+        elif split is Split.GATED:
             out[name] = torch.cat([torch.chunk(half, m)[r] for half in torch.chunk(x, 2)])
-        elif "o_proj" in name or "down_proj" in name:
-            out[name] = torch.chunk(x, m, dim=1)[r]
-        elif "embed_tokens" in name or "lm_head" in name:
-            out[name] = torch.chunk(x, m)[r]
-        else:
+        elif split is Split.REPLICATED:
             out[name] = x
+        else:
+            out[name] = torch.chunk(x, m, dim=split.dim)[r]
     return out
 
 
+def _to_vllm(weight: weights.Weight, parts: list[torch.Tensor], cfg, k: int, t_g: int) -> torch.Tensor:
+    """vLLM shard k of t_g of one weight from its full HF tensors."""
+    if weight.split is Split.QKV:
+        _, _, hd = _heads(cfg)
+        first, count = kv_heads(cfg, k, t_g)
+        kv = slice(first * hd, (first + count) * hd)
+        return torch.cat([torch.chunk(parts[0], t_g)[k], parts[1][kv], parts[2][kv]])
+    if weight.split is Split.GATED:
+        return torch.cat([torch.chunk(p, t_g)[k] for p in parts])
+    if weight.split is Split.REPLICATED:
+        return parts[0]
+    return torch.chunk(parts[0], t_g, dim=weight.split.dim)[k]
+
+
 def hf_to_vllm_shard(hf: dict, cfg, k: int, t_g: int) -> dict:
-    """Reference conversion: vLLM shard k of t_g straight from a full HF state dict (single rank)."""
-    nh, ng, hd = _heads(cfg)
-    first, count = kv_heads(cfg, k, t_g)
+    """Reference conversion: vLLM shard k of t_g straight from a HF state dict (single rank): every weight
+    of the family whose HF tensors ``hf`` holds."""
+    family = families.of(cfg)
+    every_expert = [(e, e) for e in range(family.num_experts(cfg))]
     out = {}
-
-    def rows(t, n):  # shard k of n equal row blocks
-        return torch.chunk(t, n, dim=0)[k]
-
-    for name, t in hf.items():
-        if ".self_attn.q_proj." in name:
-            base = name.replace("q_proj", "qkv_proj")
-            kt, vt = hf[name.replace("q_proj", "k_proj")], hf[name.replace("q_proj", "v_proj")]
-            kv = slice(first * hd, (first + count) * hd)
-            out[base] = torch.cat([rows(t, t_g), kt[kv], vt[kv]])
-        elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name or ".up_proj." in name:
-            continue
-        elif ".gate_proj." in name:
-            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat(
-                [rows(t, t_g), rows(hf[name.replace("gate_proj", "up_proj")], t_g)])
-        elif "o_proj" in name or "down_proj" in name:
-            out[name] = torch.chunk(t, t_g, dim=1)[k]
-        elif "embed_tokens" in name or "lm_head" in name:
-            out[name] = rows(t, t_g)
-        else:
-            out[name] = t
+    for w in (weights.EMBEDDING, weights.FINAL_NORM, weights.LM_HEAD):
+        if w.hf[0] in hf:
+            out[w.vllm] = _to_vllm(w, [hf[w.hf[0]]], cfg, k, t_g)
+    for layer in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{layer}."
+        for w in family.layer_weights(cfg, layer) + family.layer_experts(cfg, layer, every_expert):
+            if pre + w.hf[0] in hf:
+                out[pre + w.vllm] = _to_vllm(w, [hf[pre + h] for h in w.hf], cfg, k, t_g)
     return out
 
 
@@ -210,17 +208,17 @@ def to_checkpoint_names(items, cfg, k: int = 0, t_g: int = 1, stats=None):
         return full
 
     for name, t in items:
-        if ".qkv_proj." in name:
+        prefix, weight = weights.vllm_weight(name)
+        hf = [prefix + h for h in weight.hf]
+        if weight.split is Split.QKV:
             q, kt, vt = torch.split(t, [q_rows, kv_rows, kv_rows])
-            yield name.replace("qkv_proj", "q_proj"), staged(q, 0)
-            for part, piece in (("k", kt), ("v", vt)):  # block of the rank's KV heads (replicated: shared)
-                yield name.replace("qkv_proj", f"{part}_proj"), staged(piece, 0, first // count, ng // count)
-        elif ".gate_up_proj." in name:
-            for part, piece in zip(("gate_proj", "up_proj"), torch.chunk(t, 2)):
-                yield name.replace("gate_up_proj", part), staged(piece, 0)
-        elif "o_proj" in name or "down_proj" in name:
-            yield name, staged(t, 1)
-        elif "embed_tokens" in name or "lm_head" in name:
-            yield name, staged(t, 0)
+            yield hf[0], staged(q, 0)
+            for part, piece in zip(hf[1:], (kt, vt)):  # block of the rank's KV heads (replicated: shared)
+                yield part, staged(piece, 0, first // count, ng // count)
+        elif weight.split is Split.GATED:
+            for part, piece in zip(hf, torch.chunk(t, 2)):
+                yield part, staged(piece, 0)
+        elif weight.split is Split.REPLICATED:
+            yield hf[0], t
         else:
-            yield name, t
+            yield hf[0], staged(t, weight.split.dim)

@@ -29,6 +29,7 @@ import warnings
 import torch
 
 from hybridflow import device, families
+from hybridflow.families.weights import Split, hf_weight, is_expert
 from hybridflow.config import ConfigError
 from hybridflow.megatron import parallel
 from hybridflow.megatron.model import check_architecture, check_rope_supported
@@ -201,9 +202,9 @@ def _formula_bytes(state: dict, cfg, tp: int, pp: int, ep: int, rollout_tp: int)
     split = experts = replicated = 0
     for name, t in state.items():
         n = t.numel() * t.element_size()
-        if ".mlp.experts." in name and ep > 1:  # exchanged by all-to-all (at EP 1 they are TP-split, in S)
+        if is_expert(name) and ep > 1:  # exchanged by all-to-all (at EP 1 they are TP-split, in S)
             experts += n
-        elif "norm" in name or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+        elif hf_weight(name).split is Split.REPLICATED:
             replicated += n
         else:
             split += n

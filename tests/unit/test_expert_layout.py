@@ -10,7 +10,7 @@ import pytest
 
 from hybridflow.plan import ParallelLayout, load_experiment
 
-MOE = SimpleNamespace(num_experts=8, moe_intermediate_size=64)
+MOE = SimpleNamespace(model_type="qwen3_moe", num_experts=8, moe_intermediate_size=64)
 
 
 def _actor(*overrides):

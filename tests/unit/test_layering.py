@@ -138,7 +138,7 @@ OWNED = {
     r"adv_estimator (==|in |not in )": "plan/needs.py",  # what an estimator needs: declared when it registers
     r"\.use_critic\b|critic\.placement ==": "plan/",  # the critic and its pool
     r"n_workers (//|%)|critic_n_workers (//|%)": "plan/",  # pool arithmetic
-    r"\"num_experts\"": "families.py",  # is it MoE, how many experts
+    r"\"num_experts\"": "families/",  # is it MoE, how many experts
 }
 
 

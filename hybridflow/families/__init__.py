@@ -1,0 +1,47 @@
+"""The supported model families, one module each (llama.py, qwen3_moe.py, ...): a family declares its HF
+architecture, the weights of its layers with their megatron, HF and vLLM names (weights.py), and the config
+facts that follow (is it MoE, which layers are sparse, q/k norms, q/k/v biases). Everything that converts,
+reshards, builds or counts a model asks the family of its config here. Adding an architecture is one module
+that declares its ``FAMILY``, listed below. Torch-free."""
+
+from __future__ import annotations
+
+from hybridflow.families import llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from hybridflow.families.family import Family
+
+FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (qwen2, qwen3, llama, mistral, qwen3_moe, qwen2_moe)}
+SUPPORTED_ARCHS = tuple(f.architecture for f in FAMILIES.values())
+
+
+def of(hf_config) -> Family:
+    """The family of a HF config (a transformers config or a namespace of config.json), by its model_type."""
+    kind = getattr(hf_config, "model_type", None)
+    if kind not in FAMILIES:
+        raise ValueError(f"model_type {kind!r} is not supported (supported: {', '.join(FAMILIES)})")
+    return FAMILIES[kind]
+
+
+def num_experts(hf_config) -> int:
+    """Routed experts per sparse layer (0: a dense model)."""
+    return of(hf_config).num_experts(hf_config)
+
+
+def is_moe(hf_config) -> bool:
+    """A mixture of experts (Qwen3-MoE, Qwen2-MoE): routed experts in its sparse layers."""
+    return num_experts(hf_config) > 0
+
+
+def moe_layer_pattern(hf_config) -> list[int]:
+    return of(hf_config).moe_layer_pattern(hf_config)
+
+
+def qk_layernorm(hf_config) -> bool:
+    return of(hf_config).qk_layernorm
+
+
+def qkv_bias(hf_config) -> bool:
+    return of(hf_config).qkv_bias(hf_config)
+
+
+def head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads

@@ -1,0 +1,72 @@
+"""Each model family declares exactly the weights transformers' model of that architecture has, and the
+facts that follow from its config; adding an architecture is one module (hybridflow/families)."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+import safetensors
+import transformers
+
+from hybridflow import families
+from hybridflow.families import weights
+
+_COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, tie_word_embeddings=False)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+CONFIGS = {
+    "qwen2": transformers.Qwen2Config(**_COMMON),
+    "qwen3": transformers.Qwen3Config(head_dim=16, **_COMMON),
+    "llama": transformers.LlamaConfig(**_COMMON),
+    "mistral": transformers.MistralConfig(**_COMMON),
+    # a dense layer among the sparse ones (mlp_only_layers), a shared expert, a sparse step of 2
+    "qwen3_moe": transformers.Qwen3MoeConfig(head_dim=16, mlp_only_layers=[0], **_MOE, **_COMMON),
+    "qwen2_moe": transformers.Qwen2MoeConfig(shared_expert_intermediate_size=48, decoder_sparse_step=2, **_MOE,
+                                             **_COMMON),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_a_family_declares_exactly_the_checkpoint_of_its_transformers_model(kind, tmp_path):
+    """The names transformers writes to disk (MoE experts one by one, as checkpoints hold them; in memory
+    transformers 5 fuses them)."""
+    cfg = CONFIGS[kind]
+    cfg.architectures = [families.FAMILIES[kind].architecture]
+    getattr(transformers, cfg.architectures[0])(cfg).save_pretrained(tmp_path)
+    with safetensors.safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert families.of(cfg).hf_names(cfg) == set(f.keys())
+
+
+def test_each_declared_weight_has_one_name_per_side_and_a_split():
+    for name in ("decoder.layers.7.self_attention.linear_qkv.bias", "decoder.layers.0.mlp.router.weight",
+                 "module.decoder.layers.2.mlp.experts.local_experts.5.linear_fc2.weight"):
+        assert weights.megatron_weight(name).split in weights.Split
+    prefix, w = weights.vllm_weight("model.layers.3.mlp.experts.12.gate_up_proj.weight")
+    assert prefix == "model.layers.3." and w.hf == ("mlp.experts.12.gate_proj.weight", "mlp.experts.12.up_proj.weight")
+    assert weights.hf_weight("model.layers.1.self_attn.k_proj.weight").split is weights.Split.QKV
+    assert weights.local_expert("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight") == (
+        "decoder.layers.1.mlp.experts.", 3, "linear_fc1.weight")
+    with pytest.raises(KeyError, match="model.layers.0.self_attn.rotary.weight is not a weight"):
+        weights.vllm_weight("model.layers.0.self_attn.rotary.weight")
+
+
+def test_the_facts_follow_from_the_family():
+    assert [families.is_moe(CONFIGS[k]) for k in ("qwen2", "qwen3_moe", "qwen2_moe")] == [False, True, True]
+    assert families.moe_layer_pattern(CONFIGS["qwen3_moe"]) == [0, 1, 1, 1]
+    assert families.moe_layer_pattern(CONFIGS["qwen2_moe"]) == [0, 1, 0, 1]
+    assert [families.qk_layernorm(CONFIGS[k]) for k in ("qwen3", "qwen3_moe", "llama")] == [True, True, False]
+    assert [families.qkv_bias(CONFIGS[k]) for k in ("qwen2", "qwen2_moe", "qwen3", "llama")] == [True, True, False, False]
+    assert families.of(CONFIGS["qwen2_moe"]).shared_expert and not families.of(CONFIGS["qwen3_moe"]).shared_expert
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        families.of(transformers.GPT2Config())
+
+
+def test_adding_an_architecture_is_one_module():
+    """Every module of hybridflow/families besides the shared ones declares a FAMILY, and each is registered."""
+    shared = {"family", "weights"}
+    declared = {importlib.import_module(f"hybridflow.families.{m.name}").FAMILY.model_type
+                for m in pkgutil.iter_modules(families.__path__) if m.name not in shared}
+    assert declared == set(families.FAMILIES)
+    assert set(families.SUPPORTED_ARCHS) == {f.architecture for f in families.FAMILIES.values()}
