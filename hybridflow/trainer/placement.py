@@ -59,6 +59,6 @@ def build_worker_groups(cfg, plan) -> WorkerGroups:
     if plan.critic is not None:
         groups.critic = cast(CriticGroup, placed("critic", CriticWorker, plan.critic_spec,
                                                  env=megatron_process_env(cfg.critic.megatron, on_gpu)))
-    if cfg.reward_model.enable:
+    if plan.reward_model_spec is not None:
         groups.reward_model = cast(RewardModelGroup, placed("reward_model", RewardModelWorker, plan.reward_model_spec))
     return groups
