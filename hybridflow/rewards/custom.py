@@ -43,7 +43,18 @@ class CustomRewardFunction:
         return f"custom reward function {self.name!r} from {self.path}"
 
 
+_IMPORTED: dict[tuple, object] = {}  # (path, mtime, size) -> module: a run's checks and driver import it once
+
+
 def _import_file(path: Path):
+    stat = path.stat()
+    key = (path, stat.st_mtime_ns, stat.st_size)
+    if key not in _IMPORTED:
+        _IMPORTED[key] = _exec_file(path)
+    return _IMPORTED[key]
+
+
+def _exec_file(path: Path):
     # A per-path module name keeps two reward files with the same stem from replacing each other.
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
     module_name = f"hybridflow_custom_reward_{path.stem}_{digest}"

@@ -323,3 +323,14 @@ def test_score_responses_gives_each_row_its_source_ground_truth_and_extra_info(t
     seen.clear()
     score_responses(batch, tokenizer, adapt_to_scorer(record, timeout_s=60))  # the default key: data_source
     assert [s[0] for s in seen] == ["arith", "arith"]
+
+
+def test_a_process_runs_the_file_once_until_it_changes(tmp_path):
+    """The run's checks (load_experiment, preflight) and the driver all load it: the user's file runs once."""
+    log = tmp_path / "imports.log"
+    body = f"open({str(log)!r}, 'a').write('x')\ndef compute_score(**kw): return {{}}\n"
+    path = _write(tmp_path, body.format("1.0"))
+    first, second = load_custom_reward_function(str(path)), load_custom_reward_function(str(path))
+    assert log.read_text() == "x" and first("d", "s", "g") == second("d", "s", "g") == 1.0
+    path.write_text(textwrap.dedent(body.format("2.0 ")))  # edited (another size): imported again
+    assert load_custom_reward_function(str(path))("d", "s", "g") == 2.0 and log.read_text() == "xx"
