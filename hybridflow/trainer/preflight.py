@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridflow import device
+from hybridflow import device, families
 from hybridflow.agent.chat import ChatFormat
 from hybridflow.agent.parsers import get_parser
 from hybridflow.agent.tools import check_tool_config, tool_schemas
@@ -257,6 +258,31 @@ def check_weight_shapes(path: str, model) -> None:
         if shapes[name] != shape:
             raise ConfigError(f"model.path: {name} in {path}/{file_of[name]} has shape {shapes[name]}, but "
                               f"config.json says {meaning}")
+    check_declared_weights(path, model, file_of)
+
+
+# Tensors a checkpoint may hold that no conversion reads: old rotary caches, a tied model's saved output layer.
+_UNREAD = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^lm_head\.weight$")
+
+
+def check_declared_weights(path: str, model, file_of: dict) -> None:
+    """The checkpoint holds exactly the tensors its family declares (hybridflow/families): one that no
+    conversion reads (a variant such as Llama's attention_bias, whose o_proj bias megatron's layers here do
+    not have) would be dropped silently, one missing would fail in every worker."""
+    family = families.FAMILIES.get(getattr(model, "model_type", None))
+    if family is None:  # refused by name with the supported list (megatron.model.check_architecture)
+        return
+    declared = family.hf_names(model)
+    unread = sorted(n for n in file_of if n not in declared and not _UNREAD.search(n))
+    if unread:
+        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+        raise ConfigError(f"model.path: {path}/{file_of[unread[0]]} holds {unread[0]}{more}, which hybridflow's "
+                          f"{family.architecture} does not have: a variant of it (e.g. attention_bias, mlp_bias) "
+                          "that conversion would drop")
+    missing = sorted(declared - set(file_of))
+    if missing:
+        raise ConfigError(f"model.path: the safetensors in {path} lack {missing[0]}, which its config.json "
+                          f"({model.num_hidden_layers} layers) needs")
 
 
 def check_output_dir(path: str, save_hf: bool = True) -> None:

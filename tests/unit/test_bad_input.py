@@ -164,6 +164,9 @@ CASES = {
                                                  "config.json says [num_key_value_heads 4 x head_dim 16"),
     "more layers than the weights": (lambda g, t: [f"model.path={_model_with(g, t, num_hidden_layers=2, layer_types=['full_attention'] * 2)}"],
                                      "lack model.layers.1.self_attn.q_proj.weight, which its config.json (2 layers) needs"),
+    "weights conversion would drop": (lambda g, t: [f"model.path={_model_with(g, t, model_type='llama', architectures=['LlamaForCausalLM'])}"],
+                                      "model.path: {t}/model/model.safetensors holds model.layers.0.self_attn.k_proj.bias "
+                                      "(and 2 more), which hybridflow's LlamaForCausalLM does not have"),
     "tokenizer missing": (lambda g, t: [f"model.path={_copy_model(g, t, ['tokenizer*'])}"],
                           "model.path: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)"),
     "context too long": (lambda g, t: ["data.max_response_length=10"],
