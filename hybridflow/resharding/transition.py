@@ -245,17 +245,14 @@ class Resharder:
             members = [{**replicated, **m} for m in members]  # norms from whichever member holds them
             pieces = []
             if s == 0:
-                pieces.append({"model.embed_tokens.weight":
-                               torch.cat([m["embedding.word_embeddings.weight"] for m in members])})
+                pieces.append(vllm_layout.from_megatron_shards([weights.EMBEDDING], members, self.cfg, tr.t))
             for local in range(per_stage):
                 pre = f"decoder.layers.{local}."
                 layer = [{k[len(pre):]: v for k, v in m.items() if k.startswith(pre)} for m in members]
                 pieces.append(vllm_layout.layer_from_megatron_shards(layer, s * per_stage + local, self.cfg, tr.t))
             if s == tr.p - 1:
-                last = {"model.norm.weight": members[0]["decoder.final_layernorm.weight"]}
-                if not self.tie:
-                    last["lm_head.weight"] = torch.cat([m["output_layer.weight"] for m in members])
-                pieces.append(last)
+                last = [weights.FINAL_NORM] + ([] if self.tie else [weights.LM_HEAD])
+                pieces.append(vllm_layout.from_megatron_shards(last, members, self.cfg, tr.t))
             for piece in pieces:
                 held = sum(_nbytes(t) for t in piece.values())
                 if self.plan.tp_split > 1:  # t_g a multiple of t: cut this rank's slice of training shard k // m

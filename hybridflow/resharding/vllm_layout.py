@@ -93,6 +93,13 @@ def _from_megatron_shards(weight: weights.Weight, parts: list[torch.Tensor], sub
     return torch.cat(parts, weight.split.dim)
 
 
+def from_megatron_shards(declared, shards: list[dict], cfg, t: int, prefix: str = "") -> dict:
+    """``{prefix + vLLM name: tensor}`` of the ``declared`` weights from the consecutive megatron TP shards (each
+    a dict keyed by megatron name) that form one vLLM shard."""
+    sub = _shard_cfg(cfg, t)
+    return {prefix + w.vllm: _from_megatron_shards(w, [s[w.megatron] for s in shards], sub) for w in declared}
+
+
 def layer_from_megatron_shards(shards: list[dict], layer: int, cfg, t: int) -> dict:
     """vLLM-layout tensors of decoder layer ``layer`` from the consecutive megatron TP shards (each a dict of
     that shard's ``decoder.layers.{local}.*`` tensors, keyed by suffix) that form one vLLM shard. Experts
@@ -101,9 +108,7 @@ def layer_from_megatron_shards(shards: list[dict], layer: int, cfg, t: int) -> d
     family, prefix = families.of(cfg), f"model.layers.{layer}."
     experts = family.layer_experts(cfg, layer, [(e, e) for e in range(family.num_experts(cfg))])
     exchanged = bool(experts) and experts[0].megatron not in shards[0]
-    sub = _shard_cfg(cfg, t)
-    out = {prefix + w.vllm: _from_megatron_shards(w, [s[w.megatron] for s in shards], sub)
-           for w in family.layer_weights(cfg, layer) + (() if exchanged else experts)}
+    out = from_megatron_shards(family.layer_weights(cfg, layer) + (() if exchanged else experts), shards, cfg, t, prefix)
     if exchanged:
         out.update({prefix + w.vllm: shards[0][w.vllm] for w in experts})
     return out
