@@ -34,6 +34,12 @@ EAGER_VOCAB_MASK = declare(
     "generated per vector ISA (ATEN_CPU_CAPABILITY picks it) by a compiler at run time and cached in "
     "/tmp; every rank's embedding lookup depends on it. Its eager original gives the same ids on any CPU "
     "without a compiler, and costs nothing for a batch of token ids")
+EAGER_LOGPROB_RANKS = declare(
+    "vllm.cpu_eager_logprob_ranks", "vllm", VLLM, "vllm.v1.sample.sampler:batched_count_greater_than",
+    "CPU: each engine's first request for log-probs compiles this rank count (x >= value per row) with "
+    "dynamo and inductor, a C++ build in a cold cache per process: 5-7 s of a 2-core machine's first step "
+    "in every run (measured, py-spy: 11 of 14 samples of the first generate). Its eager original counts the "
+    "same integers; the sampler looks the name up in its own module at each call")
 CPU_EXPERTS_REPACK = declare(
     "vllm.cpu_moe_repack_after_reload", "vllm", VLLM,
     "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod._setup_kernel",
@@ -42,7 +48,7 @@ CPU_EXPERTS_REPACK = declare(
     "the first load: reloaded experts stay in checkpoint layout under a kernel that reads the prepacked one "
     "(measured: every log-prob off, held-out accuracy 0.43 -> 0.04). Run that prepack after each reload")
 
-_eager_mask_installed = False
+_eager_installed: set[str] = set()
 
 
 def repack_cpu_experts(model) -> int:
@@ -61,12 +67,20 @@ def repack_cpu_experts(model) -> int:
 
 def eager_vocab_mask() -> None:
     """Use the eager original of vLLM's compiled vocab-parallel id mask (CPU only; once per process)."""
-    global _eager_mask_installed
-    if _eager_mask_installed:
+    _use_eager_original(EAGER_VOCAB_MASK)
+
+
+def eager_logprob_ranks() -> None:
+    """Use the eager original of vLLM's compiled log-prob rank count (CPU only; once per process)."""
+    _use_eager_original(EAGER_LOGPROB_RANKS)
+
+
+def _use_eager_original(patch) -> None:
+    if patch.name in _eager_installed:
         return
-    compiled = EAGER_VOCAB_MASK.require()
-    EAGER_VOCAB_MASK.replace(compiled._torchdynamo_orig_callable)  # what torch.compile wrapped
-    _eager_mask_installed = True
+    compiled = patch.require()
+    patch.replace(compiled._torchdynamo_orig_callable)  # what torch.compile wrapped
+    _eager_installed.add(patch.name)
 
 
 @contextlib.contextmanager

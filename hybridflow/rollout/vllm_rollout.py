@@ -192,6 +192,8 @@ class VLLMRollout:
         self._shm_prefix = self._join_world(kwargs, tensor_parallel_size, on_gpu)
         if on_gpu:
             check_free_memory(gpu_memory_utilization)
+        else:
+            vllm_engine.eager_logprob_ranks()
         with (vllm_engine.keep_threads_and_rng(), vllm_engine.generation_groups(generation_groups),
               vllm_engine.shm_names(self._shm_prefix), environ(LOCAL_RANK=local_rank)):
             self.llm = LLM(model=hf_dir, tokenizer=hf_dir, dtype=dtype, load_format="dummy",

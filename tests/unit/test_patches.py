@@ -28,7 +28,7 @@ EXPECTED = {
     "megatron.optimizer_step_skips_nonfinite", "megatron.cpu_moe_dispatch_without_streams",
     "megatron.cpu_moe_dispatch_stream", "megatron.moe_router_gemm_without_te",
     "vllm.init_model_parallel_group", "vllm.cpu_shm_group_name", "vllm.cpu_worker_set_num_threads",
-    "vllm.cpu_eager_vocab_mask", "vllm.cpu_moe_repack_after_reload",
+    "vllm.cpu_eager_vocab_mask", "vllm.cpu_eager_logprob_ranks", "vllm.cpu_moe_repack_after_reload",
     "transformers.rope_init_functions", "ray.daemons_in_own_session", "ray.keep_callers_sigterm_handler",
     "ray.driver_without_failure_signal_handler",
 }
@@ -145,6 +145,21 @@ def test_eager_vocab_mask_replaces_the_compiled_one():
         inside = (ids >= start) & (ids < end)
         assert torch.equal(masked, ~inside)
         assert torch.equal(local, torch.where(inside, ids - start, 0))
+
+
+def test_eager_logprob_ranks_replace_the_compiled_ones():
+    """vLLM-CPU's sampler counts each token's rank eagerly (no inductor build in every engine's first step)."""
+    import torch
+    from vllm.v1.sample import sampler
+
+    from hybridflow.patches import vllm_engine
+
+    compiled = sampler.batched_count_greater_than
+    vllm_engine.eager_logprob_ranks()
+    eager = sampler.batched_count_greater_than
+    assert eager is not compiled and eager is compiled._torchdynamo_orig_callable
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-0.1, -4.0, -2.0, -1.0]])
+    assert eager(logprobs, torch.tensor([[-2.0], [-0.1]])).tolist() == [3, 1]  # rank 1 = the most likely
 
 
 def _pretend_gpu(monkeypatch):
