@@ -138,6 +138,9 @@ class RayWorkerGroup:
         self._workers: list = []
         self.node_names: list[str] = []
         self._reserved = 0.0
+        # A rank died, failed or did not finish a call: the group is not asked to clean up (a stopped worker
+        # would hold the caller a second call timeout), only killed.
+        self.failed = False
         self._bind_registered_methods()  # first: a name clash should cost no actors
         pool.reserve(share, f"worker group {self.name!r}")
         self._reserved = share
@@ -268,6 +271,7 @@ class RayWorkerGroup:
                 for c in calls]
 
     def _error(self, method: str, rank: int, e: BaseException) -> WorkerGroupError:
+        self.failed = True
         where = f"rank {rank} of {self.world_size} on node {self.node_names[rank]}"
         lines = [line for line in _ANSI.sub("", str(e)).splitlines() if line.strip()]
         last = lines[-1].strip() if lines else type(e).__name__
@@ -282,6 +286,7 @@ class RayWorkerGroup:
                                 summary)
 
     def _stuck(self, method: str, ranks: list[int], timeout: float) -> WorkerGroupError:
+        self.failed = True
         nodes = sorted({self.node_names[r] for r in ranks})
         summary = (f"worker group {self.name!r} ({self.worker_cls.__name__}.{method}): rank(s) "
                    f"{', '.join(map(str, ranks))} of {self.world_size} on node(s) {', '.join(nodes)} did not finish "

@@ -24,8 +24,9 @@ class WorkerGroups:
 
     def shutdown(self) -> None:
         try:
-            self.actor_rollout.close()
-        except Exception as e:  # a dead worker cannot clean up; the groups are killed regardless
+            if not self.actor_rollout.failed:  # a dead or stuck worker cannot clean up: it is killed
+                self.actor_rollout.close()
+        except Exception as e:  # the groups are killed regardless
             logging.getLogger(__name__).warning("rollout close failed: %s", getattr(e, "summary", e))
         for group in (self.actor_rollout, self.critic, self.reward_model):
             if group is not None:

@@ -21,6 +21,7 @@ class WorkerGroupHandle(Protocol):
 
     name: str
     node_names: list[str]
+    failed: bool  # a rank died, failed or did not finish a call
 
     def dispatch_infos(self, mesh: str = "train") -> list[dict]: ...
 

@@ -57,12 +57,14 @@ def test_driver_killed_while_saving_keeps_the_previous_checkpoint(assets, tmp_pa
 
 def test_stopped_worker_ends_the_run_within_the_stage_timeout(assets, tmp_path):
     """A worker that is stuck rather than dead (SIGSTOP) ends the run after trainer.stage_timeout_s, naming
-    the stage, the group, the rank and its node, and the last good checkpoint."""
+    the stage, the group, the rank and its node, and the last good checkpoint; the stuck group is killed,
+    not asked to clean up (which waited a second stage timeout)."""
     out = tmp_path / "run"
     status, err, tree, took = disturbed_run(assets, out, lambda tree: worker(tree).suspend(),
                                             "trainer.stage_timeout_s=20")
     assert status == 1, err[-3000:]
     assert took < 20 + 60, took
+    assert "rollout close failed" not in err, "the stuck group was asked to clean up: a second stage timeout"
     line = error_lines(err)
     assert line, err[-3000:]
     assert line[0].startswith("error: stage step/"), line[0]
