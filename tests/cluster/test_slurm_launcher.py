@@ -107,11 +107,11 @@ def test_node_that_never_registers_is_named(slurm, tmp_path):
     wrapper.chmod(0o755)
     before = {p.pid for p in psutil.process_iter()}
     start = time.monotonic()
-    job = submit(slurm, tmp_path, *short_run(tmp_path), env={"HYBRIDFLOW_PYTHON": str(wrapper), "HYBRIDFLOW_NODE_WAIT_S": "20"})
+    job = submit(slurm, tmp_path, *short_run(tmp_path), env={"HYBRIDFLOW_PYTHON": str(wrapper), "HYBRIDFLOW_NODE_WAIT_S": "12"})
     done = slurm.wait(job, timeout_s=240)
     log = job_log(tmp_path, job)
     assert done["JobState"] == "FAILED" and time.monotonic() - start < 120, log[-3000:]
-    assert "error: nodes node2 did not register with the Ray head" in log and "within 20s" in log, log[-3000:]
+    assert "error: nodes node2 did not register with the Ray head" in log and "within 12s" in log, log[-3000:]
     assert settle(before) == []
 
 

@@ -1,6 +1,7 @@
 """Checkpoints resume exactly: a run of N steps equals k steps, a checkpoint, and a resumed run to N (final
 weights bit-identical, per-step metrics identical) — PPO with a critic and KL in the reward (its controller's
-state too), at TP=1 and TP=2, and that TP=2 run resumed at TP=1 (the same loss within 1e-5). The checkpoint's HF export loads in transformers and vLLM
+state too), at TP=2, and that run resumed at TP=1 DP=2 (the same loss within the fp32 tolerance). One
+uninterrupted run serves every test (resume at TP=1 alone is covered in tests/distributed/test_checkpoint.py). The checkpoint's HF export loads in transformers and vLLM
 with the actor's greedy outputs. TensorBoard and wandb (offline) files are written and readable."""
 
 from __future__ import annotations
@@ -54,23 +55,19 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def straight(assets, tmp_path_factory, ray_cluster):
-    """Uninterrupted runs of N steps (checkpoints every K steps), per case."""
-    runs = {}
+    """The uninterrupted run of N steps at TP=2 (checkpoints every K steps)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("WANDB_MODE", "offline")  # no network here: wandb writes its run under output_dir/wandb
     mp.setenv("WANDB_SILENT", "true")
-    for case, extra in (("ppo", []), ("tp2", TP2)):
-        out = tmp_path_factory.mktemp(f"straight_{case}")
-        cfg = make_cfg(assets, out, *RUN, *extra, "reward.name=arithmetic",
-                       *(["trainer.logger=[console,jsonl,tensorboard,wandb]"] if case == "ppo" else []))
-        runs[case] = (Path(cfg.trainer.output_dir), fit(cfg), extra)
+    out = tmp_path_factory.mktemp("straight")
+    cfg = make_cfg(assets, out, *RUN, *TP2, "reward.name=arithmetic", "trainer.logger=[console,jsonl,tensorboard,wandb]")
+    run = (Path(cfg.trainer.output_dir), fit(cfg), TP2)
     mp.undo()
-    return runs
+    return run
 
 
-@pytest.mark.parametrize("case", ["ppo", "tp2"])
-def test_resume_is_exact(case, straight, assets, tmp_path):
-    out, rows, extra = straight[case]
+def test_resume_is_exact(straight, assets, tmp_path):
+    out, rows, extra = straight
     cfg = make_cfg(assets, tmp_path, *RUN, *extra, "reward.name=arithmetic",
                    "trainer.resume_mode=resume_path", f"trainer.resume_from_path={out}/checkpoints/step_{K}")
     resumed = fit(cfg)
@@ -83,7 +80,7 @@ def test_resume_is_exact(case, straight, assets, tmp_path):
 
 
 def test_resume_at_another_layout(straight, assets, tmp_path):
-    out, rows, _ = straight["tp2"]
+    out, rows, _ = straight
     cfg = make_cfg(assets, tmp_path, *RUN, *TP1_DP2, "reward.name=arithmetic", "trainer.total_steps=3",
                    "trainer.resume_mode=resume_path", f"trainer.resume_from_path={out}/checkpoints/step_{K}")
     first = fit(cfg)[0]
@@ -99,7 +96,7 @@ def test_export_command_round_trip(straight, assets, tmp_path):
     and vLLM load it and their greedy responses equal the actor's (its logged validation samples)."""
     from hybridflow.cli import main
 
-    out, _, _ = straight["ppo"]
+    out, _, _ = straight
     assert main(["export", "--checkpoint", str(out), "--out", str(tmp_path / "hf")]) == 0
     assert_same_weights(out / "actor_hf", tmp_path / "hf")
     assert (tmp_path / "hf" / "tokenizer.json").exists() and (tmp_path / "hf" / "config.json").exists()
@@ -142,7 +139,7 @@ def _greedy_both(rank, world, folder, prompts):
 
 
 def test_tensorboard_and_wandb_files(straight):
-    out, rows, _ = straight["ppo"]
+    out, rows, _ = straight
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(out / "tensorboard")).Reload()
@@ -171,7 +168,7 @@ def test_sigterm_checkpoints_and_resumes_to_the_same_weights(straight, assets, t
     from tests.integration.cli_run import launch, logged_steps, process_tree, wait_for, wait_gone
 
     out = tmp_path / "run"
-    args = (*RUN, "reward.name=arithmetic")
+    args = (*RUN, *TP2, "reward.name=arithmetic")
     proc = launch(assets, out, *args)
     try:
         wait_for(lambda: 1 in logged_steps(out), 240, "step 1", proc)
@@ -191,4 +188,4 @@ def test_sigterm_checkpoints_and_resumes_to_the_same_weights(straight, assets, t
     _, err = again.communicate(timeout=300)
     assert again.returncode == 0, err[-3000:]
     assert logged_steps(out) == list(range(N + 1))
-    assert_same_weights(straight["ppo"][0] / "actor_hf", out / "actor_hf")
+    assert_same_weights(straight[0] / "actor_hf", out / "actor_hf")
