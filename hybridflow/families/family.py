@@ -57,20 +57,21 @@ class Family:
         sparse = self.moe_layer_pattern(hf_config)[layer]
         return attention + (self.sparse_mlp if sparse else self.mlp)
 
-    def layer_experts(self, hf_config, layer: int, local_to_global) -> tuple[w.Weight, ...]:
+    def layer_experts(self, hf_config, layer: int, local_to_global=None) -> tuple[w.Weight, ...]:
         """The routed experts' weights of decoder layer ``layer``: ``local_to_global`` maps the experts held
-        (megatron's local indices) to their global index."""
+        (megatron's local indices) to their global index; None: every expert, at its global index."""
         if not self.moe_layer_pattern(hf_config)[layer]:
             return ()
+        if local_to_global is None:
+            local_to_global = [(e, e) for e in range(self.num_experts(hf_config))]
         return tuple(t.expert(i, e) for i, e in local_to_global for t in self.expert)
 
     def hf_names(self, hf_config) -> set[str]:
         """Every tensor name of this model's HF checkpoint (experts one by one, as checkpoints hold them)."""
-        every = [(e, e) for e in range(self.num_experts(hf_config))]
         names = {w.EMBEDDING.hf[0], w.FINAL_NORM.hf[0]}
         if not getattr(hf_config, "tie_word_embeddings", False):
             names.add(w.LM_HEAD.hf[0])
         for layer in range(hf_config.num_hidden_layers):
-            for weight in self.layer_weights(hf_config, layer) + self.layer_experts(hf_config, layer, every):
+            for weight in self.layer_weights(hf_config, layer) + self.layer_experts(hf_config, layer):
                 names.update(f"model.layers.{layer}.{h}" for h in weight.hf)
         return names

@@ -84,7 +84,7 @@ EXPERT = gated_mlp("mlp.experts.local_experts.{e}.", "mlp.experts.{e}.")
 _MEGATRON_LAYER = re.compile(r"^(?:.*\.)?decoder\.layers\.\d+\.")
 _VLLM_LAYER = re.compile(r"^model\.layers\.\d+\.")
 _LOCAL_EXPERT = re.compile(r"^(.*\bmlp\.experts\.)local_experts\.(\d+)\.(.*)$")
-_EXPERT_INDEX = re.compile(r"\bmlp\.experts\.(local_experts\.)?\d+\.")
+_EXPERT_INDEX = re.compile(r"\bmlp\.experts\.(local_experts\.)?(\d+)\.")
 
 _ALL = (EMBEDDING, FINAL_NORM, LM_HEAD, *NORMS, *ATTENTION, *QKV_BIAS, *QK_NORM, *DENSE_MLP, *ROUTER,
         *SHARED_EXPERT, *EXPERT)
@@ -116,8 +116,7 @@ def vllm_weight(name: str) -> tuple[str, Weight]:
     except KeyError:
         raise KeyError(f"{name} is not a weight any model family declares (hybridflow/families)") from None
     if expert:
-        index = int(expert[0].rstrip(".").rsplit(".", 1)[1])  # "mlp.experts.{index}."
-        weight = weight.expert(index, index)
+        weight = weight.expert(int(expert[2]), int(expert[2]))
     return prefix, weight
 
 

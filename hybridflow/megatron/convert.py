@@ -233,11 +233,10 @@ def megatron_to_hf(full_sd: dict, cfg, shard: Shard, *, value_head: bool = False
     """
     family = families.of(cfg)
     out, used = {}, set()
-    every_expert = [(e, e) for e in range(family.num_experts(cfg))]
     for local, layer in enumerate(shard.layer_range(cfg.num_hidden_layers)):
         src, dst = f"decoder.layers.{local}.", f"model.layers.{layer}."
         for w, tp in ([(w, shard.tp_size) for w in family.layer_weights(cfg, layer)]
-                      + [(w, shard.expert_tp[1]) for w in family.layer_experts(cfg, layer, every_expert)]):
+                      + [(w, shard.expert_tp[1]) for w in family.layer_experts(cfg, layer)]):
             if src + w.megatron in full_sd:
                 out.update(_to_hf(w, full_sd[src + w.megatron], dst, cfg, tp))
                 used.add(src + w.megatron)
@@ -252,7 +251,7 @@ def megatron_to_hf(full_sd: dict, cfg, shard: Shard, *, value_head: bool = False
             out.update(_to_hf(head, full_sd[head.megatron], "", cfg, 1))
     unknown = sorted(k for k in full_sd if k.startswith("decoder.layers.") and k not in used)
     if unknown:
-        raise KeyError(f"{families.of(cfg).architecture} declares no weight {unknown[0]} (hybridflow/families)")
+        raise KeyError(f"{family.architecture} declares no weight {unknown[0]} (hybridflow/families)")
     return out
 
 

@@ -106,7 +106,7 @@ def layer_from_megatron_shards(shards: list[dict], layer: int, cfg, t: int) -> d
     come split over TP like a dense MLP (one expert-parallel rank, expert TP = TP) or already in their
     generation form (transition.Resharder's expert exchange: every member holds the same)."""
     family, prefix = families.of(cfg), f"model.layers.{layer}."
-    experts = family.layer_experts(cfg, layer, [(e, e) for e in range(family.num_experts(cfg))])
+    experts = family.layer_experts(cfg, layer)
     exchanged = bool(experts) and experts[0].megatron not in shards[0]
     out = from_megatron_shards(family.layer_weights(cfg, layer) + (() if exchanged else experts), shards, cfg, t, prefix)
     if exchanged:
@@ -169,14 +169,13 @@ def hf_to_vllm_shard(hf: dict, cfg, k: int, t_g: int) -> dict:
     """Reference conversion: vLLM shard k of t_g straight from a HF state dict (single rank): every weight
     of the family whose HF tensors ``hf`` holds."""
     family = families.of(cfg)
-    every_expert = [(e, e) for e in range(family.num_experts(cfg))]
     out = {}
     for w in (weights.EMBEDDING, weights.FINAL_NORM, weights.LM_HEAD):
         if w.hf[0] in hf:
             out[w.vllm] = _to_vllm(w, [hf[w.hf[0]]], cfg, k, t_g)
     for layer in range(cfg.num_hidden_layers):
         pre = f"model.layers.{layer}."
-        for w in family.layer_weights(cfg, layer) + family.layer_experts(cfg, layer, every_expert):
+        for w in family.layer_weights(cfg, layer) + family.layer_experts(cfg, layer):
             if pre + w.hf[0] in hf:
                 out[pre + w.vllm] = _to_vllm(w, [hf[pre + h] for h in w.hf], cfg, k, t_g)
     return out
