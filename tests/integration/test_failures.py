@@ -118,7 +118,10 @@ def test_killed_raylet_ends_the_run_in_one_line(assets, tmp_path):
     """kill -9 of the node's raylet: the workers go with it, and the run ends (status 1) in one hybridflow
     line naming what failed and the last good checkpoint; nothing is left running."""
     out = tmp_path / "run"
-    status, err, tree, _ = disturbed_run(assets, out, lambda tree: worker(tree, "/raylet/raylet").kill())
+    # long enough to outlast Ray's detection of the dead node (about 15 s: its health checks), during which
+    # the worker keeps stepping
+    status, err, tree, _ = disturbed_run(assets, out, lambda tree: worker(tree, "/raylet/raylet").kill(),
+                                         "trainer.total_steps=2000")
     assert status == 1, err[-3000:]
     line = error_lines(err)
     assert len(line) == 1, err[-3000:]
