@@ -13,10 +13,6 @@ import time
 import torch
 
 from hybridflow import device
-from hybridflow.agent.chat import ChatFormat
-from hybridflow.agent.loop import AgentLoop, AgentSettings, trajectory_columns
-from hybridflow.agent.parsers import get_parser
-from hybridflow.agent.tools import load_tools
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.megatron import parallel
 from hybridflow.megatron.role import MegatronRole
@@ -24,71 +20,12 @@ from hybridflow.protocol import Batch
 from hybridflow.resharding.plan import HybridPlan, Layout
 from hybridflow.resharding.transition import Resharder, TransitionStats
 from hybridflow.resharding.vllm_layout import to_checkpoint_names
-from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
+from hybridflow.rollout.vllm_rollout import VLLMRollout
 from hybridflow.workers import role_ops
 from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoint, offload_settings, optim_settings,
                                        ref_offload_settings, save_role_checkpoint)
 from hybridflow.workers.export import save_hf_folder
-
-
-def responses_to_batch(prompts: Batch, responses: list[list[int]], max_len: int, pad_id: int,
-                       eos_id: int) -> Batch:
-    """Right-pad responses and append them to the left-padded prompts (verl's layout)."""
-    n = len(responses)
-    resp = torch.full((n, max_len), pad_id, dtype=torch.long)
-    resp_mask = torch.zeros((n, max_len), dtype=torch.long)
-    for i, r in enumerate(responses):
-        r = r[:max_len]
-        if eos_id in r:
-            r = r[: r.index(eos_id) + 1]  # EOS is part of the response (it is an action)
-        resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        resp_mask[i, : len(r)] = 1
-    return Batch.from_dict(tensors=_after_prompts(prompts, resp, resp_mask, resp_mask))
-
-
-def _after_prompts(prompts: Batch, responses: torch.Tensor, response_mask: torch.Tensor, real: torch.Tensor) -> dict:
-    """The responses appended to the left-padded prompts: ``real`` marks the response's tokens (padding 0),
-    ``response_mask`` those the model sampled."""
-    attention = torch.cat([prompts.tensors["attention_mask"], real], dim=1)
-    return {"responses": responses, "response_mask": response_mask,
-            "input_ids": torch.cat([prompts.tensors["input_ids"], responses], dim=1), "attention_mask": attention,
-            "position_ids": (attention.cumsum(-1) - 1).clamp(min=0)}
-
-
-def trajectories_to_batch(prompts: Batch, trajectories, max_len: int, pad_id: int) -> Batch:
-    """Multi-turn trajectories (agent/loop.py) in verl's layout: ``responses`` hold sampled and tool-message
-    tokens, ``attention_mask`` is 1 on both, ``response_mask`` only on sampled ones, ``rollout_log_probs`` is
-    vLLM's log-prob on sampled tokens (0 elsewhere), plus the per-row agent statistics."""
-    n = len(trajectories)
-    resp = torch.full((n, max_len), pad_id, dtype=torch.long)
-    resp_mask, real = torch.zeros((n, max_len), dtype=torch.long), torch.zeros((n, max_len), dtype=torch.long)
-    log_probs = torch.zeros((n, max_len), dtype=torch.float32)
-    for i, t in enumerate(trajectories):
-        k = min(len(t.response_ids), max_len)
-        resp[i, :k] = torch.tensor(t.response_ids[:k], dtype=torch.long)
-        resp_mask[i, :k] = torch.tensor(t.response_mask[:k], dtype=torch.long)
-        real[i, :k] = 1
-        log_probs[i, :k] = torch.tensor(t.log_probs[:k], dtype=torch.float32)
-    tensors, non_tensors = trajectory_columns(trajectories)
-    return Batch.from_dict(tensors={**_after_prompts(prompts, resp, resp_mask, real), "rollout_log_probs": log_probs,
-                                    **tensors}, non_tensors=non_tensors)
-
-
-def rollout_log_probs(log_probs: list[list[float]], response_mask: torch.Tensor) -> torch.Tensor:
-    """vLLM's per-token log-probs as a float32 [b, R] tensor aligned with ``responses``, 0 at padding (a
-    response cut at EOS or max length keeps the log-probs of the tokens it keeps)."""
-    out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    for i, (lp, n) in enumerate(zip(log_probs, response_mask.sum(-1).tolist())):
-        out[i, :n] = torch.tensor(lp[:n], dtype=torch.float32)
-    return out
-
-
-def build_agent_loop(multi_turn, max_response_length: int, chat_template_kwargs: dict, tokenizer):
-    """The multi-turn agent loop of ``rollout.multi_turn``: its tools (verl's tool config), tool-call parser and
-    the tokenizer's chat template."""
-    m = multi_turn
-    return AgentLoop(tokenizer, load_tools(m.tool_config_path), get_parser(m.format),
-                     AgentSettings.from_config(m, max_response_length), ChatFormat(tokenizer, chat_template_kwargs))
+from hybridflow.workers.generation import build_agent_loop, generate_batch
 
 
 class ActorRolloutRefWorker(Worker):
@@ -160,36 +97,8 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.DP_COMPUTE_3D, mesh="rollout")
     def generate(self, prompts: Batch) -> Batch:
         """Sample one response per row (repeat rows beforehand for n > 1); each generation replica
-        gets its own prompts. The weights are the last ``sync_weights``'.
-
-        ``prompts.meta`` may override sampling: ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (validation's
-        rollout.val_kwargs), ``max_new_tokens``.
-        """
-        r, meta = self.spec.rollout, prompts.meta
-        sampling = SamplingSettings(
-            temperature=meta.get("temperature", r.temperature), top_p=meta.get("top_p", r.top_p),
-            top_k=meta.get("top_k", r.top_k),
-            max_new_tokens=prompts.meta.get("max_new_tokens", self.spec.max_response_length))
-        ids, mask = prompts.tensors["input_ids"], prompts.tensors["attention_mask"].bool()
-        prompt_ids = [row[m].tolist() for row, m in zip(ids, mask)]
-        sampled = sampling.temperature > 0  # sampled rollouts carry vLLM's log-prob of each token; greedy ones none
-        self.rollout.wake_up(["weights", "kv_cache"])
-        if self.agent is not None:  # multi-turn: turns of generation and tool calls (agent/loop.py)
-            trajectories = self.agent.run(self.rollout, prompt_ids, sampling, log_probs=sampled)
-            self.rollout.sleep()
-            new = trajectories_to_batch(prompts, trajectories, self.spec.max_response_length,
-                                        self.tokenizer.pad_token_id)
-            if not sampled:
-                del new.tensors["rollout_log_probs"]
-        else:
-            outs = self.rollout.generate_with_log_probs(prompt_ids, sampling, log_probs=sampled)
-            self.rollout.sleep()
-            new = responses_to_batch(prompts, [o for o, _ in outs], self.spec.max_response_length,
-                                     self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
-            if sampled:
-                new.tensors["rollout_log_probs"] = rollout_log_probs([lp for _, lp in outs], new.tensors["response_mask"])
-        return prompts.replace(tensors={"prompts": ids, **new.tensors}, non_tensors=new.non_tensors,
-                               meta={"memory": device.memory_stats("memory/generate")})
+        gets its own prompts (workers/generation.py). The weights are the last ``sync_weights``'."""
+        return generate_batch(self.rollout, self.agent, prompts, self.spec, self.tokenizer)
 
     # --- log-probs and update -------------------------------------------------------------------
 

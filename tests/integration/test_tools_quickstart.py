@@ -22,7 +22,7 @@ def _hf_trajectories(cfg, state: dict, prompts) -> list[tuple[list[int], list[in
 
     from hybridflow.agent.hf_engine import HFEngine
     from hybridflow.rollout.vllm_rollout import SamplingSettings
-    from hybridflow.workers.actor_rollout_ref import build_agent_loop
+    from hybridflow.workers.generation import build_agent_loop
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path)).float().eval()

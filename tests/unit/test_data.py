@@ -63,7 +63,7 @@ def test_missing_column_is_named(tokenizer, tmp_path):
 
 def test_responses_to_batch_layout():
     from hybridflow.protocol import Batch
-    from hybridflow.workers.actor_rollout_ref import responses_to_batch
+    from hybridflow.workers.generation import responses_to_batch
 
     prompts = Batch.from_dict(tensors={"input_ids": torch.tensor([[0, 5, 6], [7, 8, 9]]),
                                        "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])})

@@ -22,7 +22,7 @@ class _Rollout:
         return [{"dp_size": 2}]
 
     def generate(self, prompts):
-        from hybridflow.workers.actor_rollout_ref import responses_to_batch
+        from hybridflow.workers.generation import responses_to_batch
 
         meta = prompts.meta
         self.calls.append((len(prompts), meta.get("temperature"), meta.get("top_p"), meta.get("top_k")))
