@@ -202,6 +202,19 @@ class MultiTurn:
 
 
 @dataclass
+class CheckpointEngine:
+    """How the actor's weights reach a separate rollout pool (schedule.mode separate_async): verl 0.9.1's
+    rollout.checkpoint_engine. "naive" (verl's default, the colocated update) picks the device's collective there:
+    gloo on CPU, nccl on GPU (verl refuses naive in separate_async; a deliberate difference)."""
+
+    backend: Literal["naive", "gloo", "nccl"] = "naive"
+    update_weights_bucket_megabytes: int = 2048  # one broadcast's payload at most (a larger tensor goes alone)
+
+    def validate(self):
+        check_sizes(self, "update_weights_bucket_megabytes")
+
+
+@dataclass
 class Rollout:
     name: Literal["vllm"] = "vllm"
     n: int = 1  # responses sampled per prompt (group size for GRPO/RLOO)
@@ -228,6 +241,7 @@ class Rollout:
     engine_kwargs: dict = field(default_factory=dict)
     multi_turn: MultiTurn = field(default_factory=MultiTurn)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)  # validation sampling (default greedy)
+    checkpoint_engine: CheckpointEngine = field(default_factory=CheckpointEngine)
 
     def validate(self):
         check_sizes(self, "n", "tensor_model_parallel_size", "kv_cache_gib", "max_num_batched_tokens", "max_num_seqs")
@@ -415,11 +429,15 @@ class RewardModel:
 class Resources:
     n_workers: int = 1  # processes (one per GPU on GPU machines) in the actor/rollout/ref pool
     critic_n_workers: int = 1  # pool size of the critic when critic.placement = separate
+    # the standalone rollout pool of schedule.mode separate_async (verl: rollout.nnodes x rollout.n_gpus_per_node)
+    rollout_n_workers: int = 0
     cpus_per_worker: float = 1.0  # > 0: a worker's torch threads come from its CPUs
     gpus_per_worker: float = 0.0
 
     def validate(self):
         check_sizes(self, "n_workers", "critic_n_workers")
+        if self.rollout_n_workers < 0:
+            raise ValueError(f"rollout_n_workers must be >= 0, got {self.rollout_n_workers}")
         check_numbers(self, cpus_per_worker=dict(gt=0), gpus_per_worker=dict(ge=0))
 
 
@@ -491,6 +509,31 @@ MAX_DIST_TIMEOUT_S = 1e9
 
 
 @dataclass
+class Schedule:
+    """When samples are generated and weights move: verl 0.9.1's trainer modes (trainer.v1.trainer_mode and its
+    sections, trainer.v1.sampler). sync: generate, then train on it (the paper's loop). separate_async: a
+    standalone rollout pool (resources.rollout_n_workers) generates up to ``num_warmup_batches`` steps ahead of
+    the trainer, fed new weights by the checkpoint engine after every step. A step trains on data.batch_size
+    prompts, parameter_sync_step mini-batches of actor.ppo_mini_batch_size (verl's rule between the three)."""
+
+    mode: Literal["sync", "colocate_async", "separate_async"] = "sync"
+    num_warmup_batches: float = 1.0  # prompt batches generated ahead of the trainer (async modes)
+    parameter_sync_step: int = 4  # optimizer steps between weight syncs (async modes)
+    # a sample whose oldest token is this many policy versions behind the trainer (or more) is dropped and
+    # regenerated (drop) or never generated that early (wait); None: no bound
+    max_off_policy_threshold: int | None = 8
+    max_off_policy_strategy: Literal["drop", "wait"] = "drop"
+    partial_rollout: bool = False  # carry unfinished responses across a weight update (not yet: False only)
+
+    def validate(self):
+        check_sizes(self, "parameter_sync_step", "max_off_policy_threshold")
+        check_numbers(self, num_warmup_batches=dict(ge=0))
+        if self.partial_rollout:
+            raise ValueError("partial_rollout: not supported yet (responses finish under the weights they started "
+                             "with); set it to false")
+
+
+@dataclass
 class TrainerSettings:
     total_steps: int | None = None  # PPO steps; when set it wins over total_epochs (verl's rule)
     total_epochs: int = 30  # passes over the training prompts (when total_steps is None)
@@ -548,6 +591,7 @@ class ExperimentConfig:
     actor: Actor = field(default_factory=Actor)
     critic: Critic = field(default_factory=Critic)
     rollout: Rollout = field(default_factory=Rollout)
+    schedule: Schedule = field(default_factory=Schedule)
     algorithm: Algorithm = field(default_factory=Algorithm)
     reward: Reward = field(default_factory=Reward)
     custom_reward_function: CustomReward = field(default_factory=CustomReward)

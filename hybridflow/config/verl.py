@@ -103,6 +103,19 @@ RENAMED = {
     "trainer.resume_from_path": "trainer.resume_from_path",
     "trainer.log_val_generations": "trainer.val_samples",
     "reward_model.model.path": "reward_model.path",
+    # the trainer modes (config/schema.py Schedule) and the fully-async recipe's names for the same settings:
+    # its staleness_threshold (samples generated ahead, as a fraction of a sync period's) is our look-ahead
+    "trainer.v1.trainer_mode": "schedule.mode",
+    "trainer.v1.colocate_async.num_warmup_batches": "schedule.num_warmup_batches",
+    "trainer.v1.separate_async.num_warmup_batches": "schedule.num_warmup_batches",
+    "trainer.v1.separate_async.parameter_sync_step": "schedule.parameter_sync_step",
+    "trainer.v1.sampler.max_off_policy_threshold": "schedule.max_off_policy_threshold",
+    "trainer.v1.sampler.max_off_policy_strategy": "schedule.max_off_policy_strategy",
+    "async_training.staleness_threshold": "schedule.num_warmup_batches",
+    "async_training.trigger_parameter_sync_step": "schedule.parameter_sync_step",
+    "async_training.partial_rollout": "schedule.partial_rollout",
+    _R + "checkpoint_engine.backend": "rollout.checkpoint_engine.backend",
+    _R + "checkpoint_engine.update_weights_bucket_megabytes": "rollout.checkpoint_engine.update_weights_bucket_megabytes",
     "reward_model.micro_batch_size_per_gpu": "reward_model.micro_batch_size",
     # DAPO's overlong shaping: verl 0.9.1's DAPO reward manager reads reward.reward_kwargs.overlong_buffer_cfg
     # (reward_model.reward_kwargs is moved there by verl's migrate_legacy_reward_impl); the DAPO recipe's older
@@ -142,6 +155,8 @@ MUST_AGREE = {
     "reward.reward_kwargs.max_resp_len": "data.max_response_length",  # the overlong buffer ends at the longest response
     "reward_model.reward_kwargs.max_resp_len": "data.max_response_length",
     "trainer.device": "cuda",
+    "async_training.require_batches": 1,  # a step's mini-batches come from one batch of data.batch_size prompts
+    "trainer.v1.separate_async.hybrid_rollout.enable_switch": False,  # the trainer's devices are not lent to rollout
 }
 _STRATEGY = "an FSDP run becomes megatron data parallelism with the distributed optimizer (this module's docstring)"
 _FSDP_ONLY = "FSDP's wrapping/sharding detail; megatron's distributed optimizer shards state here"
@@ -193,6 +208,9 @@ NO_EFFECT = {  # verl key -> why it changes nothing here
     "trainer.del_local_ckpt_after_load": "checkpoints are kept (trainer.max_checkpoints prunes old ones)",
     "trainer.ray_wait_register_center_timeout": "trainer.stage_timeout_s bounds every stage",
     "trainer.use_v1": "one trainer loop here",
+    "actor_rollout_ref.hybrid_engine": "the colocated modes always run the hybrid engine; separate_async serves every "
+                                       "rollout from the standalone pool (verl's hybrid replicas on the trainer's "
+                                       "devices are not built)",
     "algorithm.filter_groups.max_inflight_gen_batches": "dynamic sampling generates one batch at a time here",
 }
 _PROFILE = ("verl's profiler hooks (nsys, npu, torch, torch_memory, precision_debugger) wrap its workers' stages; "
@@ -246,7 +264,7 @@ def _check_hydra(key: str, value: str) -> None:
                           "(--config-path=config); the files in another are not read: give their settings as overrides")
 
 
-_GPU_KEYS = ("trainer.n_gpus_per_node", "trainer.nnodes")
+_GPU_KEYS = ("trainer.n_gpus_per_node", "trainer.nnodes", _R + "n_gpus_per_node", _R + "nnodes")
 _LISTS = ("data.train_files", "data.val_files", "trainer.logger")
 
 # Deliberate differences from verl 0.9.1 (ppo_megatron_trainer.yaml) for keys that carry a verl name:
@@ -309,15 +327,15 @@ def _ours(key: str):
     return None
 
 
-def _gpu_count(arg: str, value: str) -> int:
+def _gpu_count(arg: str, value: str, minimum: int = 1) -> int:
     import yaml
 
     try:
         n = yaml.safe_load(value)
     except yaml.YAMLError:
         n = value
-    if type(n) is not int or n < 1:
-        raise ConfigError(f"verl override {arg!r}: expects a whole number >= 1, got {value!r}")
+    if type(n) is not int or n < minimum:
+        raise ConfigError(f"verl override {arg!r}: expects a whole number >= {minimum}, got {value!r}")
     return n
 
 
@@ -343,7 +361,7 @@ def translate(verl_args: list[str]) -> Translation:
         key, value = arg.split("=", 1)
         key = key.lstrip("+")  # hydra's "add a key" prefixes (+ and ++)
         if key in _GPU_KEYS:
-            gpus[key] = _gpu_count(arg, value)
+            gpus[key] = _gpu_count(arg, value, minimum=0 if key == _R + "nnodes" else 1)
         elif key in REWARD_MANAGER_KEYS:
             manager = value.strip()
             if manager not in REWARD_MANAGERS:
@@ -380,9 +398,12 @@ def translate(verl_args: list[str]) -> Translation:
     if overlong_on is not None and manager != "dapo":
         raise ConfigError(f"verl override {overlong_on!r}: verl applies overlong shaping only in the dapo reward "
                           "manager; add reward_model.reward_manager=dapo (its naive manager ignores overlong_buffer_cfg)")
-    if gpus:  # one process per GPU, as verl places them
-        n = gpus.get("trainer.n_gpus_per_node", 8) * gpus.get("trainer.nnodes", 1)
+    per_node = gpus.get("trainer.n_gpus_per_node", 8)
+    if any(k.startswith("trainer.") for k in gpus):  # one process per GPU, as verl places them
+        n = per_node * gpus.get("trainer.nnodes", 1)
         ours += [f"resources.n_workers={n}", f"resources.critic_n_workers={n}", "resources.gpus_per_worker=1"]
+    if _R + "nnodes" in gpus:  # the standalone rollout pool (verl: rollout.n_gpus_per_node defaults to the trainer's)
+        ours.append(f"resources.rollout_n_workers={gpus[_R + 'nnodes'] * gpus.get(_R + 'n_gpus_per_node', per_node)}")
     return Translation(implied + ours, agree, no_effect)
 
 

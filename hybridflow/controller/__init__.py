@@ -7,12 +7,13 @@ from .cluster import RayHandle, start_ray
 from .decorator import DISPATCH_TABLE, Dispatch, register
 from .resource_pool import ResourcePool, ResourcePoolError
 from .worker import Worker
-from .worker_group import DispatchFuture, RayWorkerGroup, WorkerGroupError
+from .worker_group import DispatchFuture, RayWorkerGroup, WorkerGroupError, get_together
 
 __all__ = [
     "DISPATCH_TABLE",
     "Dispatch",
     "DispatchFuture",
+    "get_together",
     "RayHandle",
     "RayWorkerGroup",
     "ResourcePool",

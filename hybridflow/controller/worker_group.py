@@ -119,6 +119,31 @@ class DispatchFuture:
                                 f"({self._wg.worker_cls.__name__}.{self._method}): {reason}")
 
 
+def get_together(*futures: DispatchFuture) -> list:
+    """Results of calls on several groups that wait on each other (the two sides of one collective, as the
+    checkpoint engine's sender and receivers): the first rank to fail on either side is raised at once, not
+    after the other side's collective times out; a rank still running after its group's ``call_timeout_s`` is
+    named as ``DispatchFuture.get`` names it."""
+    owner = {ref: f for f in futures for ref in f.refs}
+    rank_of = {ref: call.rank for f in futures for ref, call in zip(f.refs, f._plan.calls)}
+    timeouts = [f._wg.call_timeout_s for f in futures if f._wg.call_timeout_s is not None]
+    deadline = time.monotonic() + max(timeouts) if timeouts else None
+    pending = list(owner)
+    while pending:
+        futures[0]._check_give_up()
+        ready, pending = ray.wait(pending, num_returns=1, timeout=_WAIT_SLICE_S)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as e:
+                raise owner[ref]._wg._error(owner[ref]._method, rank_of[ref], e) from e
+        if not ready and deadline is not None and time.monotonic() >= deadline:
+            late = owner[pending[0]]
+            raise late._wg._stuck(late._method, sorted(rank_of[r] for r in pending if owner[r] is late),
+                                  late._wg.call_timeout_s)
+    return [f.get() for f in futures]
+
+
 class RayWorkerGroup:
     def __init__(self, pool: ResourcePool, worker_cls: type, *args,
                  name_prefix: str | None = None, share: float = 1.0,
@@ -240,6 +265,11 @@ class RayWorkerGroup:
                                      "expected dict(dp_rank=int, dp_size=int, collect=bool)")
             self._dispatch_infos[mesh] = infos
         return self._dispatch_infos[mesh]
+
+    def submit(self, method: str, *args, **kwargs) -> DispatchFuture:
+        """A registered method dispatched as registered, without waiting: its future (``get`` collects)."""
+        spec = get_register_spec(getattr(self.worker_cls, method))
+        return self._run(method, spec.dispatch_mode, False, args, kwargs)
 
     def execute_all(self, method: str, *args, **kwargs) -> list:
         """Call any worker method (registered or not) on every rank."""

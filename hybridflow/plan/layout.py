@@ -107,10 +107,13 @@ class ParallelLayout:
 
 @dataclass(frozen=True)
 class GenerationLayout:
-    """The rollout engines over the actor's pool: ``replicas`` engines of generation TP ``tp`` each."""
+    """The rollout engines over their pool (the actor's, or the standalone rollout pool of separate_async):
+    ``replicas`` engines of generation TP ``tp`` each."""
 
     tp: int
     world: int
+    pool_key: str = "resources.n_workers"
+    colocated: bool = True  # on the actor's ranks: each generation shard is cut from what its training rank holds
 
     @property
     def replicas(self) -> int:
@@ -119,16 +122,16 @@ class GenerationLayout:
     def check(self, actor_tp: int, seed: int, rollout_batch: int) -> None:
         """t_g divides or is a multiple of the actor's TP (each generation shard is then a slice of what its
         training rank holds), splits the pool, and each replica (sampling with seed + r) gets whole rows."""
-        if actor_tp % self.tp and self.tp % actor_tp:
+        if self.colocated and actor_tp % self.tp and self.tp % actor_tp:
             raise ValueError(f"rollout.tensor_model_parallel_size ({self.tp}) must divide "
                              f"actor.megatron.tensor_model_parallel_size ({actor_tp}) or be a multiple of it")
         if self.world % self.tp:
-            raise ValueError(f"resources.n_workers ({self.world}) is not divisible by "
+            raise ValueError(f"{self.pool_key} ({self.world}) is not divisible by "
                              f"rollout.tensor_model_parallel_size ({self.tp})")
         if seed + self.replicas - 1 >= SEED_LIMIT:  # generation replica r samples with seed + r
             raise ValueError(f"trainer.seed ({seed}) + {self.replicas - 1} (the last generation replica's "
                              "offset) must stay below 2**32 (vLLM seeds numpy with it)")
         if rollout_batch % self.replicas:
             raise ValueError(f"data.batch_size x rollout.n ({rollout_batch}) must divide across the "
-                             f"{self.replicas} generation replicas (resources.n_workers / "
+                             f"{self.replicas} generation replicas ({self.pool_key} / "
                              "rollout.tensor_model_parallel_size)")

@@ -24,11 +24,13 @@ def pool_of(pools: tuple[Pool, ...], group: str) -> Pool:
 
 def plan_pools(cfg, critic: bool) -> tuple[Pool, ...]:
     """The actor/rollout/ref pool holds the colocated critic and the reward model too; a separate critic
-    gets a pool of its own."""
+    gets a pool of its own, and so does the standalone rollout of schedule.mode separate_async."""
     colocated = critic and cfg.critic.placement == "colocated"
     groups = ("actor_rollout_ref",) + (("critic",) if colocated else ()) + (
         ("reward_model",) if cfg.reward_model.enable else ())
     pools = (Pool("actor_rollout_ref", cfg.resources.n_workers, "resources.n_workers", groups),)
     if critic and not colocated:
         pools += (Pool("critic", cfg.resources.critic_n_workers, "resources.critic_n_workers", ("critic",)),)
+    if cfg.schedule.mode == "separate_async":
+        pools += (Pool("rollout", cfg.resources.rollout_n_workers, "resources.rollout_n_workers", ("rollout",)),)
     return pools

@@ -117,3 +117,31 @@ def check_rollout_correction(rc, loss_mode: str, temperature: float) -> None:
         if "rollout_is_weights" not in inspect.signature(registry.POLICY_LOSSES.get(loss_mode)).parameters:
             raise ValueError(f"algorithm.rollout_correction.rollout_is={rc.rollout_is!r}: actor.policy_loss.loss_mode "
                              f"{loss_mode!r} takes no rollout_is_weights")
+
+
+def check_schedule(cfg, on_gpu: bool) -> None:
+    """schedule.mode's needs: separate_async a rollout pool of its own and verl's rule between data.batch_size,
+    parameter_sync_step and ppo_mini_batch_size; colocate_async is not built yet."""
+    sc, res = cfg.schedule, cfg.resources
+    if sc.mode == "colocate_async":
+        raise ValueError("schedule.mode 'colocate_async' (trainer.v1.trainer_mode): not supported yet; use sync or "
+                         "separate_async")
+    if sc.mode == "sync":
+        if res.rollout_n_workers:
+            raise ValueError(f"resources.rollout_n_workers ({res.rollout_n_workers}) sizes the rollout pool of "
+                             "schedule.mode separate_async; sync rolls out on the actor's workers: set it to 0")
+        return
+    if res.rollout_n_workers < 1:
+        raise ValueError("schedule.mode 'separate_async' needs a rollout pool: resources.rollout_n_workers >= 1 (verl: "
+                         "actor_rollout_ref.rollout.nnodes x n_gpus_per_node)")
+    if cfg.data.batch_size != sc.parameter_sync_step * cfg.actor.ppo_mini_batch_size:
+        raise ValueError(f"data.batch_size ({cfg.data.batch_size}) must equal schedule.parameter_sync_step "
+                         f"({sc.parameter_sync_step}) x actor.ppo_mini_batch_size ({cfg.actor.ppo_mini_batch_size}) "
+                         "in separate_async (verl's rule)")
+    backend = cfg.rollout.checkpoint_engine.backend
+    if backend == "nccl" and not on_gpu:
+        raise ValueError("rollout.checkpoint_engine.backend 'nccl' needs GPU workers (resources.gpus_per_worker > 0); "
+                         "'naive' picks gloo on CPU")
+    if cfg.reward_model.enable or cfg.algorithm.filter_groups.enable or cfg.rollout.multi_turn.enable:
+        raise ValueError("schedule.mode 'separate_async' does not yet take reward_model.enable, "
+                         "algorithm.filter_groups.enable or rollout.multi_turn.enable")

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from hybridflow.plan.layout import GenerationLayout, ParallelLayout
 from hybridflow.plan.needs import Needs, run_needs
 from hybridflow.plan.pools import Pool, plan_pools, pool_of
-from hybridflow.plan.rules import check_algorithm, check_names, check_token_budgets
-from hybridflow.plan.specs import ActorSpec, CriticSpec, RewardModelSpec, role_specs
+from hybridflow.plan.rules import check_algorithm, check_names, check_schedule, check_token_budgets
+from hybridflow.plan.specs import ActorSpec, CriticSpec, RewardModelSpec, RolloutSpec, role_specs
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class RunPlan:
     actor_spec: ActorSpec  # what each worker group is given
     critic_spec: CriticSpec | None
     reward_model_spec: RewardModelSpec | None
+    rollout_spec: RolloutSpec | None  # the standalone rollout pool's (separate_async)
 
     def pool(self, group: str) -> Pool:
         """The pool a worker group runs in."""
@@ -71,7 +72,10 @@ def resolve(cfg, model=None, n_train: int | None = None, *, on_gpu: bool = False
             micro = 1 if section.use_dynamic_bsz else section.ppo_micro_batch_size_per_gpu  # token budgets instead
             layout.check_batches(section.ppo_mini_batch_size, cfg.data.batch_size, n, micro)
     check_token_budgets(cfg, needs.critic)
-    generation = GenerationLayout(cfg.rollout.tensor_model_parallel_size, actor.world)
+    check_schedule(cfg, on_gpu)
+    separate = cfg.schedule.mode == "separate_async"
+    gen_pool = pool_of(pools, "rollout" if separate else "actor_rollout_ref")
+    generation = GenerationLayout(cfg.rollout.tensor_model_parallel_size, gen_pool.size, gen_pool.size_key, not separate)
     generation.check(actor.tp, cfg.trainer.seed, cfg.data.batch_size * n)
     check_algorithm(cfg, needs, generation.replicas)
     if model is not None:
@@ -80,4 +84,4 @@ def resolve(cfg, model=None, n_train: int | None = None, *, on_gpu: bool = False
                 layout.check_model(model, cfg.model.path, on_gpu)
     steps = total_steps(cfg, n_train)
     return RunPlan(actor, critic, generation, needs, pools, cfg.data.max_prompt_length + cfg.data.max_response_length,
-                   steps, *role_specs(cfg, needs, steps))
+                   steps, *role_specs(cfg, needs, steps, actor, generation))

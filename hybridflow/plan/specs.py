@@ -35,6 +35,20 @@ class ActorSpec:
     # policy is the one vLLM sampled from (verl 0.9.1: ``logits.div_(temperature)`` in
     # workers/engine/megatron/transformer_impl.py); greedy rollouts (0) have no sampled distribution: 1
     logit_temperature: float
+    # separate_async: the standalone rollout pool's size (0: the rollout engine is colocated in these processes)
+    rollout_pool: int = 0
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """The standalone rollout pool of separate_async: vLLM engines fed by the checkpoint engine."""
+
+    process: ProcessSpec
+    rollout: Rollout
+    max_prompt_length: int
+    max_response_length: int
+    chat_template_kwargs: dict
+    train_layout: tuple[int, int, int]  # the actor's (p, t, d): which training rank feeds which rollout rank
 
 
 @dataclass(frozen=True)
@@ -50,12 +64,16 @@ class RewardModelSpec:
     policy_path: str  # the policy's tokenizer decodes the responses the reward model re-tokenizes
 
 
-def role_specs(cfg, needs: Needs, total_steps: int | None) -> tuple[ActorSpec, CriticSpec | None,
-                                                                     RewardModelSpec | None]:
+def role_specs(cfg, needs: Needs, total_steps: int | None, actor_layout, generation) -> tuple[
+        ActorSpec, CriticSpec | None, RewardModelSpec | None, RolloutSpec | None]:
     process = ProcessSpec(cfg.model.path, cfg.trainer.seed, cfg.trainer.dist_timeout_s, total_steps)
     r, d = cfg.rollout, cfg.data
+    separate = not generation.colocated
     actor = ActorSpec(process, cfg.actor, r, cfg.algorithm.rollout_correction, needs, d.max_prompt_length,
-                      d.max_response_length, d.apply_chat_template_kwargs, r.temperature if r.temperature > 0 else 1.0)
+                      d.max_response_length, d.apply_chat_template_kwargs, r.temperature if r.temperature > 0 else 1.0,
+                      generation.world if separate else 0)
+    rollout = (RolloutSpec(process, r, d.max_prompt_length, d.max_response_length, d.apply_chat_template_kwargs,
+                           (actor_layout.pp, actor_layout.tp, actor_layout.dp)) if separate else None)
     critic = CriticSpec(process, cfg.critic, r.n) if needs.critic else None
     reward_model = RewardModelSpec(cfg.reward_model, cfg.model.path) if cfg.reward_model.enable else None
-    return actor, critic, reward_model
+    return actor, critic, reward_model, rollout

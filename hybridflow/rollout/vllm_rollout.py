@@ -278,7 +278,8 @@ class VLLMRollout:
 
     def generate_with_log_probs(self, prompt_ids: list[list[int]], sampling: SamplingSettings, *,
                                 log_probs: bool = True, max_new_tokens: list[int] | None = None,
-                                stop_token_ids: list[int] | None = None) -> list[tuple[list[int], list[float] | None]]:
+                                stop_token_ids: list[int] | None = None, seeds: list[int] | None = None
+                                ) -> list[tuple[list[int], list[float] | None]]:
         """``generate``, with vLLM's log-prob of each sampled token when ``log_probs`` (``logprobs=0``: the
         sampled token's only), of the distribution it sampled from: the engine runs with ``logprobs_mode=
         "processed_logprobs"`` (log-softmax after temperature and top-k/top-p, v1/sample/sampler.py), as verl
@@ -287,21 +288,26 @@ class VLLMRollout:
         are not (verl's choice too).
         ``max_new_tokens``: a budget per prompt (the agent loop's remaining response length) instead of the
         sampling settings' one; ``stop_token_ids``: tokens that end generation besides EOS (an assistant turn's
-        end), kept in the output as EOS is (vLLM v1/core/sched/utils.py check_stop)."""
+        end), kept in the output as EOS is (vLLM v1/core/sched/utils.py check_stop). ``seeds``: a sampling seed per
+        prompt (vLLM's per-request generator, v1/sample/ops/topk_topp_sampler.py random_sample), so a response
+        does not depend on the engine, its batch or its replica; None: the engine's seeded stream."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         greedy = sampling.temperature == 0
 
-        def params_for(budget: int) -> SamplingParams:
-            return SamplingParams(
+        def params_for(budget: int, seed: int | None = None) -> SamplingParams:
+            return SamplingParams(seed=None if greedy else seed,
                 temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
                 top_k=-1 if greedy else sampling.top_k, max_tokens=budget, skip_special_tokens=False,
                 logprobs=0 if log_probs else None, stop_token_ids=stop_token_ids,
                 detokenize=False)  # the caller scores decoded ids itself; vLLM's per-token detokenizing is waste
 
-        params = (params_for(sampling.max_new_tokens) if max_new_tokens is None
-                  else [params_for(budget) for budget in max_new_tokens])
+        if max_new_tokens is None and seeds is None:
+            params = params_for(sampling.max_new_tokens)
+        else:
+            budgets = max_new_tokens or [sampling.max_new_tokens] * len(prompt_ids)
+            params = [params_for(b, s) for b, s in zip(budgets, seeds or [None] * len(prompt_ids))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
                                  use_tqdm=False)
         results = []

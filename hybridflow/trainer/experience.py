@@ -153,6 +153,16 @@ def rollout_metrics(batch: Batch) -> dict:
     return out
 
 
+def sample_seeds(seed: int, uids, n: int) -> torch.Tensor:
+    """A sampling seed per row of a batch whose prompts (group ids ``uids``, one per prompt) are repeated ``n``
+    times consecutively: from the run's seed, the group id and the sample's index in its group, so a response
+    is the same whichever engine and replica samples it (sync or separate pool, any rollout layout)."""
+    import zlib
+
+    return torch.tensor([zlib.crc32(f"{seed}/{uid}/{i}".encode()) & 0x7FFFFFFF for uid in uids for i in range(n)],
+                        dtype=torch.int64)
+
+
 def as_group_ids(n_prompts: int, n: int, step: int) -> np.ndarray:
     """Group ids for rollout.n samples per prompt (rows repeated consecutively)."""
     return np.array([f"{step}-{i}" for i in range(n_prompts) for _ in range(n)], dtype=object)

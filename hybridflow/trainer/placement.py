@@ -7,12 +7,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import cast
 
-from hybridflow.controller import RayWorkerGroup, ResourcePool
+from hybridflow.controller import RayWorkerGroup, ResourcePool, get_together
 from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybridflow.workers.common import megatron_process_env
 from hybridflow.workers.critic import CriticWorker
-from hybridflow.workers.interfaces import ActorRolloutRefGroup, CriticGroup, RewardModelGroup
+from hybridflow.workers.interfaces import ActorRolloutRefGroup, CriticGroup, RewardModelGroup, RolloutGroup
 from hybridflow.workers.reward_model import RewardModelWorker
+from hybridflow.workers.rollout import RolloutWorker
 
 
 @dataclass
@@ -20,17 +21,28 @@ class WorkerGroups:
     actor_rollout: ActorRolloutRefGroup
     critic: CriticGroup | None = None
     reward_model: RewardModelGroup | None = None
+    rollout: RolloutGroup | None = None  # separate_async's standalone vLLM pool
     pools: list = field(default_factory=list)
+    weight_store: object = None  # the checkpoint engine's rendezvous (a TCPStore this process hosts)
+
+    @property
+    def generator(self):
+        """The group that generates: the standalone rollout pool, else the hybrid engine."""
+        return self.rollout if self.rollout is not None else self.actor_rollout
+
+    @property
+    def all(self) -> list:
+        return [g for g in (self.actor_rollout, self.critic, self.reward_model, self.rollout) if g is not None]
 
     def shutdown(self) -> None:
-        try:
-            if not self.actor_rollout.failed:  # a dead or stuck worker cannot clean up: it is killed
-                self.actor_rollout.close()
-        except Exception as e:  # the groups are killed regardless
-            logging.getLogger(__name__).warning("rollout close failed: %s", getattr(e, "summary", e))
-        for group in (self.actor_rollout, self.critic, self.reward_model):
-            if group is not None:
-                group.shutdown()
+        for group in (self.actor_rollout, self.rollout):
+            try:
+                if group is not None and not group.failed:  # a dead or stuck worker cannot clean up: it is killed
+                    group.close()
+            except Exception as e:  # the groups are killed regardless
+                logging.getLogger(__name__).warning("rollout close failed: %s", getattr(e, "summary", e))
+        for group in self.all:
+            group.shutdown()
         for pool in self.pools:
             pool.remove()
 
@@ -62,4 +74,24 @@ def build_worker_groups(cfg, plan) -> WorkerGroups:
                                                  env=megatron_process_env(cfg.critic.megatron, on_gpu)))
     if plan.reward_model_spec is not None:
         groups.reward_model = cast(RewardModelGroup, placed("reward_model", RewardModelWorker, plan.reward_model_spec))
+    if plan.rollout_spec is not None:
+        groups.rollout = cast(RolloutGroup, placed("rollout", RolloutWorker, plan.rollout_spec))
+        groups.weight_store = connect_checkpoint_engine(groups.actor_rollout, groups.rollout, cfg.trainer.dist_timeout_s)
     return groups
+
+
+def connect_checkpoint_engine(actor: ActorRolloutRefGroup, rollout: RolloutGroup, timeout_s: float):
+    """Open the checkpoint engine's feeds between the two pools (resharding/separate.py) on a TCP store this
+    process hosts (the single controller is reachable from every node); returns the store, which must live as
+    long as the feeds may reconnect."""
+    import uuid
+
+    import ray
+    import torch.distributed as dist
+
+    host = ray.util.get_node_ip_address()
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    prefix = uuid.uuid4().hex[:8]
+    get_together(actor.connect_rollout(host, store.port, prefix, timeout_s),
+                 rollout.connect_rollout(host, store.port, prefix, timeout_s))
+    return store

@@ -14,10 +14,11 @@ from hybridflow.protocol import Batch
 from hybridflow.rewards import SourceRouter, on_last_token
 from hybridflow.rewards.custom import adapt_to_scorer, load_custom_reward_function
 from hybridflow.rewards.overlong import overlong_penalty
+from hybridflow.trainer.ahead import AheadRollouts, look_ahead, push_weights
 from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.dynamic_sampling import fill_batch
 from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, as_group_ids, response_lengths,
-                                          rollout_metrics, score_responses)
+                                          rollout_metrics, sample_seeds, score_responses)
 from hybridflow.trainer.metrics import Timer
 from hybridflow.trainer.placement import WorkerGroups
 from hybridflow.util import mean_by_key
@@ -45,6 +46,11 @@ class PPODriver:
         the prompts as preflight loaded and checked them (every row's source has a scorer)."""
         self.cfg, self.needs, self.tokenizer = cfg, plan.needs, tokenizer
         self.actor_rollout, self.critic, self.reward_model = workers.actor_rollout, workers.critic, workers.reward_model
+        # what generates: the hybrid engine (sync), or the standalone rollout pool fed by the checkpoint engine
+        self.generator, self.rollout_pool = workers.generator, workers.rollout
+        sc = cfg.schedule
+        self.ahead = (AheadRollouts(self.rollout_pool, look_ahead(sc.num_warmup_batches, sc.max_off_policy_threshold),
+                                    sc.max_off_policy_threshold, self.prepare) if self.rollout_pool is not None else None)
         self.train_data, self.val_data = train_data, val_data
         self.train_scorer = training_scorer(cfg)  # training reward and validation accuracy
         # dynamic sampling's own prompt stream, for a caller of step() that passes none (the Trainer passes its
@@ -52,7 +58,7 @@ class PPODriver:
         self._more_prompts = None
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
-        self.actor_rollout.sync_weights()  # vLLM starts with dummy weights: deliver the actor's
+        self.push_weights(0)  # vLLM starts with dummy weights: deliver the actor's
 
     # The paper's few-line PPO: generate, score, prepare experience, update critic and actor, and push
     # the new actor weights into the rollout engine.
@@ -84,7 +90,7 @@ class PPODriver:
         with t("update_actor"):
             metrics.update(mean_by_key(self.actor_rollout.update_actor(batch)))
         with t("reshard"):
-            metrics.update(self.actor_rollout.sync_weights()[0])
+            metrics.update(self.push_weights(step))
         metrics.update(rollout_metrics(batch))
         return metrics, int(batch.tensors["attention_mask"].sum())
 
@@ -94,9 +100,12 @@ class PPODriver:
         cfg, metrics = self.cfg, {}
 
         def generate(prompts: Batch, gen: int) -> Batch:
-            prompts.non_tensors["uid"] = as_group_ids(len(prompts), 1, step if gen == 0 else f"{step}.{gen}")
             with t("gen"):
-                batch = self.actor_rollout.generate(prompts.repeat(cfg.rollout.n, interleave=True))
+                if self.ahead is not None:  # separate_async: generated ahead on the rollout pool
+                    batch, lag = self.ahead.take(prompts, step, self._prompt_stream(more_prompts))
+                    metrics.update(lag)
+                else:
+                    batch = self.actor_rollout.generate(self.prepare(prompts, step if gen == 0 else f"{step}.{gen}"))
             metrics.update(batch.meta.pop("memory", {}))
             if cfg.rollout.multi_turn.enable:
                 metrics.update(agent_metrics(batch.tensors, batch.non_tensors))
@@ -109,13 +118,38 @@ class PPODriver:
         fg = cfg.algorithm.filter_groups
         if not fg.enable:
             return generate(prompts, 0), metrics
-        if more_prompts is None:  # a caller without its prompt stream: a seeded shuffled stream of our own
-            if self._more_prompts is None:
-                self._more_prompts = self.train_data.iterate(cfg.data.batch_size, shuffle=True, seed=cfg.trainer.seed + 1)
-            more_prompts = self._more_prompts
-        batch, sampling = fill_batch(prompts, more_prompts, generate, n=cfg.rollout.n, batch_size=cfg.data.batch_size,
+        batch, sampling = fill_batch(prompts, self._prompt_stream(more_prompts), generate, n=cfg.rollout.n, batch_size=cfg.data.batch_size,
                                      metric=fg.metric, max_num_gen_batches=fg.max_num_gen_batches)
         return batch, {**metrics, **sampling}
+
+    def _prompt_stream(self, more_prompts: Iterator[Batch] | None) -> Iterator[Batch]:
+        """``more_prompts``, or for a caller without its prompt stream a seeded shuffled stream of our own."""
+        if more_prompts is not None:
+            return more_prompts
+        if self._more_prompts is None:
+            self._more_prompts = self.train_data.iterate(self.cfg.data.batch_size, shuffle=True,
+                                                         seed=self.cfg.trainer.seed + 1)
+        return self._more_prompts
+
+    def prepare(self, prompts: Batch, step) -> Batch:
+        """The rows generated for a step's prompts: group ids, rollout.n samples per prompt, a seed for each."""
+        n = self.cfg.rollout.n
+        prompts.non_tensors["uid"] = as_group_ids(len(prompts), 1, step)
+        rows = prompts.repeat(n, interleave=True)
+        rows.tensors["sample_seed"] = sample_seeds(self.cfg.trainer.seed, prompts.non_tensors["uid"], n)
+        return rows
+
+    def push_weights(self, version: int) -> dict:
+        """The actor's weights (policy ``version``: after that many updates) into the rollout engines: the hybrid
+        engine's in-place transition, or the checkpoint engine to the rollout pool."""
+        if self.rollout_pool is None:
+            return self.actor_rollout.sync_weights()[0]
+        return push_weights(self.actor_rollout, self.rollout_pool, version)
+
+    def in_flight_batches(self) -> int:
+        """Prompt batches drawn but not yet trained on (generating ahead): a checkpoint's data position excludes
+        them, so the resumed run generates them again, under the checkpoint's weights."""
+        return 0 if self.ahead is None else len(self.ahead.in_flight)
 
     def add_old_log_probs(self, batch: Batch, t: Timer) -> Batch:
         """The old log-probs: vLLM's own in rollout_correction.bypass_mode, none when the update's own are them
@@ -168,7 +202,7 @@ class PPODriver:
 
     def greedy_baseline(self, prompts: Batch) -> Batch:
         """ReMax: the reward of a greedy response per prompt, repeated for its n samples."""
-        greedy = self.actor_rollout.generate(prompts.replace(meta={"temperature": 0.0}))
+        greedy = self.generator.generate(prompts.replace(meta={"temperature": 0.0}))
         greedy.meta.pop("memory", None)
         base = self.reward(greedy).tensors["token_level_scores"].sum(-1)
         return Batch.from_dict(tensors={"reward_baselines": base.repeat_interleave(self.cfg.rollout.n)})
@@ -185,7 +219,7 @@ class PPODriver:
             prompts = self.val_data.batch(rows).repeat(v.n, interleave=True)
             prompts, pad = prompts.pad_to_divisor(self._dp_size())
             prompts.meta.update(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k)
-            out = score_responses(self.actor_rollout.generate(prompts).unpad(pad), self.tokenizer, self.train_scorer)
+            out = score_responses(self.generator.generate(prompts).unpad(pad), self.tokenizer, self.train_scorer)
             scores.append(out.tensors["scores"])
             for i in range(min(n_samples - len(samples), len(out))):
                 prompt = out.tensors["prompts"][i][out.tensors["attention_mask"][i, :out.tensors["prompts"].shape[1]].bool()]
@@ -209,7 +243,9 @@ class PPODriver:
         if self.critic is not None:
             self.critic.load_checkpoint(path, restore_rng)
         self.kl_ctrl.value = state["kl_coef"]
-        self.actor_rollout.sync_weights()
+        if self.ahead is not None:
+            self.ahead.drop_in_flight()  # generated under weights before the loaded ones (none at start)
+        self.push_weights(state["step"])
 
     def _dp_size(self) -> int:
-        return self.actor_rollout.dispatch_infos("rollout")[0]["dp_size"]
+        return self.generator.dispatch_infos("rollout")[0]["dp_size"]

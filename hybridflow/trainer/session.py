@@ -117,7 +117,7 @@ class Trainer:
         import json
 
         w = self._workers
-        placement = {g.name: g.node_names for g in (w.actor_rollout, w.critic, w.reward_model) if g is not None}
+        placement = {g.name: g.node_names for g in w.all}
         write_atomically(Path(self.cfg.trainer.output_dir) / "placement.json", json.dumps(placement, indent=1))
         log.warning("placement (node of each rank): %s", placement)
 
@@ -182,9 +182,7 @@ class Trainer:
         controller's own cost (dispatch, serialization, Ray, waiting)."""
         self.start()
         w, out = self._workers, {}
-        for group in (w.actor_rollout, w.critic, w.reward_model):
-            if group is None:
-                continue
+        for group in w.all:
             for rank in group.execute_all("compute_seconds"):
                 for method, seconds in rank.items():
                     key = f"{group.name}.{method}"
@@ -224,7 +222,9 @@ class Trainer:
         """Checkpoint the current step into ``<output_dir>/checkpoints/step_<k>`` (atomically)."""
         self.start()
         t = self.cfg.trainer
-        driver_state = {"layout": _layout(self.cfg), checkpoint.DATA_BATCHES: self._data.consumed}
+        # batches generating ahead (separate_async) are not kept: the resumed run draws and generates them again
+        driver_state = {"layout": _layout(self.cfg),
+                        checkpoint.DATA_BATCHES: self._data.consumed - self.ppo.in_flight_batches()}
 
         def write_parts(tmp: Path) -> None:
             driver_state.update(self.ppo.save_checkpoint(str(tmp)))

@@ -19,13 +19,13 @@ from hybridflow.megatron.role import MegatronRole
 from hybridflow.protocol import Batch
 from hybridflow.resharding.plan import HybridPlan, Layout
 from hybridflow.resharding.transition import Resharder, TransitionStats
-from hybridflow.resharding.vllm_layout import to_checkpoint_names
-from hybridflow.rollout.vllm_rollout import VLLMRollout
+from hybridflow.resharding import checkpoint_engine
+from hybridflow.resharding.separate import SeparatePlan
 from hybridflow.workers import role_ops
 from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoint, offload_settings, optim_settings,
                                        ref_offload_settings, save_role_checkpoint)
 from hybridflow.workers.export import save_hf_folder
-from hybridflow.workers.generation import build_agent_loop, generate_batch
+from hybridflow.workers.generation import build_agent_loop, build_vllm_rollout, generate_batch, load_generation_shard
 
 
 class ActorRolloutRefWorker(Worker):
@@ -50,21 +50,19 @@ class ActorRolloutRefWorker(Worker):
 
         shard = self.actor.shard
         train = Layout(shard.pp_size, shard.tp_size, parallel.dispatch_info()["dp_size"])
-        self.hybrid_plan = HybridPlan(train, p_g=1, t_g=spec.rollout.tensor_model_parallel_size)
-        self.resharder = Resharder(self.actor.module, hf_config, self.hybrid_plan, spec.rollout.resharding)
-
-        self.tokenizer = AutoTokenizer.from_pretrained(p.model_path)
         r = spec.rollout
-        self.rollout = VLLMRollout(
-            p.model_path, max_model_len=spec.max_prompt_length + spec.max_response_length,
-            tensor_parallel_size=r.tensor_model_parallel_size, kv_cache_gib=r.kv_cache_gib, dtype=r.dtype,
-            gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
-            free_cache_engine=r.free_cache_engine, max_num_batched_tokens=r.max_num_batched_tokens,
-            max_num_seqs=r.max_num_seqs, enable_chunked_prefill=r.enable_chunked_prefill,
-            engine_kwargs=r.engine_kwargs,
-            # ranks of one generation TP group must sample identically: seed per replica
-            seed=p.seed + self.hybrid_plan.ranks[self.rank].replica,
-            generation_groups=self.hybrid_plan.replicas)
+        self.tokenizer = AutoTokenizer.from_pretrained(p.model_path)
+        self.rollout = self.agent = self.feeds = None
+        if spec.rollout_pool:  # separate_async: the checkpoint engine feeds a rollout pool of its own
+            self.separate = SeparatePlan(train, spec.rollout_pool, r.tensor_model_parallel_size)
+            self.hybrid_plan = self.separate.trainer
+            self.resharder = Resharder(self.actor.module, hf_config, self.hybrid_plan, "hybrid")
+            return
+        self.hybrid_plan = HybridPlan(train, p_g=1, t_g=r.tensor_model_parallel_size)
+        self.resharder = Resharder(self.actor.module, hf_config, self.hybrid_plan, r.resharding)
+        # ranks of one generation TP group must sample identically: seed per replica
+        self.rollout = build_vllm_rollout(p.model_path, spec, seed=p.seed + self.hybrid_plan.ranks[self.rank].replica,
+                                          generation_groups=self.hybrid_plan.replicas)
         self.agent = (build_agent_loop(r.multi_turn, spec.max_response_length, spec.chat_template_kwargs, self.tokenizer)
                       if r.multi_turn.enable else None)
 
@@ -84,15 +82,35 @@ class ActorRolloutRefWorker(Worker):
         start = time.perf_counter()
         self.rollout.wake_up(["weights"])
         with torch.no_grad(), self.actor.resident():
-            shard = self.resharder.stream(stats)
-            if self.rollout.takes_shards:  # GPU: vLLM's parameters are the shard's layout; no staging
-                self.rollout.update_weights(shard, shards=True)
-            else:
-                me = self.hybrid_plan.ranks[self.rank]
-                self.rollout.update_weights(to_checkpoint_names(shard, self.actor.hf_config, k=me.gen_tp_rank,
-                                                                t_g=self.hybrid_plan.t_g, stats=stats))
+            me = self.hybrid_plan.ranks[self.rank]
+            load_generation_shard(self.rollout, self.resharder.stream(stats), self.actor.hf_config, me.gen_tp_rank,
+                                  self.hybrid_plan.t_g, stats)
         stats.seconds = time.perf_counter() - start
         return {**stats.as_metrics(), **device.memory_stats("memory/reshard")}
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def connect_rollout(self, host: str, port: int, prefix: str, timeout_s: float) -> None:
+        """separate_async: open the checkpoint engine's feeds this rank sends on (with the rollout pool's
+        ``RolloutWorker.connect_rollout``, called together)."""
+        self.feeds = [checkpoint_engine.FeedGroup(f, 0, host, port, prefix, timeout_s)
+                      for f in self.separate.feeds_of_trainer(self.rank)]
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def send_weights(self) -> dict:
+        """separate_async: the hybrid transition inside the training pool (to vLLM TP t_s), then each feed's
+        slice streamed to its rollout ranks (resharding/checkpoint_engine.py); with the rollout pool's
+        ``receive_weights``, called together. Returns this rank's accounting."""
+        inside, sent = TransitionStats("hybrid"), TransitionStats("checkpoint_engine")
+        start = time.perf_counter()
+        r = self.spec.rollout
+        with torch.no_grad(), self.actor.resident():
+            # every rank walks its whole shard (the transition's collectives), sending where it feeds someone
+            checkpoint_engine.send(self.resharder.stream(inside), self.feeds, self.actor.hf_config,
+                                   self.hybrid_plan.ranks[self.rank].gen_tp_rank, self.separate.t_s, self.separate.t_g,
+                                   device.torch_dtype(r.dtype), r.checkpoint_engine.update_weights_bucket_megabytes << 20,
+                                   sent)
+        inside.seconds = time.perf_counter() - start
+        return {**inside.as_metrics("weight_sync/trainer_reshard"), "weight_sync/bytes_sent": float(sent.bytes_sent)}
 
     @register(Dispatch.DP_COMPUTE_3D, mesh="rollout")
     def generate(self, prompts: Batch) -> Batch:
@@ -129,7 +147,8 @@ class ActorRolloutRefWorker(Worker):
         """Release the rollout engine's shared resources before the process is killed."""
         if self.agent is not None:
             self.agent.close()
-        self.rollout.close()
+        if self.rollout is not None:
+            self.rollout.close()
 
     # --- checkpoints ------------------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ from hybridflow.agent.loop import AgentLoop, AgentSettings, trajectory_columns
 from hybridflow.agent.parsers import get_parser
 from hybridflow.agent.tools import load_tools
 from hybridflow.protocol import Batch
-from hybridflow.rollout.vllm_rollout import SamplingSettings
+from hybridflow.resharding.vllm_layout import to_checkpoint_names
+from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
 
 
 def responses_to_batch(prompts: Batch, responses: list[list[int]], max_len: int, pad_id: int,
@@ -75,11 +76,34 @@ def build_agent_loop(multi_turn, max_response_length: int, chat_template_kwargs:
                      AgentSettings.from_config(m, max_response_length), ChatFormat(tokenizer, chat_template_kwargs))
 
 
+def build_vllm_rollout(model_path: str, spec, seed: int, generation_groups) -> VLLMRollout:
+    """The vLLM engine of ``spec.rollout`` (the actor's or the rollout pool's spec) with dummy weights until the
+    first sync; ``generation_groups``: the ranks of each vLLM TP group of this process's world."""
+    r = spec.rollout
+    return VLLMRollout(
+        model_path, max_model_len=spec.max_prompt_length + spec.max_response_length,
+        tensor_parallel_size=r.tensor_model_parallel_size, kv_cache_gib=r.kv_cache_gib, dtype=r.dtype,
+        gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
+        free_cache_engine=r.free_cache_engine, max_num_batched_tokens=r.max_num_batched_tokens,
+        max_num_seqs=r.max_num_seqs, enable_chunked_prefill=r.enable_chunked_prefill,
+        engine_kwargs=r.engine_kwargs, seed=seed, generation_groups=generation_groups)
+
+
+def load_generation_shard(rollout: VLLMRollout, items, hf_config, k: int, t_g: int, stats) -> None:
+    """Load this rank's vLLM TP shard k of t_g ((vLLM name, tensor) pairs, consumed as produced) into the
+    engine in place: as is where vLLM's parameters are that layout (GPU), else by checkpoint names through
+    vLLM's loaders (vLLM-CPU repacks its weights)."""
+    if rollout.takes_shards:
+        rollout.update_weights(items, shards=True)
+    else:
+        rollout.update_weights(to_checkpoint_names(items, hf_config, k=k, t_g=t_g, stats=stats))
+
+
 def generate_batch(rollout, agent, prompts: Batch, spec, tokenizer) -> Batch:
     """Sample one response per row of ``prompts`` on ``rollout`` (a VLLMRollout; ``agent``: the multi-turn
     loop or None). ``spec``: the run plan's spec holding the rollout section and the length limits.
     ``prompts.meta`` may override sampling: ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (validation's
-    rollout.val_kwargs), ``max_new_tokens``."""
+    rollout.val_kwargs), ``max_new_tokens``. A ``sample_seed`` column seeds each single-turn row's sampling."""
     r, meta = spec.rollout, prompts.meta
     sampling = SamplingSettings(
         temperature=meta.get("temperature", r.temperature), top_p=meta.get("top_p", r.top_p),
@@ -97,7 +121,9 @@ def generate_batch(rollout, agent, prompts: Batch, spec, tokenizer) -> Batch:
         if not sampled:
             del new.tensors["rollout_log_probs"]
     else:
-        outs = rollout.generate_with_log_probs(prompt_ids, sampling, log_probs=sampled)
+        seeds = prompts.tensors.get("sample_seed")
+        outs = rollout.generate_with_log_probs(prompt_ids, sampling, log_probs=sampled,
+                                               seeds=None if seeds is None else seeds.tolist())
         rollout.sleep()
         new = responses_to_batch(prompts, [o for o, _ in outs], spec.max_response_length,
                                  tokenizer.pad_token_id, tokenizer.eos_token_id)

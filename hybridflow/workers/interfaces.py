@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from hybridflow.controller import DispatchFuture
 from hybridflow.protocol import Batch
 
 
@@ -27,6 +28,8 @@ class WorkerGroupHandle(Protocol):
 
     def execute_all(self, method: str, *args, **kwargs) -> list: ...
 
+    def submit(self, method: str, *args, **kwargs) -> DispatchFuture: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -34,6 +37,10 @@ class ActorRolloutRefGroup(WorkerGroupHandle, Protocol):
     """workers.actor_rollout_ref.ActorRolloutRefWorker: the actor, its vLLM rollout and the reference."""
 
     def sync_weights(self) -> list[dict]: ...
+
+    def connect_rollout(self, host: str, port: int, prefix: str, timeout_s: float) -> DispatchFuture: ...
+
+    def send_weights(self) -> DispatchFuture: ...
 
     def generate(self, prompts: Batch) -> Batch: ...
 
@@ -70,3 +77,15 @@ class RewardModelGroup(WorkerGroupHandle, Protocol):
     """workers.reward_model.RewardModelWorker: a sequence-classification reward model."""
 
     def compute_rm_score(self, batch: Batch) -> Batch: ...
+
+
+class RolloutGroup(WorkerGroupHandle, Protocol):
+    """workers.rollout.RolloutWorker: the standalone vLLM pool of separate_async."""
+
+    def connect_rollout(self, host: str, port: int, prefix: str, timeout_s: float) -> DispatchFuture: ...
+
+    def receive_weights(self, version: int) -> DispatchFuture: ...
+
+    def generate(self, prompts: Batch) -> Batch: ...
+
+    def close(self) -> list[None]: ...

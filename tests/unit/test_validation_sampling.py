@@ -61,7 +61,7 @@ def _driver(assets, *overrides):
     driver = PPODriver.__new__(PPODriver)  # the driver's validation alone: no worker groups started
     driver.cfg, driver.tokenizer, driver.train_scorer = cfg, tokenizer, training_scorer(cfg)
     driver.val_data = PromptDataset.from_config(cfg.data.val_files, tokenizer, cfg.data)
-    driver.actor_rollout = _Rollout(tokenizer, cfg.data.max_response_length)
+    driver.generator = _Rollout(tokenizer, cfg.data.max_response_length)
     return driver
 
 
@@ -69,7 +69,7 @@ def test_validation_samples_n_answers_with_the_validation_settings(assets):
     driver = _driver(assets, "rollout.val_kwargs.n=3", "rollout.val_kwargs.temperature=0.7",
                      "rollout.val_kwargs.top_p=0.9", "rollout.val_kwargs.top_k=5")
     metrics, samples = driver.validate(n_samples=5)
-    assert driver.actor_rollout.calls == [(12, 0.7, 0.9, 5)] * 2  # 4 prompts x 3 answers per call, 8 prompts
+    assert driver.generator.calls == [(12, 0.7, 0.9, 5)] * 2  # 4 prompts x 3 answers per call, 8 prompts
     assert metrics["val/accuracy"] == pytest.approx(1 / 3, rel=1e-6)  # every third answer is right: mean@3
     assert len(samples) == 5 and samples[0]["prompt"] == samples[1]["prompt"] == samples[2]["prompt"]
 
@@ -77,5 +77,5 @@ def test_validation_samples_n_answers_with_the_validation_settings(assets):
 def test_validation_is_greedy_and_once_by_default(assets):
     driver = _driver(assets)
     metrics, _ = driver.validate()
-    assert driver.actor_rollout.calls == [(4, 0.0, 1.0, -1)] * 2
+    assert driver.generator.calls == [(4, 0.0, 1.0, -1)] * 2
     assert metrics["val/accuracy"] == pytest.approx(1 / 2, rel=1e-6)  # rows 0 and 3 of each call of 4

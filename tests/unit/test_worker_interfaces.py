@@ -7,7 +7,7 @@ import typing
 
 import pytest
 
-from hybridflow.controller import Dispatch
+from hybridflow.controller import Dispatch, DispatchFuture
 from hybridflow.controller.decorator import get_register_spec
 from hybridflow.protocol import Batch
 from hybridflow.workers import interfaces
@@ -17,9 +17,10 @@ def _pairs():
     from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
     from hybridflow.workers.critic import CriticWorker
     from hybridflow.workers.reward_model import RewardModelWorker
+    from hybridflow.workers.rollout import RolloutWorker
 
     return [(interfaces.ActorRolloutRefGroup, ActorRolloutRefWorker), (interfaces.CriticGroup, CriticWorker),
-            (interfaces.RewardModelGroup, RewardModelWorker)]
+            (interfaces.RewardModelGroup, RewardModelWorker), (interfaces.RolloutGroup, RolloutWorker)]
 
 
 def _own_methods(protocol) -> set[str]:
@@ -38,7 +39,7 @@ def _registered(worker_cls) -> dict:
             if get_register_spec(getattr(worker_cls, n, None)) is not None}
 
 
-@pytest.mark.parametrize("index", range(3), ids=["actor_rollout_ref", "critic", "reward_model"])
+@pytest.mark.parametrize("index", range(4), ids=["actor_rollout_ref", "critic", "reward_model", "rollout"])
 def test_interface_lists_every_registered_method_with_its_signature(index):
     protocol, worker_cls = _pairs()[index]
     registered = _registered(worker_cls)
@@ -48,7 +49,9 @@ def test_interface_lists_every_registered_method_with_its_signature(index):
         worker_returns = typing.get_type_hints(getattr(worker_cls, name)).get("return")
         group_returns = typing.get_type_hints(getattr(protocol, name))["return"]
         # What the dispatch mode's collect function makes of the per-rank results.
-        if spec.dispatch_mode in (Dispatch.DP_COMPUTE, Dispatch.DP_COMPUTE_3D) and worker_returns is Batch:
+        if not spec.blocking:  # a future of what the blocking call would collect
+            assert group_returns is DispatchFuture, name
+        elif spec.dispatch_mode in (Dispatch.DP_COMPUTE, Dispatch.DP_COMPUTE_3D) and worker_returns is Batch:
             assert group_returns is Batch, name
         else:
             assert typing.get_origin(group_returns) is list, f"{name}: per-rank results come back as a list"

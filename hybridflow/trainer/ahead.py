@@ -1,0 +1,112 @@
+"""separate_async's sample source and weight push: the rollout pool generates the prompts of the next steps
+while the trainer trains, and receives the actor's weights from the checkpoint engine after every update.
+
+Policy versions: version v is the actor after v updates (0: the starting weights). Step k trains with version
+k - 1 and pushes version k when it ends. The batch of step k is submitted ``depth`` steps ahead, so it is sampled
+by version k - 1 - depth at the oldest: its lag. The rollout pool runs its calls in order, so a push waits for
+the generation submitted before it, and a generation submitted after a push samples with the pushed weights.
+
+The staleness bound (schedule.max_off_policy_threshold, verl's span: lag + 1) holds by construction here: the
+look-ahead is min(num_warmup_batches, threshold - 1), so no sample is ever generated too early to be trained on,
+and none is dropped; a sample beyond the bound is a defect and ends the run (``check_lag``). verl generates
+continuously and drops (or waits for) samples past the bound; with whole batches submitted per step (no
+partial rollouts yet) the look-ahead alone bounds the lag.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import torch
+
+from hybridflow.controller import get_together
+from hybridflow.protocol import Batch
+
+
+def look_ahead(num_warmup_batches: float, threshold: int | None) -> int:
+    """Whole prompt batches generated ahead of the trainer: num_warmup_batches (rounded down: a step's batch is
+    submitted whole), capped so that no sample lags by ``threshold`` versions or more."""
+    depth = math.floor(num_warmup_batches)
+    return depth if threshold is None else min(depth, threshold - 1)
+
+
+def version_lags(token_versions: torch.Tensor, trainer_version: int) -> torch.Tensor:
+    """Per row: how many versions the row's oldest sampled token is behind ``trainer_version`` (the weights its
+    update starts from). ``token_versions``: [b, R], -1 on padding."""
+    sampled = token_versions >= 0
+    oldest = torch.where(sampled, token_versions, torch.iinfo(token_versions.dtype).max).amin(-1)
+    return torch.where(sampled.any(-1), trainer_version - oldest, torch.zeros_like(oldest))
+
+
+def check_lag(lags: torch.Tensor, threshold: int | None, step: int) -> None:
+    if threshold is not None and len(lags) and int(lags.max()) >= threshold:
+        raise RuntimeError(f"step {step}: a sample lags {int(lags.max())} policy versions behind the trainer, "
+                           f"beyond schedule.max_off_policy_threshold ({threshold})")
+
+
+class AheadRollouts:
+    """Prompt batches in flight on the rollout pool, oldest first; ``take`` returns the batch of this step."""
+
+    def __init__(self, rollout, depth: int, threshold: int | None, prepare: Callable[[Batch, int], Batch]):
+        """``prepare(prompts, step)``: the rows to generate for a step's prompts (group ids, seeds, rollout.n)."""
+        self.rollout, self.depth, self.threshold, self.prepare = rollout, depth, threshold, prepare
+        self.in_flight: deque = deque()  # (step, future)
+        self._last_busy = self._last_wall = None
+
+    def submit(self, prompts: Batch, step: int) -> None:
+        self.in_flight.append((step, self.rollout.submit("generate", self.prepare(prompts, step))))
+
+    def take(self, prompts: Batch, step: int, more_prompts: Iterator[Batch]) -> tuple[Batch, dict]:
+        """Submit ``prompts`` (for ``step`` + depth; at the first call for ``step``, with the next ``depth`` batches
+        of ``more_prompts`` behind it) and return ``step``'s generated batch with its lag metrics."""
+        if not self.in_flight:
+            self.submit(prompts, step)
+            for ahead in range(1, self.depth + 1):
+                self.submit(next(more_prompts), step + ahead)
+        else:
+            self.submit(prompts, step + self.depth)
+        first, future = self.in_flight.popleft()
+        assert first == step, f"in-flight batch of step {first} taken at step {step}"
+        start = time.perf_counter()
+        batch = future.get()
+        metrics = {"async/wait_rollout_s": time.perf_counter() - start}
+        lags = version_lags(batch.tensors["token_policy_versions"], step - 1)
+        check_lag(lags, self.threshold, step)
+        metrics.update({"async/version_lag_mean": lags.float().mean().item(), "async/version_lag_max": float(lags.max()),
+                        "async/in_flight_batches": float(len(self.in_flight))})
+        metrics.update(self._idle(batch.meta.pop("rollout/busy_s", None)))
+        return batch, metrics
+
+    def _idle(self, busy_s: float | None) -> dict:
+        """The rollout pool's idle fraction since the last batch (its first replica's generating seconds)."""
+        now, out = time.perf_counter(), {}
+        if busy_s is not None and self._last_busy is not None:
+            wall = now - self._last_wall
+            out["async/rollout_idle_fraction"] = max(0.0, 1.0 - (busy_s - self._last_busy) / wall) if wall > 0 else 0.0
+        if busy_s is not None:
+            self._last_busy, self._last_wall = busy_s, now
+        return out
+
+    def drop_in_flight(self) -> int:
+        """Forget the batches in flight (a checkpoint does not keep them: the resumed run generates them again
+        from their prompts, which its data position has not passed); returns how many."""
+        n = len(self.in_flight)
+        self.in_flight.clear()
+        return n
+
+
+def push_weights(actor, rollout, version: int) -> dict:
+    """The checkpoint engine's push of policy ``version``: the actor's send and the rollout pool's receive run
+    together (resharding/checkpoint_engine.py); the metrics sum what moved and time the push."""
+    start = time.perf_counter()
+    sent, received = get_together(actor.send_weights(), rollout.receive_weights(version))
+    per_rank = [r["weight_sync/bytes_received"] for r in received]
+    return {"weight_sync/seconds": time.perf_counter() - start,
+            "weight_sync/bytes_sent": sum(s["weight_sync/bytes_sent"] for s in sent),
+            "weight_sync/bytes_received_per_rank": max(per_rank),
+            "weight_sync/trainer_reshard_bytes": max(s["weight_sync/trainer_reshard/bytes_received"] for s in sent),
+            "weight_sync/staging_bytes": max(r["weight_sync/staging_bytes"] for r in received),
+            "weight_sync/version": float(version)}

@@ -1,0 +1,89 @@
+"""The standalone rollout worker of separate_async: a vLLM engine and nothing else (no megatron), in a pool of
+its own, fed the actor's weights by the checkpoint engine (resharding/checkpoint_engine.py).
+
+The pool's ranks form one torch.distributed world, over which vLLM builds its TP groups (replicas of
+consecutive ranks, resharding/separate.py); each rank knows the policy version its engine holds and stamps it
+on every token it samples.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.protocol import Batch
+from hybridflow.resharding import checkpoint_engine
+from hybridflow.resharding.plan import Layout
+from hybridflow.resharding.separate import SeparatePlan
+from hybridflow.resharding.transition import TransitionStats
+from hybridflow.workers.generation import build_vllm_rollout, generate_batch, load_generation_shard
+
+NO_WEIGHTS = -1  # the policy version of an engine that has received none (its dummy weights)
+
+
+class RolloutWorker(Worker):
+    def __init__(self, spec):
+        """``spec``: the run plan's ``RolloutSpec``."""
+        super().__init__()
+        from transformers import AutoConfig, AutoTokenizer
+
+        p, r = spec.process, spec.rollout
+        self.spec = spec
+        self.init_distributed(timeout_s=p.dist_timeout_s)
+        self.hf_config = AutoConfig.from_pretrained(p.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(p.model_path)
+        self.plan = SeparatePlan(Layout(*spec.train_layout), self.world_size, r.tensor_model_parallel_size)
+        # the ranks of one vLLM TP group sample identically: seeded per replica
+        self.rollout = build_vllm_rollout(p.model_path, spec, seed=p.seed + self.rank // self.plan.t_g,
+                                          generation_groups=self.plan.replicas)
+        self.feed: checkpoint_engine.FeedGroup | None = None
+        self.version = NO_WEIGHTS
+        self.busy_s = 0.0  # seconds spent generating, reported with each batch
+
+    def dispatch_info(self, mesh: str = "train") -> dict:  # noqa: ARG002 (one mesh: the vLLM replicas)
+        return self.plan.dispatch_info(self.rank)
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def connect_rollout(self, host: str, port: int, prefix: str, timeout_s: float) -> None:
+        """Open this rank's feed of the checkpoint engine (with the actor's ``connect_rollout``, called together)."""
+        feed = self.plan.feed_of_rollout(self.rank)
+        self.feed = checkpoint_engine.FeedGroup(feed, 1 + feed.receivers.index(self.rank), host, port, prefix, timeout_s)
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def receive_weights(self, version: int) -> dict:
+        """Receive this rank's vLLM shard of policy ``version`` from its feed and load it in place (with the
+        actor's ``send_weights``, called together); returns the accounting."""
+        stats = TransitionStats("checkpoint_engine")
+        start = time.perf_counter()
+        self.rollout.wake_up(["weights"])
+        with torch.no_grad():
+            load_generation_shard(self.rollout, checkpoint_engine.receive(self.feed, stats), self.hf_config,
+                                  self.rank % self.plan.t_g, self.plan.t_g, stats)
+        self.version = version
+        return {"weight_sync/bytes_received": float(stats.bytes_received),
+                "weight_sync/staging_bytes": float(stats.staging_bytes),
+                "weight_sync/receive_s": time.perf_counter() - start}
+
+    @register(Dispatch.DP_COMPUTE_3D, mesh="rollout")
+    def generate(self, prompts: Batch) -> Batch:
+        """One response per row under the engine's current weights (workers/generation.py), each sampled token
+        stamped with their policy version (``token_policy_versions``, -1 on padding); ``meta`` carries the
+        seconds this rank has spent generating (``rollout/busy_s``) for the driver's idle accounting."""
+        start = time.perf_counter()
+        out = generate_batch(self.rollout, None, prompts, self.spec, self.tokenizer)
+        mask = out.tensors["response_mask"].bool()
+        versions = torch.full(mask.shape, -1, dtype=torch.int64)
+        versions[mask] = self.version
+        out.tensors["token_policy_versions"] = versions
+        self.busy_s += time.perf_counter() - start
+        out.meta["rollout/busy_s"] = self.busy_s
+        return out
+
+    @register(Dispatch.ONE_TO_ALL)
+    def close(self) -> None:
+        """Release the engine's shared resources before the process is killed."""
+        self.feed = None
+        self.rollout.close()
+
