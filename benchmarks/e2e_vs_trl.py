@@ -46,8 +46,11 @@ from hybridflow.util import write_atomically  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 
 
-def run_hybridflow(w: Workload, steps: int, threads: int, work: Path, dtype: str, token_budget: int = 0) -> dict:
-    out = work / f"hf_{w.name}"
+def run_hybridflow(w: Workload, steps: int, threads: int, work: Path, dtype: str, token_budget: int = 0,
+                   extra: dict | None = None, tag: str = "") -> dict:
+    """``extra``: config sections merged over the workload's (e.g. benchmarks/async_vs_sync.py's schedule);
+    ``tag``: names this run's folder and log beside others of the same workload."""
+    out = work / f"hf_{w.name}{tag}"
     overrides = w.overrides(token_budget)
     overrides["trainer"] = {"output_dir": str(out), "total_steps": steps, "val_every": steps, "val_before_train": True,
                             "save_every": 0, "logger": ["jsonl"], "save_hf_at_end": False}
@@ -55,11 +58,13 @@ def run_hybridflow(w: Workload, steps: int, threads: int, work: Path, dtype: str
     overrides["ray"] = {"num_cpus": threads}
     overrides["actor"]["megatron"] = {"dtype": dtype}  # bf16: megatron's bf16 params, fp32 main params
     overrides["rollout"]["dtype"] = dtype
-    cfg_path = work / f"hf_{w.name}.yaml"
+    for section, values in (extra or {}).items():
+        overrides[section] = {**overrides.get(section, {}), **values}
+    cfg_path = work / f"hf_{w.name}{tag}.yaml"
     cfg_path.write_text(json.dumps(overrides))  # JSON is YAML
     cmd = [sys.executable, "-m", "hybridflow.trainer.main", "--config", "configs/quickstart_grpo_cpu.yaml",
            "--config", str(cfg_path)]
-    wall, peak = run_measured(cmd, work / f"hf_{w.name}.log")
+    wall, peak = run_measured(cmd, work / f"hf_{w.name}{tag}.log")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     before, train = rows[0], [r for r in rows if r["step"] >= 1]
     return {

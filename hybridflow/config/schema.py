@@ -523,14 +523,13 @@ class Schedule:
     # regenerated (drop) or never generated that early (wait); None: no bound
     max_off_policy_threshold: int | None = 8
     max_off_policy_strategy: Literal["drop", "wait"] = "drop"
-    partial_rollout: bool = False  # carry unfinished responses across a weight update (not yet: False only)
+    # separate_async: carry unfinished responses across a weight update (not yet: false only). colocate_async
+    # always does (verl: "partial rollout is enabled" in that mode)
+    partial_rollout: bool = False
 
     def validate(self):
         check_sizes(self, "parameter_sync_step", "max_off_policy_threshold")
         check_numbers(self, num_warmup_batches=dict(ge=0))
-        if self.partial_rollout:
-            raise ValueError("partial_rollout: not supported yet (responses finish under the weights they started "
-                             "with); set it to false")
 
 
 @dataclass

@@ -106,6 +106,10 @@ class Worker:
         """
         return {"dp_rank": self.rank, "dp_size": self.world_size, "collect": True}
 
+    def alive(self) -> bool:
+        """A call that only answers (``RayWorkerGroup.dead_ranks``)."""
+        return True
+
     @staticmethod
     def find_free_port() -> int:
         """A TCP port free on this node right now (the OS may reuse it later)."""

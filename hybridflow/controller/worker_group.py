@@ -62,9 +62,10 @@ def give_up_waiting_when(check: Callable[[], str | None]):
 class WorkerGroupError(RuntimeError):
     """A remote call failed; names the rank and method, keeps the remote traceback."""
 
-    def __init__(self, message: str, rank: int, method: str, cause: BaseException | None, summary: str = ""):
+    def __init__(self, message: str, rank: int, method: str, cause: BaseException | None, summary: str = "",
+                 died: bool = False):
         super().__init__(message)
-        self.rank, self.method, self.cause = rank, method, cause
+        self.rank, self.method, self.cause, self.died = rank, method, cause, died
         self.summary = summary or message.splitlines()[0]  # one line: group, method, rank, node, what
 
 
@@ -138,9 +139,13 @@ def get_together(*futures: DispatchFuture) -> list:
             except ray.exceptions.RayError as e:
                 raise owner[ref]._wg._error(owner[ref]._method, rank_of[ref], e) from e
         if not ready and deadline is not None and time.monotonic() >= deadline:
-            late = owner[pending[0]]
-            raise late._wg._stuck(late._method, sorted(rank_of[r] for r in pending if owner[r] is late),
-                                  late._wg.call_timeout_s)
+            # every side still waiting is named (and marked failed): which one holds the others up is not known
+            errors = [f._wg._stuck(f._method, sorted(rank_of[r] for r in pending if owner[r] is f), f._wg.call_timeout_s)
+                      for f in futures if any(owner[r] is f for r in pending)]
+            if len(errors) == 1:
+                raise errors[0]
+            summary = "; and ".join(e.summary for e in errors)
+            raise WorkerGroupError(summary, errors[0].rank, errors[0].method, None, summary)
     return [f.get() for f in futures]
 
 
@@ -266,6 +271,19 @@ class RayWorkerGroup:
             self._dispatch_infos[mesh] = infos
         return self._dispatch_infos[mesh]
 
+    def dead_ranks(self, wait_s: float = 2.0) -> list[int]:
+        """The ranks whose process is gone: a call on a dead actor fails at once, one on a live (even busy) actor
+        does not within ``wait_s``."""
+        refs = {w.alive.remote(): rank for rank, w in enumerate(self._workers)}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+        dead = []
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.append(refs[ref])
+        return sorted(dead)
+
     def submit(self, method: str, *args, **kwargs) -> DispatchFuture:
         """A registered method dispatched as registered, without waiting: its future (``get`` collects)."""
         spec = get_register_spec(getattr(self.worker_cls, method))
@@ -305,15 +323,16 @@ class RayWorkerGroup:
         where = f"rank {rank} of {self.world_size} on node {self.node_names[rank]}"
         lines = [line for line in _ANSI.sub("", str(e)).splitlines() if line.strip()]
         last = lines[-1].strip() if lines else type(e).__name__
+        died = False
         if isinstance(e, ray.exceptions.RayActorError) and getattr(e, "actor_init_failed", False):
             what = f"failed while being built: {last}"  # its __init__ raised: that error, not "died"
         elif isinstance(e, ray.exceptions.RayActorError):  # the process is gone (killed, OOM, crashed)
-            what = "its worker process died"
+            what, died = "its worker process died", True
         else:
             what = f"failed: {last}"
         summary = f"worker group {self.name!r} ({self.worker_cls.__name__}.{method}), {where}: {what}"
         return WorkerGroupError(f"{summary}\n{_ANSI.sub('', str(e))}", rank, method, getattr(e, "cause", None) or e,
-                                summary)
+                                summary, died)
 
     def _stuck(self, method: str, ranks: list[int], timeout: float) -> WorkerGroupError:
         self.failed = True

@@ -123,14 +123,17 @@ def check_schedule(cfg, on_gpu: bool) -> None:
     """schedule.mode's needs: separate_async a rollout pool of its own and verl's rule between data.batch_size,
     parameter_sync_step and ppo_mini_batch_size; colocate_async is not built yet."""
     sc, res = cfg.schedule, cfg.resources
-    if sc.mode == "colocate_async":
-        raise ValueError("schedule.mode 'colocate_async' (trainer.v1.trainer_mode): not supported yet; use sync or "
-                         "separate_async")
-    if sc.mode == "sync":
+    if sc.mode != "separate_async":
         if res.rollout_n_workers:
             raise ValueError(f"resources.rollout_n_workers ({res.rollout_n_workers}) sizes the rollout pool of "
-                             "schedule.mode separate_async; sync rolls out on the actor's workers: set it to 0")
+                             f"schedule.mode separate_async; {sc.mode} rolls out on the actor's workers: set it to 0")
+        if sc.mode == "colocate_async" and (cfg.algorithm.filter_groups.enable or cfg.rollout.multi_turn.enable):
+            raise ValueError("schedule.mode 'colocate_async' does not yet take algorithm.filter_groups.enable or "
+                             "rollout.multi_turn.enable")
         return
+    if sc.partial_rollout:
+        raise ValueError("schedule.partial_rollout: not supported yet in separate_async (responses finish under the "
+                         "weights they started with; colocate_async carries them); set it to false")
     if res.rollout_n_workers < 1:
         raise ValueError("schedule.mode 'separate_async' needs a rollout pool: resources.rollout_n_workers >= 1 (verl: "
                          "actor_rollout_ref.rollout.nnodes x n_gpus_per_node)")

@@ -37,6 +37,10 @@ class ActorSpec:
     logit_temperature: float
     # separate_async: the standalone rollout pool's size (0: the rollout engine is colocated in these processes)
     rollout_pool: int = 0
+    # colocate_async: carry unfinished responses into the next step, restarting those that would lag by
+    # max_off_policy_threshold versions or more (None: no bound)
+    carry_unfinished: bool = False
+    max_off_policy_threshold: int | None = None
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,8 @@ def role_specs(cfg, needs: Needs, total_steps: int | None, actor_layout, generat
     separate = not generation.colocated
     actor = ActorSpec(process, cfg.actor, r, cfg.algorithm.rollout_correction, needs, d.max_prompt_length,
                       d.max_response_length, d.apply_chat_template_kwargs, r.temperature if r.temperature > 0 else 1.0,
-                      generation.world if separate else 0)
+                      generation.world if separate else 0, cfg.schedule.mode == "colocate_async",
+                      cfg.schedule.max_off_policy_threshold)
     rollout = (RolloutSpec(process, r, d.max_prompt_length, d.max_response_length, d.apply_chat_template_kwargs,
                            (actor_layout.pp, actor_layout.tp, actor_layout.dp)) if separate else None)
     critic = CriticSpec(process, cfg.critic, r.n) if needs.critic else None

@@ -276,6 +276,38 @@ class VLLMRollout:
         process's seeded RNG streams, which checkpoints save and restore."""
         return [ids for ids, _ in self.generate_with_log_probs(prompt_ids, sampling, log_probs=False)]
 
+    def generate_until(self, requests: dict[str, tuple[list[int], int, int | None]], sampling: SamplingSettings,
+                       enough) -> dict[str, tuple[list[int], list[float], bool]]:
+        """Sample until ``enough(finished ids)`` holds or every request is done, then abort the rest, keeping what
+        they sampled: {id: (token ids, vLLM's log-prob of each, finished)}. ``requests``: {id: (prompt ids, token
+        budget, seed)}, ids unique in the engine's life. Steps vLLM's engine directly (``LLMEngine.add_request``,
+        ``step``, ``abort_request``, v1/engine/llm_engine.py), as ``LLM.generate`` does, but able to stop early;
+        every rank of a TP group makes the same calls on the same outputs, so they stay in step."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        for rid, (prompt, budget, seed) in requests.items():
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), SamplingParams(
+                temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=budget,
+                seed=seed, skip_special_tokens=False, logprobs=0, detokenize=False))
+        latest, finished = {}, set()
+        while engine.has_unfinished_requests() and not enough(finished):
+            for out in engine.step():
+                latest[out.request_id] = out
+                if out.finished:
+                    finished.add(out.request_id)
+        unfinished = [rid for rid in requests if rid not in finished]
+        if unfinished:
+            engine.abort_request(unfinished)
+        results = {}
+        for rid in requests:
+            out = latest.get(rid)
+            ids = list(out.outputs[0].token_ids) if out is not None else []
+            lps = [out.outputs[0].logprobs[i][tok].logprob for i, tok in enumerate(ids)] if ids else []
+            results[rid] = (ids, lps, rid in finished)
+        return results
+
     def generate_with_log_probs(self, prompt_ids: list[list[int]], sampling: SamplingSettings, *,
                                 log_probs: bool = True, max_new_tokens: list[int] | None = None,
                                 stop_token_ids: list[int] | None = None, seeds: list[int] | None = None

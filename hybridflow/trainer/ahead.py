@@ -22,8 +22,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from hybridflow.controller import get_together
+from hybridflow.controller import WorkerGroupError, get_together
 from hybridflow.protocol import Batch
+
+MAX_RECOVERIES = 3  # rollout pool rebuilds in a row (no step finished between them) before the run ends
 
 
 def look_ahead(num_warmup_batches: float, threshold: int | None) -> int:
@@ -41,6 +43,19 @@ def version_lags(token_versions: torch.Tensor, trainer_version: int) -> torch.Te
     return torch.where(sampled.any(-1), trainer_version - oldest, torch.zeros_like(oldest))
 
 
+def carried_metrics(batch: Batch, step: int) -> dict:
+    """colocate_async's batch: lag behind the trainer (version step - 1), the fraction of partial responses (sampled
+    under more than one policy version) and the samples restarted for staleness."""
+    versions = batch.tensors["token_policy_versions"]
+    lags = version_lags(versions, step - 1)
+    sampled = versions >= 0
+    newest = torch.where(sampled, versions, -1).amax(-1)
+    oldest = torch.where(sampled, versions, torch.iinfo(versions.dtype).max).amin(-1)
+    partial = (sampled.any(-1) & (newest > oldest)).float().mean().item()
+    return {"async/version_lag_mean": lags.float().mean().item(), "async/version_lag_max": float(lags.max()),
+            "async/partial_fraction": partial, "async/dropped_stale_samples": float(batch.tensors["stale_restarts"].sum())}
+
+
 def check_lag(lags: torch.Tensor, threshold: int | None, step: int) -> None:
     if threshold is not None and len(lags) and int(lags.max()) >= threshold:
         raise RuntimeError(f"step {step}: a sample lags {int(lags.max())} policy versions behind the trainer, "
@@ -50,14 +65,35 @@ def check_lag(lags: torch.Tensor, threshold: int | None, step: int) -> None:
 class AheadRollouts:
     """Prompt batches in flight on the rollout pool, oldest first; ``take`` returns the batch of this step."""
 
-    def __init__(self, rollout, depth: int, threshold: int | None, prepare: Callable[[Batch, int], Batch]):
-        """``prepare(prompts, step)``: the rows to generate for a step's prompts (group ids, seeds, rollout.n)."""
-        self.rollout, self.depth, self.threshold, self.prepare = rollout, depth, threshold, prepare
-        self.in_flight: deque = deque()  # (step, future)
+    def __init__(self, rollout, depth: int, threshold: int | None, prepare: Callable[[Batch, int], Batch],
+                 recover: Callable[[WorkerGroupError], object]):
+        """``prepare(prompts, step)``: the rows to generate for a step's prompts (group ids, seeds, rollout.n);
+        ``recover(error)``: rebuild the rollout pool after one of its worker processes died, give it the current
+        weights and ``reissue`` what is in flight."""
+        self.rollout, self.depth, self.threshold, self.prepare, self.recover = rollout, depth, threshold, prepare, recover
+        self.in_flight: deque = deque()  # (step, rows, future)
         self._last_busy = self._last_wall = None
 
     def submit(self, prompts: Batch, step: int) -> None:
-        self.in_flight.append((step, self.rollout.submit("generate", self.prepare(prompts, step))))
+        rows = self.prepare(prompts, step)
+        self.in_flight.append((step, rows, self.rollout.submit("generate", rows)))
+
+    def _wait_first(self) -> Batch:
+        """The oldest in-flight batch; when a rollout worker died, ``recover`` rebuilds the pool (which re-issues
+        every batch in flight: ``reissue``), up to MAX_RECOVERIES times in a row."""
+        for attempt in range(MAX_RECOVERIES + 1):
+            try:
+                return self.in_flight[0][2].get()
+            except WorkerGroupError as error:
+                if not error.died or attempt == MAX_RECOVERIES:
+                    raise
+                self.recover(error)
+        raise AssertionError("unreachable")
+
+    def reissue(self, rollout) -> None:
+        """Submit every batch in flight again, in order, to ``rollout`` (a rebuilt pool holding the current weights)."""
+        self.rollout = rollout
+        self.in_flight = deque((s, rows, rollout.submit("generate", rows)) for s, rows, _ in self.in_flight)
 
     def take(self, prompts: Batch, step: int, more_prompts: Iterator[Batch]) -> tuple[Batch, dict]:
         """Submit ``prompts`` (for ``step`` + depth; at the first call for ``step``, with the next ``depth`` batches
@@ -68,10 +104,10 @@ class AheadRollouts:
                 self.submit(next(more_prompts), step + ahead)
         else:
             self.submit(prompts, step + self.depth)
-        first, future = self.in_flight.popleft()
-        assert first == step, f"in-flight batch of step {first} taken at step {step}"
+        assert self.in_flight[0][0] == step, f"in-flight batch of step {self.in_flight[0][0]} taken at step {step}"
         start = time.perf_counter()
-        batch = future.get()
+        batch = self._wait_first()
+        self.in_flight.popleft()
         metrics = {"async/wait_rollout_s": time.perf_counter() - start}
         lags = version_lags(batch.tensors["token_policy_versions"], step - 1)
         check_lag(lags, self.threshold, step)
@@ -89,6 +125,9 @@ class AheadRollouts:
         if busy_s is not None:
             self._last_busy, self._last_wall = busy_s, now
         return out
+
+    def in_flight_count(self) -> int:
+        return len(self.in_flight)
 
     def drop_in_flight(self) -> int:
         """Forget the batches in flight (a checkpoint does not keep them: the resumed run generates them again

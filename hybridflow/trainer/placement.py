@@ -24,6 +24,8 @@ class WorkerGroups:
     rollout: RolloutGroup | None = None  # separate_async's standalone vLLM pool
     pools: list = field(default_factory=list)
     weight_store: object = None  # the checkpoint engine's rendezvous (a TCPStore this process hosts)
+    build_rollout: object = None  # () -> a new rollout group (rebuild_rollout)
+    connect_timeout_s: float = 600.0
 
     @property
     def generator(self):
@@ -33,6 +35,13 @@ class WorkerGroups:
     @property
     def all(self) -> list:
         return [g for g in (self.actor_rollout, self.critic, self.reward_model, self.rollout) if g is not None]
+
+    def rebuild_rollout(self) -> None:
+        """Replace the rollout group (one of its worker processes died): the old one is killed, a new one built in
+        the same pool and connected to the checkpoint engine; it holds no weights until the next push."""
+        self.rollout.shutdown()
+        self.rollout = self.build_rollout()
+        self.weight_store = connect_checkpoint_engine(self.actor_rollout, self.rollout, self.connect_timeout_s)
 
     def shutdown(self) -> None:
         for group in (self.actor_rollout, self.rollout):
@@ -75,8 +84,9 @@ def build_worker_groups(cfg, plan) -> WorkerGroups:
     if plan.reward_model_spec is not None:
         groups.reward_model = cast(RewardModelGroup, placed("reward_model", RewardModelWorker, plan.reward_model_spec))
     if plan.rollout_spec is not None:
-        groups.rollout = cast(RolloutGroup, placed("rollout", RolloutWorker, plan.rollout_spec))
-        groups.weight_store = connect_checkpoint_engine(groups.actor_rollout, groups.rollout, cfg.trainer.dist_timeout_s)
+        groups.build_rollout = lambda: cast(RolloutGroup, placed("rollout", RolloutWorker, plan.rollout_spec))
+        groups.rollout, groups.connect_timeout_s = groups.build_rollout(), cfg.trainer.dist_timeout_s
+        groups.weight_store = connect_checkpoint_engine(groups.actor_rollout, groups.rollout, groups.connect_timeout_s)
     return groups
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -14,7 +15,8 @@ from hybridflow.protocol import Batch
 from hybridflow.rewards import SourceRouter, on_last_token
 from hybridflow.rewards.custom import adapt_to_scorer, load_custom_reward_function
 from hybridflow.rewards.overlong import overlong_penalty
-from hybridflow.trainer.ahead import AheadRollouts, look_ahead, push_weights
+from hybridflow.controller import WorkerGroupError
+from hybridflow.trainer.ahead import MAX_RECOVERIES, AheadRollouts, carried_metrics, look_ahead, push_weights
 from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.dynamic_sampling import fill_batch
 from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, as_group_ids, response_lengths,
@@ -22,6 +24,9 @@ from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, a
 from hybridflow.trainer.metrics import Timer
 from hybridflow.trainer.placement import WorkerGroups
 from hybridflow.util import mean_by_key
+
+
+log = logging.getLogger(__name__)
 
 
 def training_scorer(cfg):
@@ -47,10 +52,13 @@ class PPODriver:
         self.cfg, self.needs, self.tokenizer = cfg, plan.needs, tokenizer
         self.actor_rollout, self.critic, self.reward_model = workers.actor_rollout, workers.critic, workers.reward_model
         # what generates: the hybrid engine (sync), or the standalone rollout pool fed by the checkpoint engine
-        self.generator, self.rollout_pool = workers.generator, workers.rollout
+        self.workers, self.generator, self.rollout_pool = workers, workers.generator, workers.rollout
+        self.version = 0  # the policy version the rollout engines hold: the actor after this many updates
+        self._warmed_up = False  # colocate_async: its warm-up batches are in flight
         sc = cfg.schedule
         self.ahead = (AheadRollouts(self.rollout_pool, look_ahead(sc.num_warmup_batches, sc.max_off_policy_threshold),
-                                    sc.max_off_policy_threshold, self.prepare) if self.rollout_pool is not None else None)
+                                    sc.max_off_policy_threshold, self.prepare, self.rebuild_rollout_pool)
+                      if self.rollout_pool is not None else None)
         self.train_data, self.val_data = train_data, val_data
         self.train_scorer = training_scorer(cfg)  # training reward and validation accuracy
         # dynamic sampling's own prompt stream, for a caller of step() that passes none (the Trainer passes its
@@ -104,6 +112,9 @@ class PPODriver:
                 if self.ahead is not None:  # separate_async: generated ahead on the rollout pool
                     batch, lag = self.ahead.take(prompts, step, self._prompt_stream(more_prompts))
                     metrics.update(lag)
+                elif cfg.schedule.mode == "colocate_async":  # partial rollouts carried from step to step
+                    batch = self.actor_rollout.generate(self.carried_rows(prompts, step, more_prompts))
+                    metrics.update(carried_metrics(batch, step))
                 else:
                     batch = self.actor_rollout.generate(self.prepare(prompts, step if gen == 0 else f"{step}.{gen}"))
             metrics.update(batch.meta.pop("memory", {}))
@@ -121,6 +132,18 @@ class PPODriver:
         batch, sampling = fill_batch(prompts, self._prompt_stream(more_prompts), generate, n=cfg.rollout.n, batch_size=cfg.data.batch_size,
                                      metric=fg.metric, max_num_gen_batches=fg.max_num_gen_batches)
         return batch, {**metrics, **sampling}
+
+    def carried_rows(self, prompts: Batch, step: int, more_prompts: Iterator[Batch] | None) -> Batch:
+        """colocate_async: this step's new rows (at the first step, with num_warmup_batches more batches in flight)
+        and how many complete groups each generation replica returns: one batch's worth."""
+        batches = [self.prepare(prompts, step)]
+        if not self._warmed_up:  # the first step of this process (a resumed run starts with none in flight)
+            stream = self._prompt_stream(more_prompts)
+            batches += [self.prepare(next(stream), f"{step}w{i}") for i in range(int(self.cfg.schedule.num_warmup_batches))]
+            self._warmed_up = True
+        replicas = self.actor_rollout.dispatch_infos("rollout")[0]["dp_size"]
+        rows = Batch.concat(batches) if len(batches) > 1 else batches[0]
+        return rows.replace(meta={"groups_to_finish": self.cfg.data.batch_size // replicas})
 
     def _prompt_stream(self, more_prompts: Iterator[Batch] | None) -> Iterator[Batch]:
         """``more_prompts``, or for a caller without its prompt stream a seeded shuffled stream of our own."""
@@ -141,10 +164,41 @@ class PPODriver:
 
     def push_weights(self, version: int) -> dict:
         """The actor's weights (policy ``version``: after that many updates) into the rollout engines: the hybrid
-        engine's in-place transition, or the checkpoint engine to the rollout pool."""
+        engine's in-place transition, or the checkpoint engine to the rollout pool (rebuilt, and the push
+        repeated, when one of its worker processes died: ``rebuild_rollout_pool``)."""
         if self.rollout_pool is None:
-            return self.actor_rollout.sync_weights()[0]
-        return push_weights(self.actor_rollout, self.rollout_pool, version)
+            self.version = version
+            return self.actor_rollout.sync_weights(version)[0]
+        rebuilt = False
+        for attempt in range(MAX_RECOVERIES + 1):
+            try:
+                metrics = push_weights(self.actor_rollout, self.rollout_pool, version)
+                self.version = version
+                if rebuilt and self.ahead is not None:  # generated under the weights just pushed
+                    self.ahead.reissue(self.rollout_pool)
+                return metrics
+            except WorkerGroupError as error:
+                # either side may report first: a receiver's death also breaks the sender's broadcast
+                if attempt == MAX_RECOVERIES or not self.rollout_pool.dead_ranks() or self.actor_rollout.dead_ranks():
+                    raise
+                self.rebuild_rollout_pool(error, push=False)
+                rebuilt = True
+        raise AssertionError("unreachable")
+
+    def rebuild_rollout_pool(self, error: WorkerGroupError, push: bool = True) -> None:
+        """A standalone rollout worker died: the run goes on. Its group is rebuilt in the same pool and reconnected
+        to the checkpoint engine; with ``push`` it is given the current weights and the batches in flight are
+        re-issued to it (else the caller pushes and re-issues). One warning line says so."""
+        in_flight = 0 if self.ahead is None else self.ahead.in_flight_count()
+        log.warning("%s: the rollout pool is rebuilt, given the actor's current weights and %d in-flight batch(es) "
+                    "again", error.summary, in_flight)
+        self.actor_rollout.failed = False  # its send failed only because its receiver died (checked by the caller)
+        self.workers.rebuild_rollout()
+        self.rollout_pool = self.generator = self.workers.rollout
+        if push:
+            push_weights(self.actor_rollout, self.rollout_pool, self.version)
+            if self.ahead is not None:
+                self.ahead.reissue(self.rollout_pool)
 
     def in_flight_batches(self) -> int:
         """Prompt batches drawn but not yet trained on (generating ahead): a checkpoint's data position excludes

@@ -25,7 +25,9 @@ from hybridflow.workers import role_ops
 from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoint, offload_settings, optim_settings,
                                        ref_offload_settings, save_role_checkpoint)
 from hybridflow.workers.export import save_hf_folder
-from hybridflow.workers.generation import build_agent_loop, build_vllm_rollout, generate_batch, load_generation_shard
+from hybridflow.workers.carry import CarriedGeneration
+from hybridflow.workers.generation import (build_agent_loop, build_vllm_rollout, generate_batch, load_generation_shard,
+                                           sampling_settings)
 
 
 class ActorRolloutRefWorker(Worker):
@@ -65,6 +67,9 @@ class ActorRolloutRefWorker(Worker):
                                           generation_groups=self.hybrid_plan.replicas)
         self.agent = (build_agent_loop(r.multi_turn, spec.max_response_length, spec.chat_template_kwargs, self.tokenizer)
                       if r.multi_turn.enable else None)
+        self.version = 0  # the policy version the engine holds (the driver's count of updates)
+        self.carried = (CarriedGeneration(spec.max_response_length, spec.max_off_policy_threshold)
+                        if spec.carry_unfinished else None)
 
     def dispatch_info(self, mesh: str = "train") -> dict:
         """'train': megatron's DP shards; 'rollout': one shard per generation replica."""
@@ -75,9 +80,10 @@ class ActorRolloutRefWorker(Worker):
     # --- rollout ----------------------------------------------------------------------------------
 
     @register(Dispatch.ONE_TO_ALL)
-    def sync_weights(self) -> dict:
-        """Push the actor's current weights into this rank's vLLM engine through the configured
-        transition (streamed, one layer at a time for ``hybrid``); returns its accounting as metrics."""
+    def sync_weights(self, version: int = 0) -> dict:
+        """Push the actor's current weights (policy ``version``) into this rank's vLLM engine through the
+        configured transition (streamed, one layer at a time for ``hybrid``); returns its accounting as metrics."""
+        self.version = version
         stats = TransitionStats(self.resharder.scheme)
         start = time.perf_counter()
         self.rollout.wake_up(["weights"])
@@ -115,8 +121,17 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.DP_COMPUTE_3D, mesh="rollout")
     def generate(self, prompts: Batch) -> Batch:
         """Sample one response per row (repeat rows beforehand for n > 1); each generation replica
-        gets its own prompts (workers/generation.py). The weights are the last ``sync_weights``'."""
-        return generate_batch(self.rollout, self.agent, prompts, self.spec, self.tokenizer)
+        gets its own prompts (workers/generation.py). The weights are the last ``sync_weights``'. In
+        colocate_async a sampled batch with ``meta["groups_to_finish"]`` goes on with the responses carried from
+        the last call and returns that many complete groups (workers/carry.py)."""
+        sampling = sampling_settings(self.spec, prompts.meta)
+        if self.carried is None or "groups_to_finish" not in prompts.meta or sampling.temperature == 0:
+            return generate_batch(self.rollout, self.agent, prompts, self.spec, self.tokenizer)
+        self.rollout.wake_up(["weights", "kv_cache"])
+        out = self.carried.generate(self.rollout, prompts, sampling, self.version, prompts.meta["groups_to_finish"],
+                                    self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
+        self.rollout.sleep()
+        return out.replace(meta={"memory": device.memory_stats("memory/generate")})
 
     # --- log-probs and update -------------------------------------------------------------------
 

@@ -99,16 +99,20 @@ def load_generation_shard(rollout: VLLMRollout, items, hf_config, k: int, t_g: i
         rollout.update_weights(to_checkpoint_names(items, hf_config, k=k, t_g=t_g, stats=stats))
 
 
+def sampling_settings(spec, meta: dict) -> SamplingSettings:
+    """The rollout section's sampling, with a batch's ``meta`` overrides (validation's val_kwargs, greedy)."""
+    r = spec.rollout
+    return SamplingSettings(temperature=meta.get("temperature", r.temperature), top_p=meta.get("top_p", r.top_p),
+                            top_k=meta.get("top_k", r.top_k),
+                            max_new_tokens=meta.get("max_new_tokens", spec.max_response_length))
+
+
 def generate_batch(rollout, agent, prompts: Batch, spec, tokenizer) -> Batch:
     """Sample one response per row of ``prompts`` on ``rollout`` (a VLLMRollout; ``agent``: the multi-turn
     loop or None). ``spec``: the run plan's spec holding the rollout section and the length limits.
     ``prompts.meta`` may override sampling: ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (validation's
     rollout.val_kwargs), ``max_new_tokens``. A ``sample_seed`` column seeds each single-turn row's sampling."""
-    r, meta = spec.rollout, prompts.meta
-    sampling = SamplingSettings(
-        temperature=meta.get("temperature", r.temperature), top_p=meta.get("top_p", r.top_p),
-        top_k=meta.get("top_k", r.top_k),
-        max_new_tokens=prompts.meta.get("max_new_tokens", spec.max_response_length))
+    sampling = sampling_settings(spec, prompts.meta)
     ids, mask = prompts.tensors["input_ids"], prompts.tensors["attention_mask"].bool()
     prompt_ids = [row[m].tolist() for row, m in zip(ids, mask)]
     sampled = sampling.temperature > 0  # sampled rollouts carry vLLM's log-prob of each token; greedy ones none

@@ -127,3 +127,38 @@ def test_killed_raylet_ends_the_run_in_one_line(assets, tmp_path):
     assert len(line) == 1, err[-3000:]
     assert "its worker process died" in line[0] and f"last good checkpoint: {out}/checkpoints/step_" in line[0], line[0]
     assert wait_gone(tree) == []
+
+
+SEPARATE = ("schedule.mode=separate_async", "resources.rollout_n_workers=1", "schedule.parameter_sync_step=1",
+            "resources.cpus_per_worker=1")
+
+
+def test_killed_rollout_worker_is_rebuilt_and_the_run_finishes(assets, tmp_path):
+    """separate_async: kill -9 of the standalone rollout worker does not end the run; the pool is rebuilt, given
+    the current weights, the in-flight batch is generated again, and one warning line says so."""
+    out = tmp_path / "run"
+    proc = launch(assets, out, *LIGHT, *SEPARATE, "trainer.total_steps=4", "trainer.save_every=1",
+                  "trainer.val_every=100")
+    try:
+        wait_for(lambda: (out / "checkpoints" / "latest").exists(), 180, "the first checkpoint", proc)
+        worker(process_tree(proc.pid), "RolloutWorker").kill()
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert logged_steps(out) == [1, 2, 3, 4]
+    rebuilt = [line for line in err.splitlines() if "the rollout pool is rebuilt" in line]
+    assert len(rebuilt) == 1, err[-3000:]
+    assert "worker group 'rollout'" in rebuilt[0] and "its worker process died" in rebuilt[0], rebuilt[0]
+
+
+def test_stopped_rollout_worker_ends_the_run_within_the_stage_timeout(assets, tmp_path):
+    out = tmp_path / "run"
+    status, err, tree, took = disturbed_run(assets, out, lambda tree: worker(tree, "RolloutWorker").suspend(),
+                                            *SEPARATE, "trainer.stage_timeout_s=20")
+    assert status == 1, err[-3000:]
+    assert took < 20 + 60, took
+    line = error_lines(err)
+    assert line and "worker group 'rollout'" in line[0] and "did not finish within 20 s" in line[0], err[-3000:]
+    assert wait_gone(tree) == []

@@ -86,16 +86,24 @@ ASYNC = ["schedule.mode=separate_async", "resources.rollout_n_workers=1", "sched
     (["schedule.mode=separate_async"],
      "needs a rollout pool: resources.rollout_n_workers >= 1"),
     (["resources.rollout_n_workers=2"], "resources.rollout_n_workers \\(2\\) sizes the rollout pool"),
-    (["schedule.mode=colocate_async"], "'colocate_async' .*not supported yet"),
+    (["schedule.mode=colocate_async", "algorithm.filter_groups.enable=true"],
+     "'colocate_async' does not yet take algorithm.filter_groups.enable"),
+    (["schedule.mode=colocate_async", "resources.rollout_n_workers=1"], "colocate_async rolls out on the actor's workers"),
     (ASYNC[:-1] + ["schedule.parameter_sync_step=4"],
      "data.batch_size \\(64\\) must equal schedule.parameter_sync_step \\(4\\) x actor.ppo_mini_batch_size \\(64\\)"),
     (ASYNC + ["rollout.checkpoint_engine.backend=nccl"], "backend 'nccl' needs GPU workers"),
-    (ASYNC + ["schedule.partial_rollout=true"], "partial_rollout: not supported yet"),
+    (ASYNC + ["schedule.partial_rollout=true"], "partial_rollout: not supported yet in separate_async"),
     (ASYNC + ["rollout.tensor_model_parallel_size=2"], "resources.rollout_n_workers \\(1\\) is not divisible by"),
 ])
 def test_trainer_mode_rules_are_one_line(overrides, message):
     with pytest.raises((ValueError, ConfigError), match=message):
         resolve(load_experiment(["configs/quickstart_cpu.yaml"], overrides))
+
+
+def test_colocate_async_carries_on_the_hybrid_engine():
+    plan = resolve(load_experiment(["configs/quickstart_cpu.yaml"], ["schedule.mode=colocate_async"]))
+    assert [p.name for p in plan.pools] == ["actor_rollout_ref"] and plan.rollout_spec is None
+    assert plan.actor_spec.carry_unfinished and plan.actor_spec.max_off_policy_threshold == 8
 
 
 def test_separate_async_plan_has_a_rollout_pool_and_spec():

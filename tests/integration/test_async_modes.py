@@ -1,11 +1,13 @@
-"""separate_async end to end (real Ray, megatron-core actor, a standalone vLLM-CPU rollout pool fed by the
-checkpoint engine over gloo):
+"""The asynchronous trainer modes end to end. separate_async (real Ray, megatron-core actor, a standalone vLLM-CPU
+rollout pool fed by the checkpoint engine over gloo):
 
 - with no look-ahead it trains on exactly the on-policy samples: every step's metrics equal the sync run's (each
   request is seeded by its step and index, so the sample does not depend on the engine that draws it);
 - after every push, the rollout pool's greedy output equals HF greedy at the trainer's weights, for rollout TP
   above and below the actor's TP, and each rollout rank received exactly its vLLM shard (bytes == formula);
 - with one batch of look-ahead every trained sample lags the trainer by one policy version (after the first).
+colocate_async (the hybrid engine carrying unfinished responses into the next step): samples lag by at most the
+warm-up, and the carried warm-up batch is trained one version late.
 """
 
 from __future__ import annotations
@@ -85,3 +87,14 @@ def test_each_push_gives_vllm_the_trainers_weights(layout, assets, tmp_path, ray
         assert math.isfinite(metrics["actor/pg_loss"])
 
     run_steps(cfg, 2, check)
+
+
+def test_colocate_async_trains_on_carried_samples(assets, tmp_path, ray_cluster):
+    cfg = make_cfg(assets, tmp_path, *GRPO, "schedule.mode=colocate_async", "schedule.num_warmup_batches=1")
+
+    def check(trainer, step, metrics):
+        assert metrics["async/version_lag_max"] <= 1 and math.isfinite(metrics["actor/pg_loss"]), metrics
+        assert metrics["async/dropped_stale_samples"] == 0  # the bound (8) is far
+
+    history = run_steps(cfg, 3, check)
+    assert max(m["async/version_lag_max"] for m in history) == 1, "the warm-up batch was not trained one version late"

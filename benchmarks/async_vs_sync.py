@@ -1,0 +1,100 @@
+"""sync vs separate_async (and TRL) on the same two cores, side by side in one run.
+
+    python benchmarks/async_vs_sync.py [--steps 30] [--workloads 0.8M-long,20M-short] [--no-trl]
+
+Each workload (benchmarks/workloads.py) is trained the same number of steps, hence on the same number of samples,
+from the same SFT weights and prompts:
+  sync            the hybrid engine: one worker holding actor, reference and vLLM, with both cores;
+  separate_async  one trainer worker (actor, reference) and one standalone vLLM rollout worker, one core each,
+                  the rollout generating the next step's batch while the trainer trains (schedule.mode
+                  separate_async, num_warmup_batches 1: every sample one policy version old), the checkpoint
+                  engine pushing the weights after every step;
+  colocate_async  reported as not available (not built yet);
+  trl             TRL's GRPOTrainer with both cores (benchmarks/e2e_vs_trl.py's runner, its pinned venv).
+0.8M-long is the long-tail workload: the model before its warm start writes up to 64 tokens, most far fewer.
+Reported per mode: generated tokens per second of step time (steps after ``--warmup``), s/step, held-out greedy
+accuracy before and after, and ratios to sync and to TRL. Writes benchmarks/results/async_vs_sync.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_vs_trl import RESULTS, run_hybridflow, run_trl, summarize  # noqa: E402
+from workloads import WORKLOADS, prepare, write_json  # noqa: E402
+
+from hybridflow.util import write_atomically  # noqa: E402
+
+SEPARATE = {"schedule": {"mode": "separate_async", "num_warmup_batches": 1, "parameter_sync_step": 1},
+            "resources": {"rollout_n_workers": 1, "cpus_per_worker": 1}}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# sync vs separate_async (GRPO, 16 prompts x 4, {report['steps']} steps, 2 cores)", "",
+             "| workload | mode | s/step | gen tok/s | vs sync | vs TRL | val acc before -> after |", "|---|---|---|---|---|---|---|"]
+    for name, entry in report["workloads"].items():
+        for mode, s in entry["modes"].items():
+            if "gen_tok_s" not in s:
+                lines.append(f"| {name} | {mode} | - | - | - | - | {s.get('note', '')} |")
+                continue
+            vs_trl = f"{s['ratio_vs_trl']:.2f}x" if "ratio_vs_trl" in s else "-"
+            lines.append(f"| {name} | {mode} | {s['s_per_step']:.3f} | {s['gen_tok_s']:.0f} | {s['ratio_vs_sync']:.2f}x | "
+                         f"{vs_trl} | {s['val_acc_before']:.3f} -> {s['val_acc_after']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the means")
+    ap.add_argument("--workloads", default="0.8M-long,20M-short")
+    ap.add_argument("--no-trl", action="store_true", help="skip TRL (its venv is built on first use)")
+    ap.add_argument("--out", default=str(RESULTS / "async_vs_sync.json"))
+    a = ap.parse_args(argv)
+    python = None
+    if not a.no_trl:
+        from trl_env import trl_python
+
+        python = trl_python()
+    report = {"steps": a.steps, "warmup": a.warmup, "threads": 2, "workloads": {}}
+    if python is not None:
+        report["trl_version"] = subprocess.run([str(python), "-c", "import trl; print(trl.__version__)"],
+                                               capture_output=True, text=True, check=True).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="hf_async_") as tmp:
+        work = Path(tmp)
+        for name in a.workloads.split(","):
+            w = WORKLOADS[name]
+            prepare(w)
+            runs = {"sync": lambda: run_hybridflow(w, a.steps, 2, work, "float32"),
+                    "separate_async": lambda: run_hybridflow(w, a.steps, 2, work, "float32", extra=SEPARATE, tag="_sep")}
+            if python is not None:
+                runs["trl"] = lambda: run_trl(w, a.steps, 2, work, python, "float32")
+            modes = {}
+            for mode, run in runs.items():
+                print(f"[{name}] {mode}: {a.steps} steps", flush=True)
+                modes[mode] = summarize(run(), a.warmup)
+                print(f"[{name}] {mode}: {modes[mode]['gen_tok_s']:.0f} gen tok/s, acc {modes[mode]['val_acc_before']:.3f}"
+                      f" -> {modes[mode]['val_acc_after']:.3f}", flush=True)
+            for s in modes.values():
+                s["ratio_vs_sync"] = s["gen_tok_s"] / modes["sync"]["gen_tok_s"]
+                if "trl" in modes:
+                    s["ratio_vs_trl"] = s["gen_tok_s"] / modes["trl"]["gen_tok_s"]
+            modes["colocate_async"] = {"note": "not built yet (schedule.mode colocate_async is refused)"}
+            report["workloads"][name] = {"modes": modes,
+                                         "separate_over_sync": modes["separate_async"]["ratio_vs_sync"],
+                                         "accuracy_gap": modes["separate_async"]["val_acc_after"] - modes["sync"]["val_acc_after"]}
+            write_json(Path(a.out), report)
+    write_json(Path(a.out), report)
+    md = markdown(report)
+    write_atomically(Path(a.out).with_suffix(".md"), md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
