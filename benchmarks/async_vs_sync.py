@@ -26,9 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_vs_trl import RESULTS, run_hybridflow, run_trl, summarize  # noqa: E402
-from workloads import WORKLOADS, prepare, write_json  # noqa: E402
-
-from hybridflow.util import write_atomically  # noqa: E402
+from workloads import WORKLOADS, prepare, write_json, write_report  # noqa: E402
 
 SEPARATE = {"schedule": {"mode": "separate_async", "num_warmup_batches": 1, "parameter_sync_step": 1},
             "resources": {"rollout_n_workers": 1, "cpus_per_worker": 1}}
@@ -89,10 +87,7 @@ def main(argv=None) -> int:
                                          "separate_over_sync": modes["separate_async"]["ratio_vs_sync"],
                                          "accuracy_gap": modes["separate_async"]["val_acc_after"] - modes["sync"]["val_acc_after"]}
             write_json(Path(a.out), report)
-    write_json(Path(a.out), report)
-    md = markdown(report)
-    write_atomically(Path(a.out).with_suffix(".md"), md)
-    print(md)
+    write_report(Path(a.out), report, markdown(report))
     return 0
 
 

@@ -39,9 +39,8 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import (GROUP, PROMPTS, REPO, WORKLOADS, Workload, n_params, prepare, run_measured,  # noqa: E402
-                       write_json)
+                       write_json, write_report)
 
-from hybridflow.util import write_atomically  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -233,10 +232,7 @@ def main(argv=None) -> int:
             write_json(Path(a.out), report)  # partial results survive a later failure
     for name, entry in report["workloads"].items():  # flat keys for dashboards: ratio_gen_tok_s_20M-short, ...
         report[f"ratio_gen_tok_s_{name}"] = entry["ratio_gen_tok_s"]
-    write_json(Path(a.out), report)
-    md = markdown(report)
-    write_atomically(Path(a.out).with_suffix(".md"), md)
-    print(md)
+    write_report(Path(a.out), report, markdown(report))
     return 0
 
 

@@ -174,3 +174,10 @@ def run_measured(cmd: list[str], log_path: Path, env: dict | None = None) -> tup
 
 def write_json(path: Path, data) -> None:
     write_atomically(path, json.dumps(data, indent=1))
+
+
+def write_report(path: Path, report: dict, md: str) -> None:
+    """The report as JSON at ``path`` and its table as Markdown beside it (.md), printed too."""
+    write_json(path, report)
+    write_atomically(path.with_suffix(".md"), md)
+    print(md)

@@ -141,9 +141,8 @@ class PPODriver:
             stream = self._prompt_stream(more_prompts)
             batches += [self.prepare(next(stream), f"{step}w{i}") for i in range(int(self.cfg.schedule.num_warmup_batches))]
             self._warmed_up = True
-        replicas = self.actor_rollout.dispatch_infos("rollout")[0]["dp_size"]
         rows = Batch.concat(batches) if len(batches) > 1 else batches[0]
-        return rows.replace(meta={"groups_to_finish": self.cfg.data.batch_size // replicas})
+        return rows.replace(meta={"groups_to_finish": self.cfg.data.batch_size // self._dp_size()})
 
     def _prompt_stream(self, more_prompts: Iterator[Batch] | None) -> Iterator[Batch]:
         """``more_prompts``, or for a caller without its prompt stream a seeded shuffled stream of our own."""
