@@ -523,9 +523,10 @@ class Schedule:
     # regenerated (drop) or never generated that early (wait); None: no bound
     max_off_policy_threshold: int | None = 8
     max_off_policy_strategy: Literal["drop", "wait"] = "drop"
-    # separate_async: carry unfinished responses across a weight update (not yet: false only). colocate_async
+    # separate_async: each generation stops at its batch of complete groups and carries the unfinished responses
+    # across the next weight push (verl's fully-async recipe's async_training.partial_rollout); colocate_async
     # always does (verl: "partial rollout is enabled" in that mode)
-    partial_rollout: bool = False
+    partial_rollout: bool = True
 
     def validate(self):
         check_sizes(self, "parameter_sync_step", "max_off_policy_threshold")

@@ -131,9 +131,6 @@ def check_schedule(cfg, on_gpu: bool) -> None:
             raise ValueError("schedule.mode 'colocate_async' does not yet take algorithm.filter_groups.enable or "
                              "rollout.multi_turn.enable")
         return
-    if sc.partial_rollout:
-        raise ValueError("schedule.partial_rollout: not supported yet in separate_async (responses finish under the "
-                         "weights they started with; colocate_async carries them); set it to false")
     if res.rollout_n_workers < 1:
         raise ValueError("schedule.mode 'separate_async' needs a rollout pool: resources.rollout_n_workers >= 1 (verl: "
                          "actor_rollout_ref.rollout.nnodes x n_gpus_per_node)")

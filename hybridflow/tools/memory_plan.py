@@ -197,11 +197,12 @@ def _training(here: list[Role], ctx: list, vllm_idle: tuple) -> list:
     return training
 
 
-def _resharding_buffers(cfg, shape: Shape, P: int) -> list:
+def _resharding_buffers(cfg, shape: Shape, P: int, t_g: int | None = None) -> list:
     """What resharding holds on top of the actor's params: the gathered shard, the largest piece assembled at a
-    time and, for an expert exchange, the experts in generation form."""
+    time and, for an expert exchange, the experts in generation form. ``t_g``: the transition's generation TP
+    (default the rollout's; separate_async's training-pool leg uses gcd(t, t_g))."""
     ro, mg_a = cfg.rollout, cfg.actor.megatron
-    t_g, by_a = ro.tensor_model_parallel_size, BYTES[mg_a.dtype]
+    t_g, by_a = t_g or ro.tensor_model_parallel_size, BYTES[mg_a.dtype]
     t, p = mg_a.tensor_model_parallel_size, mg_a.pipeline_model_parallel_size
     if ro.resharding == "hybrid":  # assembles one layer (or the embeddings / lm_head) of its t_g shard at a time
         layer = largest_layer_params(shape)
@@ -248,6 +249,8 @@ def plan(cfg, shape: Shape, gpu_mem_gib: float, *, rm_shape: Shape | None = None
     graphs = 0.0 if ro.enforce_eager else cuda_graph_gib * GiB  # held while vLLM sleeps
     ctx = [("CUDA context + NCCL buffers (fixed)", CONTEXT_BYTES)]
 
+    if run.rollout_spec is not None:  # separate_async: no vLLM on the trainer's GPUs
+        return _separate(cfg, shape, P, P_c, roles[0], here, ctx, budget, vllm_weights)
     training = _training(here, ctx, _vllm_outside_generation(ro, budget, graphs))
     transition = _transition(cfg, shape, P, roles[0], here, ctx, budget, vllm_weights, graphs)
     vllm = (f"vLLM ({ro.gpu_memory_utilization:g} x {gpu_mem_gib:g} GiB: weights + KV cache)", budget)
@@ -258,6 +261,23 @@ def plan(cfg, shape: Shape, gpu_mem_gib: float, *, rm_shape: Shape | None = None
         out["critic GPUs (separate pool)"] = ctx + [(f"critic {k}", v) for k, v in critic.items.items()] + \
             [(f"critic activations ({critic.act_label})", critic.activations)]
     return out
+
+
+def _separate(cfg, shape: Shape, P: int, P_c: int, actor: Role, here: list[Role], ctx: list, budget: float,
+              vllm_weights: float) -> dict:
+    """separate_async: the trainer's GPUs train and push (the training-pool leg of the checkpoint engine to vLLM TP
+    gcd(t, t_g), one bucket being sent); the rollout pool's GPUs hold vLLM's budget and one bucket received."""
+    import math
+
+    ro = cfg.rollout
+    bucket = ("checkpoint engine: one bucket", ro.checkpoint_engine.update_weights_bucket_megabytes * 2**20)
+    t_s = math.gcd(cfg.actor.megatron.tensor_model_parallel_size, ro.tensor_model_parallel_size)
+    training = _training(here, ctx, ("vLLM (none: a pool of its own)", 0))
+    push = ctx + [("actor params (loaded for the push)", actor.items["params"])]
+    push += _resharding_buffers(cfg, shape, P, t_s) + [bucket] + _resident(here, skip={("actor", "params")})
+    rollout = ctx + [(f"vLLM ({ro.gpu_memory_utilization:g} x GPU: weights + KV cache)", budget), bucket]
+    return {"training": training, "weight push (trainer GPUs)": push, "rollout GPUs (separate pool)": rollout,
+            "params": P, "critic_params": P_c, "kv_cache": budget - vllm_weights, "vllm_weights": vllm_weights}
 
 
 def phases(result: dict) -> dict:

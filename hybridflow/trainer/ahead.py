@@ -7,10 +7,10 @@ by version k - 1 - depth at the oldest: its lag. The rollout pool runs its calls
 the generation submitted before it, and a generation submitted after a push samples with the pushed weights.
 
 The staleness bound (schedule.max_off_policy_threshold, verl's span: lag + 1) holds by construction here: the
-look-ahead is min(num_warmup_batches, threshold - 1), so no sample is ever generated too early to be trained on,
-and none is dropped; a sample beyond the bound is a defect and ends the run (``check_lag``). verl generates
-continuously and drops (or waits for) samples past the bound; with whole batches submitted per step (no
-partial rollouts yet) the look-ahead alone bounds the lag.
+look-ahead is min(num_warmup_batches, threshold - 1), so no batch is generated too early to be trained on, and
+with partial rollouts the rollout pool restarts a carried response before its age plus the look-ahead reaches
+the bound (plan/specs.py carry_threshold); a sample beyond the bound is a defect and ends the run
+(``check_lag``). verl generates continuously and drops (or waits for) samples past the bound.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def version_lags(token_versions: torch.Tensor, trainer_version: int) -> torch.Te
 
 
 def carried_metrics(batch: Batch, step: int) -> dict:
-    """colocate_async's batch: lag behind the trainer (version step - 1), the fraction of partial responses (sampled
+    """A batch with carried responses (partial rollouts): lag behind the trainer (version step - 1), the fraction of partial responses (sampled
     under more than one policy version) and the samples restarted for staleness."""
     versions = batch.tensors["token_policy_versions"]
     lags = version_lags(versions, step - 1)
@@ -111,6 +111,8 @@ class AheadRollouts:
         metrics = {"async/wait_rollout_s": time.perf_counter() - start}
         lags = version_lags(batch.tensors["token_policy_versions"], step - 1)
         check_lag(lags, self.threshold, step)
+        if "stale_restarts" in batch.tensors:  # partial rollouts: also the share of responses spanning updates
+            metrics.update(carried_metrics(batch, step))
         metrics.update({"async/version_lag_mean": lags.float().mean().item(), "async/version_lag_max": float(lags.max()),
                         "async/in_flight_batches": float(len(self.in_flight))})
         metrics.update(self._idle(batch.meta.pop("rollout/busy_s", None)))

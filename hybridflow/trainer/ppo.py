@@ -57,7 +57,7 @@ class PPODriver:
         self._warmed_up = False  # colocate_async: its warm-up batches are in flight
         sc = cfg.schedule
         self.ahead = (AheadRollouts(self.rollout_pool, look_ahead(sc.num_warmup_batches, sc.max_off_policy_threshold),
-                                    sc.max_off_policy_threshold, self.prepare, self.rebuild_rollout_pool)
+                                    sc.max_off_policy_threshold, self.prepare_ahead, self.rebuild_rollout_pool)
                       if self.rollout_pool is not None else None)
         self.train_data, self.val_data = train_data, val_data
         self.train_scorer = training_scorer(cfg)  # training reward and validation accuracy
@@ -160,6 +160,14 @@ class PPODriver:
         rows = prompts.repeat(n, interleave=True)
         rows.tensors["sample_seed"] = sample_seeds(self.cfg.trainer.seed, prompts.non_tensors["uid"], n)
         return rows
+
+    def prepare_ahead(self, prompts: Batch, step) -> Batch:
+        """separate_async's rows; with partial rollouts, how many complete groups each rollout replica returns."""
+        rows = self.prepare(prompts, step)
+        if not self.cfg.schedule.partial_rollout:
+            return rows
+        replicas = self.rollout_pool.dispatch_infos("rollout")[0]["dp_size"]
+        return rows.replace(meta={"groups_to_finish": self.cfg.data.batch_size // replicas})
 
     def push_weights(self, version: int) -> dict:
         """The actor's weights (policy ``version``: after that many updates) into the rollout engines: the hybrid

@@ -18,7 +18,8 @@ from hybridflow.resharding import checkpoint_engine
 from hybridflow.resharding.plan import Layout
 from hybridflow.resharding.separate import SeparatePlan
 from hybridflow.resharding.transition import TransitionStats
-from hybridflow.workers.generation import build_vllm_rollout, generate_batch, load_generation_shard
+from hybridflow.workers.carry import CarriedGeneration
+from hybridflow.workers.generation import build_vllm_rollout, generate_batch, load_generation_shard, sampling_settings
 
 NO_WEIGHTS = -1  # the policy version of an engine that has received none (its dummy weights)
 
@@ -38,6 +39,8 @@ class RolloutWorker(Worker):
         # the ranks of one vLLM TP group sample identically: seeded per replica
         self.rollout = build_vllm_rollout(p.model_path, spec, seed=p.seed + self.rank // self.plan.t_g,
                                           generation_groups=self.plan.replicas)
+        self.carried = (CarriedGeneration(spec.max_response_length, spec.carry_threshold) if spec.partial_rollout
+                        else None)
         self.feed: checkpoint_engine.FeedGroup | None = None
         self.version = NO_WEIGHTS
         self.busy_s = 0.0  # seconds spent generating, reported with each batch
@@ -69,14 +72,23 @@ class RolloutWorker(Worker):
     @register(Dispatch.DP_COMPUTE_3D, mesh="rollout")
     def generate(self, prompts: Batch) -> Batch:
         """One response per row under the engine's current weights (workers/generation.py), each sampled token
-        stamped with their policy version (``token_policy_versions``, -1 on padding); ``meta`` carries the
-        seconds this rank has spent generating (``rollout/busy_s``) for the driver's idle accounting."""
+        stamped with their policy version (``token_policy_versions``, -1 on padding); with partial rollouts, a
+        sampled batch with ``meta["groups_to_finish"]`` returns that many complete groups, carrying the rest
+        (workers/carry.py). ``meta`` carries the seconds this rank has spent generating (``rollout/busy_s``) for the
+        driver's idle accounting."""
         start = time.perf_counter()
-        out = generate_batch(self.rollout, None, prompts, self.spec, self.tokenizer)
-        mask = out.tensors["response_mask"].bool()
-        versions = torch.full(mask.shape, -1, dtype=torch.int64)
-        versions[mask] = self.version
-        out.tensors["token_policy_versions"] = versions
+        sampling = sampling_settings(self.spec, prompts.meta)
+        if self.carried is not None and "groups_to_finish" in prompts.meta and sampling.temperature > 0:
+            self.rollout.wake_up(["weights", "kv_cache"])  # partial rollouts (workers/carry.py): versions per token
+            out = self.carried.generate(self.rollout, prompts, sampling, self.version, prompts.meta["groups_to_finish"],
+                                        self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
+            self.rollout.sleep()
+        else:
+            out = generate_batch(self.rollout, None, prompts, self.spec, self.tokenizer)
+            mask = out.tensors["response_mask"].bool()
+            versions = torch.full(mask.shape, -1, dtype=torch.int64)
+            versions[mask] = self.version
+            out.tensors["token_policy_versions"] = versions
         self.busy_s += time.perf_counter() - start
         out.meta["rollout/busy_s"] = self.busy_s
         return out

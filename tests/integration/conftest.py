@@ -30,6 +30,20 @@ def assets(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def moe_model(assets, tmp_path_factory):
+    """A tiny Qwen3-MoE (configs/quickstart_moe_cpu.yaml) on the session's task data, briefly warm-started: the
+    tests that use it check mechanics, the closing notes the learning."""
+    out = tmp_path_factory.mktemp("moe")
+    cfg = load_experiment(["configs/quickstart_moe_cpu.yaml"], [
+        f"prepare.data_dir={assets}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
+        "prepare.vocab_multiple=128", *SMALL, "prepare.sft_steps=20", "prepare.sft_target_accuracy=null"])
+    from hybridflow.trainer.prepare import prepare_quickstart
+
+    prepare_quickstart(cfg)
+    return out / "sft"
+
+
 def make_cfg(assets, tmp_path, *overrides, config="configs/quickstart_cpu.yaml"):
     return load_experiment([config], [
         f"model.path={assets}/sft", f"data.train_files=[{assets}/data/train.parquet]",

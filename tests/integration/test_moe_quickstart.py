@@ -9,21 +9,13 @@ import math
 
 import pytest
 
-from tests.integration.conftest import SMALL, make_cfg, run_steps
+from tests.integration.conftest import make_cfg, run_steps
 
 pytestmark = pytest.mark.integration
 
 
-def test_moe_overlay_trains_with_expert_parallelism(assets, tmp_path, ray_cluster):
-    from hybridflow.plan import load_experiment
-    from hybridflow.trainer.prepare import prepare_quickstart
-
-    model = tmp_path / "moe"
-    prep = load_experiment(["configs/quickstart_moe_cpu.yaml"], [
-        f"prepare.data_dir={assets}/data", f"prepare.base_model_dir={model}/base", f"model.path={model}/sft",
-        "prepare.vocab_multiple=128", *SMALL, "prepare.sft_steps=20", "prepare.sft_target_accuracy=null"])
-    prepare_quickstart(prep)  # a short warm start: this checks the mechanics, the closing note the learning
-    cfg = make_cfg(assets, tmp_path, f"model.path={model}/sft", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
+def test_moe_overlay_trains_with_expert_parallelism(assets, moe_model, tmp_path, ray_cluster):
+    cfg = make_cfg(assets, tmp_path, f"model.path={moe_model}", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
                    "actor.megatron.param_offload=true", config="configs/quickstart_moe_cpu.yaml")
     assert cfg.actor.megatron.expert_model_parallel_size == 2 and cfg.resources.n_workers == 2
     history = run_steps(cfg, 3)

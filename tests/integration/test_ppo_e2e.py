@@ -38,9 +38,22 @@ LAYOUTS = {  # name -> overrides: one process, and 2-process TP / PP actors feed
 def _hf_model(cfg, state: dict, dtype=torch.float32):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path)).to(dtype).eval()
-    model.load_state_dict({k: torch.as_tensor(v).to(dtype) for k, v in state.items()})
-    return model
+    state = {k: torch.as_tensor(v).to(dtype) for k, v in state.items()}
+    config = AutoConfig.from_pretrained(cfg.model.path)
+    if not any(".mlp.experts." in k for k in state):
+        model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+        model.load_state_dict(state)
+        return model
+    # MoE: transformers 5 keeps each layer's experts fused (mlp.experts.gate_up_proj) and converts the per-expert
+    # checkpoint names only in from_pretrained, so the state goes through a checkpoint
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as folder:
+        config.save_pretrained(folder)
+        save_file({k: v.contiguous() for k, v in state.items()}, f"{folder}/model.safetensors", metadata={"format": "pt"})
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
 
 def _hf_greedy(cfg, state: dict, prompts, max_new_tokens: int, dtype=torch.float32) -> list[list[int]]:

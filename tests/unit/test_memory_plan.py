@@ -182,6 +182,22 @@ def test_shipped_gpu_configs_fit_on_80_gib(name, capsys, monkeypatch, tmp_path):
         assert f"peak {peak} GiB" in f.read()  # the file's comment states what the tool prints
 
 
+def test_separate_async_config_plans_both_pools(capsys, monkeypatch, tmp_path):
+    """separate_async: the trainer's GPUs hold no vLLM; the push holds the training-pool leg's shard (TP gcd(2, 1)
+    = 1: the whole model) and one bucket; the rollout pool's GPUs vLLM's budget and one bucket."""
+    monkeypatch.chdir(tmp_path)
+    name = "gsm8k_qwen3_8b_grpo_separate_async"
+    assert mp.main(["--config", os.path.join(REPO, "configs", f"{name}.yaml"), "--gpu-mem", "80"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"\n{phase}\n" in out for phase in ("training", "weight push (trainer GPUs)", "rollout GPUs (separate pool)"))
+    assert "vLLM (none: a pool of its own)" in out and "checkpoint engine: one bucket" in out
+    peaks = [float(line.split()[-1]) for line in out.splitlines() if line.strip().startswith("peak ")]
+    assert len(peaks) == 3 and max(peaks) <= MARGIN * 80, peaks
+    with open(os.path.join(REPO, "configs", f"{name}.yaml")) as f:
+        peak = out.rsplit("(peak ", 1)[1].split(" GiB")[0]
+        assert f"peak {peak} GiB" in f.read()
+
+
 def test_7b_ppo_without_offload_on_tp1_does_not_fit(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     overrides = [f"{role}.megatron.{k}" for role in ("actor", "critic") for k in (

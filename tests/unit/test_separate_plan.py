@@ -92,7 +92,6 @@ ASYNC = ["schedule.mode=separate_async", "resources.rollout_n_workers=1", "sched
     (ASYNC[:-1] + ["schedule.parameter_sync_step=4"],
      "data.batch_size \\(64\\) must equal schedule.parameter_sync_step \\(4\\) x actor.ppo_mini_batch_size \\(64\\)"),
     (ASYNC + ["rollout.checkpoint_engine.backend=nccl"], "backend 'nccl' needs GPU workers"),
-    (ASYNC + ["schedule.partial_rollout=true"], "partial_rollout: not supported yet in separate_async"),
     (ASYNC + ["rollout.tensor_model_parallel_size=2"], "resources.rollout_n_workers \\(1\\) is not divisible by"),
 ])
 def test_trainer_mode_rules_are_one_line(overrides, message):
@@ -111,6 +110,17 @@ def test_separate_async_plan_has_a_rollout_pool_and_spec():
     assert [(p.name, p.size) for p in plan.pools] == [("actor_rollout_ref", 1), ("rollout", 1)]
     assert plan.actor_spec.rollout_pool == 1 and plan.rollout_spec.train_layout == (1, 1, 1)
     assert not plan.generation.colocated and plan.generation.replicas == 1
+
+
+def test_carried_responses_on_the_rollout_pool_are_bounded_by_the_bound_less_the_look_ahead():
+    from hybridflow.config.schema import Schedule
+    from hybridflow.plan.specs import carry_threshold
+
+    assert carry_threshold(Schedule(num_warmup_batches=1, max_off_policy_threshold=8)) == 7
+    assert carry_threshold(Schedule(num_warmup_batches=3, max_off_policy_threshold=2)) == 1
+    assert carry_threshold(Schedule(max_off_policy_threshold=None)) is None
+    plan = resolve(load_experiment(["configs/quickstart_async_cpu.yaml"], []))
+    assert plan.rollout_spec.partial_rollout and plan.rollout_spec.carry_threshold == 7
 
 
 def test_verl_trainer_mode_keys():
