@@ -16,7 +16,7 @@ from hybridflow.config.show import render
 from hybridflow.config.verl import check_agreement, split_argv, translate
 from hybridflow.plan import load_experiment
 from hybridflow.trainer import preflight
-from hybridflow.trainer.signals import EXIT_PREEMPTED, Preempted
+from hybridflow.trainer.signals import EXIT_PREEMPTED, Preempted, set_aside_metrics
 from hybridflow.versions import check_stack
 
 # Writes that fail for want of room or permission on the run's disk: a one-line error, not a traceback.
@@ -111,7 +111,9 @@ def _main(argv) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except Preempted as e:
-        print(f"preempted: {e}", file=sys.stderr)
+        aside = set_aside_metrics(cfg.trainer.output_dir) if e.checkpoint is None else None
+        moved = f" (no checkpoint yet: the rerun starts over; this run's metrics are in {aside})" if aside else ""
+        print(f"preempted: {e}{moved}", file=sys.stderr)
         return EXIT_PREEMPTED
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)

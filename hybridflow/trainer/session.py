@@ -219,7 +219,9 @@ class Trainer:
     # --- checkpoints and export --------------------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
-        """Checkpoint the current step into ``<output_dir>/checkpoints/step_<k>`` (atomically)."""
+        """Checkpoint the current step into ``<output_dir>/checkpoints/step_<k>`` (atomically). After SIGTERM it
+        is written to the end, not given up like a step still running ``signals.STOP_GRACE_S`` later: the step
+        it keeps has ended, and a SIGKILL cutting the write short leaves the previous checkpoint whole."""
         self.start()
         t = self.cfg.trainer
         # batches generating ahead (separate_async) are not kept: the resumed run draws and generates them again
@@ -232,7 +234,7 @@ class Trainer:
             self.model_config.save_pretrained(str(tmp / "hf"))  # what the export needs besides weights
             self.tokenizer.save_pretrained(str(tmp / "hf"))
 
-        with self._failures_named(), self.timer("save"):
+        with self._failures_named(give_up=False), self.timer("save"):
             path = checkpoint.save(t.output_dir, self.step_count, write_parts, driver_state, t.max_checkpoints)
         self.last_checkpoint = path
         return path
@@ -265,16 +267,16 @@ class Trainer:
     # --- failures ----------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _failures_named(self, where: str = ""):
+    def _failures_named(self, where: str = "", give_up: bool = True):
         """A worker group failure becomes a ``RunFailed`` naming the role, rank, node and last checkpoint; so
         do a user reward function that fails on a row (``where``: e.g. "validation before training: "), dynamic
         sampling that cannot fill its batch and a checkpoint that cannot be written. After SIGTERM/SIGUSR1 a
         worker failure is the same signal having reached the workers (sent to the whole process group):
         ``Preempted``, at once; so is a step still running ``signals.STOP_GRACE_S`` after SIGTERM (every wait
-        on the workers gives up then)."""
+        on the workers gives up then, unless ``give_up`` is false)."""
         self.timer.failed_in = None
         try:
-            with give_up_waiting_when(self.stops.give_up_reason):
+            with give_up_waiting_when(self.stops.give_up_reason if give_up else lambda: None):
                 yield
         except WaitAbandoned:
             raise Preempted(self.stops.signum, self.step_count, self.last_checkpoint,

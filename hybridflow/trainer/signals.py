@@ -4,7 +4,9 @@ at once. SIGINT (Ctrl-C) stops at once (exit 130), without a checkpoint.
 
 SIGTERM is followed by SIGKILL after a grace period (Slurm's KillWait: 30 s by default; `timeout -k`), so a
 step still running ``STOP_GRACE_S`` after it is abandoned (``give_up_reason``): the run exits 75 naming
-the last checkpoint, and the rerun redoes that step. SIGUSR1 comes with the lead time the user chose
+the last checkpoint, and the rerun redoes that step. A checkpoint being written is not abandoned (a SIGKILL
+in the middle leaves the previous one whole: checkpoints are written atomically). A run stopped before its
+first checkpoint sets its metrics aside (``set_aside_metrics``), so that the rerun starts over. SIGUSR1 comes with the lead time the user chose
 (``--signal=USR1@<s>``): the step and its checkpoint finish."""
 
 from __future__ import annotations
@@ -61,3 +63,16 @@ class StopRequests:
             return None
         return f"the step in progress did not end within {STOP_GRACE_S:g} s of SIGTERM and was abandoned"
 
+
+
+def set_aside_metrics(output_dir: str) -> str | None:
+    """A run preempted before its first checkpoint keeps nothing to resume: its metrics.jsonl is renamed
+    metrics.preempted.jsonl, so that the same command, rerun (Slurm's requeue), starts over instead of refusing
+    a folder that holds a run; returns the new name, None when there was none."""
+    import os
+
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return None
+    os.replace(path, os.path.join(output_dir, "metrics.preempted.jsonl"))
+    return "metrics.preempted.jsonl"

@@ -183,11 +183,15 @@ def test_sigterm_checkpoints_and_resumes_to_the_same_weights(straight, assets, t
     assert wait_gone(tree, timeout_s=10) == []
     stopped = [line for line in err.splitlines() if line.startswith("preempted: stopped by SIGTERM after step ")]
     assert stopped and "Traceback" not in err, err[-3000:]
-    # The checkpoint named is that of the step which ended, or, when the step in progress (or its checkpoint)
-    # outlived the grace period and was abandoned, the last one written before: the rerun starts from it.
+    # The checkpoint named is that of the step which ended or, when the step in progress outlived the grace
+    # period and was abandoned, the last one written before: the rerun starts from it. With none yet, the run's
+    # metrics are set aside and the rerun starts over.
     named = re.search(r"; checkpoint (\S+);", stopped[0])[1]
-    assert named == "None" or (Path(named).is_dir() and Path(named).parent == out / "checkpoints"), stopped[0]
-    assert logged_steps(out)[-1] < N, stopped[0]
+    if named == "None":
+        assert "the rerun starts over" in stopped[0] and (out / "metrics.preempted.jsonl").is_file(), stopped[0]
+    else:
+        assert Path(named).is_dir() and Path(named).parent == out / "checkpoints", stopped[0]
+        assert logged_steps(out)[-1] < N, stopped[0]
     again = launch(assets, out, *args)
     _, err = again.communicate(timeout=300)
     assert again.returncode == 0, err[-3000:]

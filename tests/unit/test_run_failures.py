@@ -183,6 +183,27 @@ def test_a_step_still_running_after_sigterms_grace_is_abandoned(trainer):
                                  "command to resume (trainer.resume_mode=auto)")
 
 
+def test_a_checkpoint_being_written_after_sigterms_grace_is_not_abandoned(trainer, tmp_path):
+    """The checkpoint a stop asked for keeps the step that ended: it is written to the end (a SIGKILL in the
+    middle leaves the previous one whole), while the waits of a step are given up; a run stopped before its
+    first checkpoint sets its metrics aside, so that the rerun of the same command starts over."""
+    from hybridflow.controller import worker_group
+    from hybridflow.trainer.signals import STOP_GRACE_S, set_aside_metrics
+
+    trainer.stops._handle(signal.SIGTERM, None)
+    trainer.stops.at -= STOP_GRACE_S
+    with trainer._failures_named():
+        assert worker_group._give_up() is not None  # a step's waits give up
+        with trainer._failures_named(give_up=False):  # the checkpoint's (save_checkpoint)
+            assert worker_group._give_up() is None
+    out = tmp_path / "run"
+    assert set_aside_metrics(str(out)) is None  # nothing logged yet
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert set_aside_metrics(str(out)) == "metrics.preempted.jsonl"
+    assert not (out / "metrics.jsonl").exists() and (out / "metrics.preempted.jsonl").read_text() == '{"step": 0}\n'
+
+
 def test_sigusr1_lets_the_step_and_its_checkpoint_finish():
     """SIGUSR1 comes with the lead time the user chose (Slurm's --signal): the step is not cut short."""
     from hybridflow.trainer.signals import STOP_GRACE_S, StopRequests
