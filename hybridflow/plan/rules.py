@@ -121,7 +121,8 @@ def check_rollout_correction(rc, loss_mode: str, temperature: float) -> None:
 
 def check_schedule(cfg, on_gpu: bool) -> None:
     """schedule.mode's needs: separate_async a rollout pool of its own and verl's rule between data.batch_size,
-    parameter_sync_step and ppo_mini_batch_size; colocate_async is not built yet."""
+    parameter_sync_step and ppo_mini_batch_size; colocate_async carries single-turn responses only, one batch
+    of complete groups per step (no multi-turn agent, no DAPO filtering)."""
     sc, res = cfg.schedule, cfg.resources
     if sc.mode != "separate_async":
         if res.rollout_n_workers:
@@ -142,6 +143,3 @@ def check_schedule(cfg, on_gpu: bool) -> None:
     if backend == "nccl" and not on_gpu:
         raise ValueError("rollout.checkpoint_engine.backend 'nccl' needs GPU workers (resources.gpus_per_worker > 0); "
                          "'naive' picks gloo on CPU")
-    if cfg.reward_model.enable or cfg.algorithm.filter_groups.enable or cfg.rollout.multi_turn.enable:
-        raise ValueError("schedule.mode 'separate_async' does not yet take reward_model.enable, "
-                         "algorithm.filter_groups.enable or rollout.multi_turn.enable")

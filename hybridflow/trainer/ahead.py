@@ -43,20 +43,24 @@ def version_lags(token_versions: torch.Tensor, trainer_version: int) -> torch.Te
     return torch.where(sampled.any(-1), trainer_version - oldest, torch.zeros_like(oldest))
 
 
-def carried_metrics(batch: Batch, step: int) -> dict:
-    """A batch with carried responses (partial rollouts): lag behind the trainer (version step - 1), the fraction of partial responses (sampled
-    under more than one policy version) and the samples restarted for staleness."""
+def lag_metrics(batch: Batch, version: int, threshold: int | None, step) -> dict:
+    """The trained batch's lag behind the trainer's policy ``version`` (mean, max; past the staleness
+    ``threshold`` a defect that ends the run) and, with carried responses (partial rollouts), the fraction of
+    responses sampled under more than one version and the samples restarted for staleness."""
     versions = batch.tensors["token_policy_versions"]
-    lags = version_lags(versions, step - 1)
-    sampled = versions >= 0
-    newest = torch.where(sampled, versions, -1).amax(-1)
-    oldest = torch.where(sampled, versions, torch.iinfo(versions.dtype).max).amin(-1)
-    partial = (sampled.any(-1) & (newest > oldest)).float().mean().item()
-    return {"async/version_lag_mean": lags.float().mean().item(), "async/version_lag_max": float(lags.max()),
-            "async/partial_fraction": partial, "async/dropped_stale_samples": float(batch.tensors["stale_restarts"].sum())}
+    lags = version_lags(versions, version)
+    check_lag(lags, threshold, step)
+    out = {"async/version_lag_mean": lags.float().mean().item(), "async/version_lag_max": float(lags.max())}
+    if "stale_restarts" in batch.tensors:
+        sampled = versions >= 0
+        newest = torch.where(sampled, versions, -1).amax(-1)
+        oldest = torch.where(sampled, versions, torch.iinfo(versions.dtype).max).amin(-1)
+        out["async/partial_fraction"] = (sampled.any(-1) & (newest > oldest)).float().mean().item()
+        out["async/dropped_stale_samples"] = float(batch.tensors["stale_restarts"].sum())
+    return out
 
 
-def check_lag(lags: torch.Tensor, threshold: int | None, step: int) -> None:
+def check_lag(lags: torch.Tensor, threshold: int | None, step) -> None:
     if threshold is not None and len(lags) and int(lags.max()) >= threshold:
         raise RuntimeError(f"step {step}: a sample lags {int(lags.max())} policy versions behind the trainer, "
                            f"beyond schedule.max_off_policy_threshold ({threshold})")
@@ -65,18 +69,18 @@ def check_lag(lags: torch.Tensor, threshold: int | None, step: int) -> None:
 class AheadRollouts:
     """Prompt batches in flight on the rollout pool, oldest first; ``take`` returns the batch of this step."""
 
-    def __init__(self, rollout, depth: int, threshold: int | None, prepare: Callable[[Batch, int], Batch],
+    def __init__(self, rollout, depth: int, prepare: Callable[[Batch, int], Batch],
                  recover: Callable[[WorkerGroupError], object]):
         """``prepare(prompts, step)``: the rows to generate for a step's prompts (group ids, seeds, rollout.n);
         ``recover(error)``: rebuild the rollout pool after one of its worker processes died, give it the current
         weights and ``reissue`` what is in flight."""
-        self.rollout, self.depth, self.threshold, self.prepare, self.recover = rollout, depth, threshold, prepare, recover
-        self.in_flight: deque = deque()  # (step, rows, future)
+        self.rollout, self.depth, self.prepare, self.recover = rollout, depth, prepare, recover
+        self.in_flight: deque = deque()  # (label, rows, future)
         self._last_busy = self._last_wall = None
 
-    def submit(self, prompts: Batch, step: int) -> None:
-        rows = self.prepare(prompts, step)
-        self.in_flight.append((step, rows, self.rollout.submit("generate", rows)))
+    def submit(self, prompts: Batch, label) -> None:
+        rows = self.prepare(prompts, label)
+        self.in_flight.append((label, rows, self.rollout.submit("generate", rows)))
 
     def _wait_first(self) -> Batch:
         """The oldest in-flight batch; when a rollout worker died, ``recover`` rebuilds the pool (which re-issues
@@ -95,26 +99,21 @@ class AheadRollouts:
         self.rollout = rollout
         self.in_flight = deque((s, rows, rollout.submit("generate", rows)) for s, rows, _ in self.in_flight)
 
-    def take(self, prompts: Batch, step: int, more_prompts: Iterator[Batch]) -> tuple[Batch, dict]:
-        """Submit ``prompts`` (for ``step`` + depth; at the first call for ``step``, with the next ``depth`` batches
-        of ``more_prompts`` behind it) and return ``step``'s generated batch with its lag metrics."""
+    def take(self, prompts: Batch, label, more_prompts: Iterator[Batch]) -> tuple[Batch, dict]:
+        """Submit ``prompts`` behind the batches in flight (at the first call, with the next ``depth`` batches of
+        ``more_prompts`` behind them) and return the oldest generated batch, with the seconds waited for it and
+        the pool's idle fraction (the trained batch's lag: ``lag_metrics``). ``label``: the generation's name in
+        group ids (the step, or DAPO's "step.gen"); a batch submitted ``i`` generations ahead is named ``label + i``."""
         if not self.in_flight:
-            self.submit(prompts, step)
+            self.submit(prompts, label)
             for ahead in range(1, self.depth + 1):
-                self.submit(next(more_prompts), step + ahead)
+                self.submit(next(more_prompts), _ahead(label, ahead))
         else:
-            self.submit(prompts, step + self.depth)
-        assert self.in_flight[0][0] == step, f"in-flight batch of step {self.in_flight[0][0]} taken at step {step}"
+            self.submit(prompts, _ahead(label, self.depth))
         start = time.perf_counter()
         batch = self._wait_first()
         self.in_flight.popleft()
-        metrics = {"async/wait_rollout_s": time.perf_counter() - start}
-        lags = version_lags(batch.tensors["token_policy_versions"], step - 1)
-        check_lag(lags, self.threshold, step)
-        if "stale_restarts" in batch.tensors:  # partial rollouts: also the share of responses spanning updates
-            metrics.update(carried_metrics(batch, step))
-        metrics.update({"async/version_lag_mean": lags.float().mean().item(), "async/version_lag_max": float(lags.max()),
-                        "async/in_flight_batches": float(len(self.in_flight))})
+        metrics = {"async/wait_rollout_s": time.perf_counter() - start, "async/in_flight_batches": float(len(self.in_flight))}
         metrics.update(self._idle(batch.meta.pop("rollout/busy_s", None)))
         return batch, metrics
 
@@ -137,6 +136,11 @@ class AheadRollouts:
         n = len(self.in_flight)
         self.in_flight.clear()
         return n
+
+
+def _ahead(label, i: int):
+    """The name of the generation ``i`` ahead of ``label``: the step ``label + i``, or ``"label+i"``."""
+    return label + i if isinstance(label, int) else f"{label}+{i}"
 
 
 def push_weights(actor, rollout, version: int) -> dict:

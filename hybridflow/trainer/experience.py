@@ -167,3 +167,20 @@ def as_group_ids(n_prompts: int, n: int, step: int) -> np.ndarray:
     """Group ids for rollout.n samples per prompt (rows repeated consecutively)."""
     return np.array([f"{step}-{i}" for i in range(n_prompts) for _ in range(n)], dtype=object)
 
+
+
+def group_prompts(batch: Batch) -> tuple[Batch, torch.Tensor]:
+    """Each group's prompt (its first row's prompt columns, the left-padded ``prompts`` width, and the row's
+    other columns) and, per row, the index of its group among them: a generated batch's own prompts, which
+    are not the step's when the batch was generated ahead or carried over."""
+    first: dict = {}  # uid -> (group index, its first row)
+    for row, uid in enumerate(batch.non_tensors["uid"]):
+        first.setdefault(uid, (len(first), row))
+    groups = torch.tensor([first[uid][0] for uid in batch.non_tensors["uid"]])
+    heads = batch[np.array([row for _, row in first.values()])]
+    width = heads.tensors["prompts"].shape[1]
+    t = heads.tensors
+    prompts = Batch.from_dict(tensors={"input_ids": t["prompts"], "attention_mask": t["attention_mask"][:, :width],
+                                       "position_ids": t["position_ids"][:, :width]},
+                              non_tensors=dict(heads.non_tensors))
+    return prompts, groups

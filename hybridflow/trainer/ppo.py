@@ -16,11 +16,11 @@ from hybridflow.rewards import SourceRouter, on_last_token
 from hybridflow.rewards.custom import adapt_to_scorer, load_custom_reward_function
 from hybridflow.rewards.overlong import overlong_penalty
 from hybridflow.controller import WorkerGroupError
-from hybridflow.trainer.ahead import MAX_RECOVERIES, AheadRollouts, carried_metrics, look_ahead, push_weights
+from hybridflow.trainer.ahead import MAX_RECOVERIES, AheadRollouts, lag_metrics, look_ahead, push_weights
 from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.dynamic_sampling import fill_batch
-from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, as_group_ids, response_lengths,
-                                          rollout_metrics, sample_seeds, score_responses)
+from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, as_group_ids, group_prompts,
+                                          response_lengths, rollout_metrics, sample_seeds, score_responses)
 from hybridflow.trainer.metrics import Timer
 from hybridflow.trainer.placement import WorkerGroups
 from hybridflow.util import mean_by_key
@@ -53,11 +53,12 @@ class PPODriver:
         self.actor_rollout, self.critic, self.reward_model = workers.actor_rollout, workers.critic, workers.reward_model
         # what generates: the hybrid engine (sync), or the standalone rollout pool fed by the checkpoint engine
         self.workers, self.generator, self.rollout_pool = workers, workers.generator, workers.rollout
+        self.partial_on_pool = plan.rollout_spec is not None and plan.rollout_spec.partial_rollout
         self.version = 0  # the policy version the rollout engines hold: the actor after this many updates
         self._warmed_up = False  # colocate_async: its warm-up batches are in flight
         sc = cfg.schedule
         self.ahead = (AheadRollouts(self.rollout_pool, look_ahead(sc.num_warmup_batches, sc.max_off_policy_threshold),
-                                    sc.max_off_policy_threshold, self.prepare_ahead, self.rebuild_rollout_pool)
+                                    self.prepare_ahead, self.rebuild_rollout_pool)
                       if self.rollout_pool is not None else None)
         self.train_data, self.val_data = train_data, val_data
         self.train_scorer = training_scorer(cfg)  # training reward and validation accuracy
@@ -108,30 +109,37 @@ class PPODriver:
         cfg, metrics = self.cfg, {}
 
         def generate(prompts: Batch, gen: int) -> Batch:
+            label = step if gen == 0 else f"{step}.{gen}"  # the generation's name in group ids and seeds
             with t("gen"):
                 if self.ahead is not None:  # separate_async: generated ahead on the rollout pool
-                    batch, lag = self.ahead.take(prompts, step, self._prompt_stream(more_prompts))
-                    metrics.update(lag)
+                    batch, waited = self.ahead.take(prompts, label, self._prompt_stream(more_prompts))
+                    waited["async/wait_rollout_s"] += metrics.get("async/wait_rollout_s", 0.0)  # all of a step's
+                    metrics.update(waited)
                 elif cfg.schedule.mode == "colocate_async":  # partial rollouts carried from step to step
                     batch = self.actor_rollout.generate(self.carried_rows(prompts, step, more_prompts))
-                    metrics.update(carried_metrics(batch, step))
                 else:
-                    batch = self.actor_rollout.generate(self.prepare(prompts, step if gen == 0 else f"{step}.{gen}"))
+                    batch = self.actor_rollout.generate(self.prepare(prompts, label))
             metrics.update(batch.meta.pop("memory", {}))
             if cfg.rollout.multi_turn.enable:
                 metrics.update(agent_metrics(batch.tensors, batch.non_tensors))
-            with t("reward"):
+            with t("reward"):  # ReMax's greedy baseline from the rows as generated (their prompts' columns only)
+                baseline = self.greedy_baseline(batch) if self.needs.greedy_baseline else None
                 batch = self.reward(batch)
-                if self.needs.greedy_baseline:
-                    batch = batch.union(self.greedy_baseline(prompts))
+                if baseline is not None:
+                    batch = batch.union(baseline)
             return batch
 
         fg = cfg.algorithm.filter_groups
         if not fg.enable:
-            return generate(prompts, 0), metrics
-        batch, sampling = fill_batch(prompts, self._prompt_stream(more_prompts), generate, n=cfg.rollout.n, batch_size=cfg.data.batch_size,
-                                     metric=fg.metric, max_num_gen_batches=fg.max_num_gen_batches)
-        return batch, {**metrics, **sampling}
+            batch = generate(prompts, 0)
+        else:
+            batch, sampling = fill_batch(prompts, self._prompt_stream(more_prompts), generate, n=cfg.rollout.n,
+                                         batch_size=cfg.data.batch_size, metric=fg.metric,
+                                         max_num_gen_batches=fg.max_num_gen_batches)
+            metrics.update(sampling)
+        if cfg.schedule.mode != "sync":  # the trained rows' policy versions (dynamic sampling: from several batches)
+            metrics.update(lag_metrics(batch, self.version, cfg.schedule.max_off_policy_threshold, step))
+        return batch, metrics
 
     def carried_rows(self, prompts: Batch, step: int, more_prompts: Iterator[Batch] | None) -> Batch:
         """colocate_async: this step's new rows (at the first step, with num_warmup_batches more batches in flight)
@@ -164,7 +172,7 @@ class PPODriver:
     def prepare_ahead(self, prompts: Batch, step) -> Batch:
         """separate_async's rows; with partial rollouts, how many complete groups each rollout replica returns."""
         rows = self.prepare(prompts, step)
-        if not self.cfg.schedule.partial_rollout:
+        if not self.partial_on_pool:
             return rows
         replicas = self.rollout_pool.dispatch_infos("rollout")[0]["dp_size"]
         return rows.replace(meta={"groups_to_finish": self.cfg.data.batch_size // replicas})
@@ -261,12 +269,14 @@ class PPODriver:
             tensors["overlong_reward"] = penalty
         return batch.replace(tensors=tensors)
 
-    def greedy_baseline(self, prompts: Batch) -> Batch:
-        """ReMax: the reward of a greedy response per prompt, repeated for its n samples."""
+    def greedy_baseline(self, batch: Batch) -> Batch:
+        """ReMax: the reward of a greedy response to each group's prompt, for each of its rows (the batch's own
+        prompts: generated ahead or carried, they are not the step's)."""
+        prompts, groups = group_prompts(batch)
         greedy = self.generator.generate(prompts.replace(meta={"temperature": 0.0}))
         greedy.meta.pop("memory", None)
         base = self.reward(greedy).tensors["token_level_scores"].sum(-1)
-        return Batch.from_dict(tensors={"reward_baselines": base.repeat_interleave(self.cfg.rollout.n)})
+        return Batch.from_dict(tensors={"reward_baselines": base[groups]})
 
     def validate(self, n_samples: int = 0) -> tuple[dict, list[dict]]:
         """Accuracy on the held-out prompts, each answered rollout.val_kwargs.n times with its sampling

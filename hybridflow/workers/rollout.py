@@ -19,7 +19,8 @@ from hybridflow.resharding.plan import Layout
 from hybridflow.resharding.separate import SeparatePlan
 from hybridflow.resharding.transition import TransitionStats
 from hybridflow.workers.carry import CarriedGeneration
-from hybridflow.workers.generation import build_vllm_rollout, generate_batch, load_generation_shard, sampling_settings
+from hybridflow.workers.generation import (build_agent_loop, build_vllm_rollout, generate_batch, load_generation_shard,
+                                           sampling_settings)
 
 NO_WEIGHTS = -1  # the policy version of an engine that has received none (its dummy weights)
 
@@ -39,6 +40,9 @@ class RolloutWorker(Worker):
         # the ranks of one vLLM TP group sample identically: seeded per replica
         self.rollout = build_vllm_rollout(p.model_path, spec, seed=p.seed + self.rank // self.plan.t_g,
                                           generation_groups=self.plan.replicas)
+        # multi-turn trajectories (tools) run against this engine; they finish under the weights they started with
+        self.agent = (build_agent_loop(r.multi_turn, spec.max_response_length, spec.chat_template_kwargs, self.tokenizer)
+                      if r.multi_turn.enable else None)
         self.carried = (CarriedGeneration(spec.max_response_length, spec.carry_threshold) if spec.partial_rollout
                         else None)
         self.feed: checkpoint_engine.FeedGroup | None = None
@@ -71,11 +75,11 @@ class RolloutWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE_3D, mesh="rollout")
     def generate(self, prompts: Batch) -> Batch:
-        """One response per row under the engine's current weights (workers/generation.py), each sampled token
-        stamped with their policy version (``token_policy_versions``, -1 on padding); with partial rollouts, a
-        sampled batch with ``meta["groups_to_finish"]`` returns that many complete groups, carrying the rest
-        (workers/carry.py). ``meta`` carries the seconds this rank has spent generating (``rollout/busy_s``) for the
-        driver's idle accounting."""
+        """One response (or multi-turn trajectory) per row under the engine's current weights
+        (workers/generation.py), each sampled token stamped with its policy version (``token_policy_versions``, -1
+        elsewhere: padding, tool messages); with partial rollouts, a sampled batch with ``meta["groups_to_finish"]``
+        returns that many complete groups, carrying the rest (workers/carry.py). ``meta`` carries the seconds this
+        rank has spent generating (``rollout/busy_s``) for the driver's idle accounting."""
         start = time.perf_counter()
         sampling = sampling_settings(self.spec, prompts.meta)
         if self.carried is not None and "groups_to_finish" in prompts.meta and sampling.temperature > 0:
@@ -84,7 +88,7 @@ class RolloutWorker(Worker):
                                         self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
             self.rollout.sleep()
         else:
-            out = generate_batch(self.rollout, None, prompts, self.spec, self.tokenizer)
+            out = generate_batch(self.rollout, self.agent, prompts, self.spec, self.tokenizer)
             mask = out.tensors["response_mask"].bool()
             versions = torch.full(mask.shape, -1, dtype=torch.int64)
             versions[mask] = self.version
@@ -97,5 +101,7 @@ class RolloutWorker(Worker):
     def close(self) -> None:
         """Release the engine's shared resources before the process is killed."""
         self.feed = None
+        if self.agent is not None:
+            self.agent.close()
         self.rollout.close()
 

@@ -32,12 +32,15 @@ def assets(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def moe_model(assets, tmp_path_factory):
-    """A tiny Qwen3-MoE (configs/quickstart_moe_cpu.yaml) on the session's task data, briefly warm-started: the
-    tests that use it check mechanics, the closing notes the learning."""
+    """A tiny Qwen3-MoE (configs/quickstart_moe_cpu.yaml, but top-3: expert width 3 x 128 / (2 x 3) = 64) on the
+    session's task data, briefly warm-started: the tests that use it check mechanics, the closing notes the
+    learning. vLLM-CPU pads an expert's per-rank width to a multiple of 32 (cpu_moe.py's alignment) and its
+    in-place reload cannot take a padded one: 64 stays unpadded at vLLM TP 1 and 2."""
     out = tmp_path_factory.mktemp("moe")
     cfg = load_experiment(["configs/quickstart_moe_cpu.yaml"], [
         f"prepare.data_dir={assets}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
-        "prepare.vocab_multiple=128", *SMALL, "prepare.sft_steps=20", "prepare.sft_target_accuracy=null"])
+        "prepare.vocab_multiple=128", *SMALL, "prepare.sft_steps=20", "prepare.sft_target_accuracy=null",
+        "prepare.moe_top_k=3"])
     from hybridflow.trainer.prepare import prepare_quickstart
 
     prepare_quickstart(cfg)

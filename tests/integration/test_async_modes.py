@@ -13,6 +13,7 @@ warm-up, and the carried warm-up batch is trained one version late.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -91,17 +92,17 @@ def test_each_push_gives_vllm_the_trainers_weights(layout, assets, tmp_path, ray
     run_steps(cfg, 2, check)
 
 
-def test_moe_experts_reach_the_rollout_pool(assets, moe_model, tmp_path, ray_cluster):
-    """A tiny Qwen3-MoE trained with expert parallelism 2 feeds a rollout pool of one vLLM engine: the experts are
-    exchanged inside the training pool (each actor rank holds half of them), the rollout rank receives every
-    expert (bytes == formula, experts included), and the pool's greedy output equals HF's at the trainer's
-    weights. Rollout TP 1: vLLM-CPU pads a FusedMoE's per-rank expert width to a multiple of 32
-    (CPU_MOE_ALIGNMENT), which its in-place reload cannot take for this model's 96 / 2; the TP slicing of experts
-    is the same code as the dense layouts above and the hybrid engine's MoE tests."""
+@pytest.mark.parametrize("rollout_tp", [1, 2])
+def test_moe_experts_reach_the_rollout_pool(rollout_tp, assets, moe_model, tmp_path, ray_cluster):
+    """A tiny Qwen3-MoE trained with expert parallelism 2 feeds a rollout pool of one vLLM engine over TP 1 or 2:
+    the experts are exchanged inside the training pool (each actor rank holds half of them), each rollout rank
+    receives its slice of every expert (bytes == formula, experts included), and the pool's greedy output equals
+    HF's at the trainer's weights."""
     from transformers import AutoConfig
 
     cfg = make_cfg(assets, tmp_path, f"model.path={moe_model}", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
-                   *GRPO, *SEPARATE, "resources.cpus_per_worker=0.5", config="configs/quickstart_moe_cpu.yaml")
+                   *GRPO, *SEPARATE, "resources.cpus_per_worker=0.5", f"rollout.tensor_model_parallel_size={rollout_tp}",
+                   f"resources.rollout_n_workers={rollout_tp}", config="configs/quickstart_moe_cpu.yaml")
     assert cfg.actor.megatron.expert_model_parallel_size == 2 and cfg.resources.n_workers == 2
     hf_cfg = AutoConfig.from_pretrained(cfg.model.path)
 
@@ -111,10 +112,55 @@ def test_moe_experts_reach_the_rollout_pool(assets, moe_model, tmp_path, ray_clu
         greedy = trainer.generator.generate(with_meta(probe, temperature=0.0))
         assert _vllm_tokens(greedy) == _hf_greedy(cfg, state, probe, cfg.data.max_response_length), \
             f"step {step}: the rollout pool's greedy != HF greedy at the trainer's weights"
-        measured, formula = _shard_formula(state, hf_cfg, 1, 4)
+        measured, formula = _shard_formula(state, hf_cfg, rollout_tp, 4)
         assert metrics["weight_sync/bytes_received_per_rank"] == measured == formula, (metrics, measured, formula)
 
     run_steps(cfg, 1, check)
+
+
+def test_dynamic_sampling_and_greedy_baseline_on_the_rollout_pool(assets, tmp_path, ray_cluster):
+    """DAPO's dynamic sampling and ReMax's greedy baseline with one batch of look-ahead: every further generation
+    batch of a step is taken from the pool like the first (the pool keeps one in flight), and the greedy
+    responses answer the prompts of the batch generated ahead."""
+    cfg = make_cfg(assets, tmp_path, *GRPO, *SEPARATE, "schedule.num_warmup_batches=1", "algorithm.adv_estimator=remax",
+                   "rollout.n=2", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
+                   "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
+                   "algorithm.filter_groups.max_num_gen_batches=0")
+
+    def check(trainer, step, metrics):
+        assert metrics["train/num_gen_batches"] >= 1 and metrics["async/in_flight_batches"] == 1, metrics
+        # step 2's rows: from batches generated before the first push (lag 1) or, for further generation
+        # batches submitted in step 2, after it (lag 0)
+        assert metrics["async/version_lag_max"] == 0 if step == 1 else metrics["async/version_lag_max"] <= 1, metrics
+        assert math.isfinite(metrics["actor/pg_loss"]), metrics
+
+    run_steps(cfg, 2, check)
+
+
+def test_checkpoint_drops_the_batches_in_flight_and_resume_regenerates_them(assets, tmp_path, ray_cluster):
+    """A checkpoint at step 2 with one batch generated ahead records the data position before that batch (it is
+    not kept) and the policy version; the resumed run generates it again under the checkpoint's weights (lag 0
+    where the uninterrupted run trained it one version late) and reaches the same data position."""
+    from hybridflow import Trainer
+    from hybridflow.trainer import checkpoint
+
+    run = ["trainer.total_steps=3", "trainer.save_every=2", "trainer.val_every=0", "trainer.max_checkpoints=null",
+           *GRPO, *SEPARATE, "schedule.num_warmup_batches=1"]
+    straight_cfg = make_cfg(assets, tmp_path / "straight", *run)
+    with Trainer(straight_cfg) as trainer:
+        straight = {r["step"]: r for r in trainer.fit() if r["step"] > 0}
+    saved = Path(straight_cfg.trainer.output_dir) / "checkpoints"
+    assert checkpoint.read_state(saved / "step_2")[checkpoint.DATA_BATCHES] == 2  # 3 drawn, 1 in flight
+    assert straight[3]["async/version_lag_max"] == 1
+    resumed_cfg = make_cfg(assets, tmp_path / "resumed", *run, "trainer.resume_mode=resume_path",
+                           f"trainer.resume_from_path={saved}/step_2")
+    with Trainer(resumed_cfg) as trainer:
+        resumed = {r["step"]: r for r in trainer.fit() if r["step"] > 0}
+    assert list(resumed) == [3] and resumed[3]["async/version_lag_max"] == 0, resumed
+    assert resumed[3]["weight_sync/version"] == straight[3]["weight_sync/version"] == 3
+    final = Path(resumed_cfg.trainer.output_dir) / "checkpoints" / "step_3"
+    assert checkpoint.read_state(final)[checkpoint.DATA_BATCHES] == checkpoint.read_state(saved / "step_3")[
+        checkpoint.DATA_BATCHES] == 3
 
 
 def test_colocate_async_trains_on_carried_samples(assets, tmp_path, ray_cluster):

@@ -1,5 +1,5 @@
-"""2 steps with the reward-model worker (PPO: actor, critic and reward model share each bundle) and with a user's
-custom reward function (GRPO: the scores are grouped)."""
+"""2 steps with the reward-model worker (PPO: actor, critic and reward model share each bundle; also with a
+separate rollout pool generating ahead) and with a user's custom reward function (GRPO: the scores are grouped)."""
 
 from __future__ import annotations
 
@@ -42,9 +42,14 @@ def custom_reward_file(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("algo", ["ppo"])
-def test_reward_model_worker(algo, assets, reward_model_dir, tmp_path, ray_cluster):
-    cfg = make_cfg(assets, tmp_path, *ALGOS[algo], "reward_model.enable=true", f"reward_model.path={reward_model_dir}")
+SEPARATE = ["schedule.mode=separate_async", "resources.rollout_n_workers=1", "resources.cpus_per_worker=0.5",
+            "schedule.parameter_sync_step=1"]
+
+
+@pytest.mark.parametrize("algo,mode", [("ppo", []), ("ppo", SEPARATE)], ids=["sync", "separate_async"])
+def test_reward_model_worker(algo, mode, assets, reward_model_dir, tmp_path, ray_cluster):
+    cfg = make_cfg(assets, tmp_path, *ALGOS[algo], "reward_model.enable=true", f"reward_model.path={reward_model_dir}",
+                   *mode)
     history = run_steps(cfg, 2)
     for m in history:
         assert math.isfinite(m["reward/score_mean"]) and math.isfinite(m["actor/pg_loss"])

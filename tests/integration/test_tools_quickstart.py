@@ -1,5 +1,6 @@
 """The tools overlay (configs/quickstart_tools_cpu.yaml) end to end: a short warm start on tool-use
-demonstrations, then 2 GRPO steps through Ray, megatron-core and vLLM with multi-turn rollouts. Every step:
+demonstrations, then 2 GRPO steps through Ray, megatron-core and vLLM with multi-turn rollouts (and 1 with the agent
+loop on a standalone rollout pool, schedule.mode separate_async). Every step:
 finite metrics, trajectories of more than one turn, the trainer's log-probs of the sampled tokens equal to vLLM's
 (the tokens the trainer sees are the ones vLLM sampled, in place, between the tool messages), and after the
 weight sync vLLM's greedy multi-turn trajectories equal transformers' on the same prompts, token for token."""
@@ -38,20 +39,37 @@ def _hf_trajectories(cfg, state: dict, prompts) -> list[tuple[list[int], list[in
     return out
 
 
-def test_tools_overlay_trains_multi_turn(tmp_path, ray_cluster):
+@pytest.fixture(scope="module")
+def tools_model(tmp_path_factory):
+    """The tools overlay's data and a short warm start: enough to call the calculator (the closing note has the
+    learning)."""
     from hybridflow.plan import load_experiment
     from hybridflow.trainer.prepare import prepare_quickstart
+
+    out = tmp_path_factory.mktemp("tools")
+    base = [f"prepare.data_dir={out}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
+            "prepare.num_layers=2", "prepare.n_train=2000", "prepare.n_val=16"]
+    prepare_quickstart(load_experiment(["configs/quickstart_tools_cpu.yaml"],
+                                       [*base, "prepare.sft_steps=80", "prepare.tool_trace_fraction=1.0"]))
+    return out, base
+
+
+SEPARATE = ["schedule.mode=separate_async", "resources.rollout_n_workers=1", "resources.cpus_per_worker=1",
+            "schedule.parameter_sync_step=1"]
+
+
+@pytest.mark.parametrize("mode,steps", [([], 2), (SEPARATE, 1)], ids=["sync", "separate_async"])
+def test_tools_overlay_trains_multi_turn(mode, steps, tools_model, ray_cluster):
+    """separate_async: the agent loop runs on the standalone rollout pool, its greedy trajectories checked
+    after the push."""
+    from hybridflow.plan import load_experiment
     from tests.integration.conftest import run_steps
 
-    base = [f"prepare.data_dir={tmp_path}/data", f"prepare.base_model_dir={tmp_path}/base",
-            f"model.path={tmp_path}/sft", "prepare.num_layers=2", "prepare.n_train=2000", "prepare.n_val=16"]
-    prep = load_experiment(["configs/quickstart_tools_cpu.yaml"],
-                       [*base, "prepare.sft_steps=80", "prepare.tool_trace_fraction=1.0"])
-    prepare_quickstart(prep)  # a short warm start: enough to call the calculator; the closing note has the learning
+    out, base = tools_model
     cfg = load_experiment(["configs/quickstart_tools_cpu.yaml"], [
-        *base, f"data.train_files=[{tmp_path}/data/train.parquet]", f"data.val_files=[{tmp_path}/data/val.parquet]",
-        f"trainer.output_dir={tmp_path}/run", "prepare.enable=false", "data.batch_size=8",
-        "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=4", "ray.num_cpus=2"])
+        *base, f"data.train_files=[{out}/data/train.parquet]", f"data.val_files=[{out}/data/val.parquet]",
+        f"trainer.output_dir={out}/run{len(mode)}", "prepare.enable=false", "data.batch_size=8",
+        "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=4", "ray.num_cpus=2", *mode])
     assert cfg.rollout.multi_turn.enable
 
     def check(trainer, step, metrics):
@@ -59,10 +77,9 @@ def test_tools_overlay_trains_multi_turn(tmp_path, ray_cluster):
         assert metrics["agent/multi_turn_fraction"] > 0 and metrics["agent/tool_calls"] > 0, metrics
         # the trainer's forward over the trajectory scores vLLM's sampled tokens as vLLM did
         assert metrics["training/rollout_probs_diff_max"] < 1e-3, metrics["training/rollout_probs_diff_max"]
-        actor = trainer.actor_rollout
         probe = trainer.val_data.batch(list(range(8)))
-        greedy = actor.generate(with_meta(probe, temperature=0.0))
-        state = actor.export_hf_state_dict()[0]
+        greedy = trainer.generator.generate(with_meta(probe, temperature=0.0))
+        state = trainer.actor_rollout.export_hf_state_dict()[0]
         t = greedy.tensors
         vllm = [(r[a.bool()].tolist(), m[a.bool()].tolist()) for r, m, a in
                 zip(t["responses"], t["response_mask"], t["attention_mask"][:, -t["responses"].shape[1]:])]
@@ -70,5 +87,5 @@ def test_tools_overlay_trains_multi_turn(tmp_path, ray_cluster):
         assert vllm == hf, f"step {step}: vLLM's greedy multi-turn trajectories != transformers'"
         assert any(0 in mask for _, mask in vllm), "no greedy trajectory called a tool"
 
-    history = run_steps(cfg, 2, check)
-    assert len(history) == 2
+    history = run_steps(cfg, steps, check)
+    assert len(history) == steps

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +15,7 @@ from hybridflow.plan import load_experiment, resolve
 from hybridflow.resharding.plan import Layout
 from hybridflow.resharding.separate import SeparatePlan
 from hybridflow.trainer.ahead import check_lag, look_ahead, version_lags
-from hybridflow.trainer.experience import sample_seeds
+from hybridflow.trainer.experience import group_prompts, sample_seeds
 
 
 def _feeds(plan):
@@ -69,6 +70,24 @@ def test_version_lag_is_the_oldest_sampled_token_behind_the_trainer():
     check_lag(version_lags(versions, 3), 2, step=4)
     with pytest.raises(RuntimeError, match="step 4: a sample lags 1 policy versions .*max_off_policy_threshold \\(1\\)"):
         check_lag(version_lags(versions, 3), 1, step=4)
+
+
+def test_a_generated_batch_gives_its_own_prompts_to_the_greedy_baseline():
+    """ReMax's greedy responses answer the prompts of the batch generated (ahead, or carried: interleaved groups),
+    not the step's prompts; each row gets its group's."""
+    from hybridflow.protocol import Batch
+
+    prompts = torch.tensor([[0, 5, 6], [7, 8, 9], [0, 5, 6], [0, 0, 4], [7, 8, 9], [0, 0, 4]])
+    attention = torch.cat([(prompts > 0).long(), torch.ones(6, 2, dtype=torch.long)], dim=1)
+    batch = Batch.from_dict(tensors={"prompts": prompts, "attention_mask": attention,
+                                     "position_ids": (attention.cumsum(-1) - 1).clamp(min=0)},
+                            non_tensors={"uid": np.array(["2-0", "1-3", "2-0", "2-1", "1-3", "2-1"], dtype=object),
+                                         "answer": np.array(["56", "789", "56", "4", "789", "4"], dtype=object)})
+    heads, groups = group_prompts(batch)
+    assert heads.tensors["input_ids"].tolist() == [[0, 5, 6], [7, 8, 9], [0, 0, 4]]
+    assert heads.tensors["attention_mask"].tolist() == [[0, 1, 1], [1, 1, 1], [0, 0, 1]]
+    assert heads.tensors["position_ids"].tolist() == [[0, 0, 1], [0, 1, 2], [0, 0, 0]]
+    assert list(heads.non_tensors["answer"]) == ["56", "789", "4"] and groups.tolist() == [0, 1, 0, 2, 1, 2]
 
 
 def test_sample_seeds_depend_on_the_group_and_index_only():
