@@ -61,19 +61,11 @@ def _shard_formula(hf: dict, cfg, t_g: int, itemsize: int) -> tuple[int, int]:
     return measured, split // t_g + replicated
 
 
-LAYOUTS = {  # rollout TP above the actor's (each shard a slice of the source's), and below it (the actor gathers)
-    "actor_tp1_rollout_tp2": ["rollout.tensor_model_parallel_size=2", "resources.rollout_n_workers=2"],
-    "actor_tp2_rollout_tp1": ["actor.megatron.tensor_model_parallel_size=2", "resources.n_workers=2",
-                              "resources.rollout_n_workers=1"],
-}
-
-
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_each_push_gives_vllm_the_trainers_weights(layout, assets, tmp_path, ray_cluster):
+def _check_push(cfg):
+    """After a step's push: the rollout pool's greedy output equals HF greedy at the trainer's weights, and each
+    rollout rank received exactly its vLLM shard (fp32: 4 bytes an element)."""
     from transformers import AutoConfig
 
-    cfg = make_cfg(assets, tmp_path, *GRPO, *SEPARATE, "resources.cpus_per_worker=0.5", "schedule.num_warmup_batches=1",
-                   *LAYOUTS[layout])
     hf_cfg = AutoConfig.from_pretrained(cfg.model.path)
 
     def check(trainer, step, metrics):
@@ -84,6 +76,25 @@ def test_each_push_gives_vllm_the_trainers_weights(layout, assets, tmp_path, ray
             f"step {step}: the rollout pool's greedy != HF greedy at the trainer's weights"
         measured, formula = _shard_formula(state, hf_cfg, cfg.rollout.tensor_model_parallel_size, 4)
         assert metrics["weight_sync/bytes_received_per_rank"] == measured == formula, (metrics, measured, formula)
+
+    return check
+
+
+LAYOUTS = {  # rollout TP above the actor's (each shard a slice of the source's), and below it (the actor gathers)
+    "actor_tp1_rollout_tp2": ["rollout.tensor_model_parallel_size=2", "resources.rollout_n_workers=2"],
+    "actor_tp2_rollout_tp1": ["actor.megatron.tensor_model_parallel_size=2", "resources.n_workers=2",
+                              "resources.rollout_n_workers=1"],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_each_push_gives_vllm_the_trainers_weights(layout, assets, tmp_path, ray_cluster):
+    cfg = make_cfg(assets, tmp_path, *GRPO, *SEPARATE, "resources.cpus_per_worker=0.5", "schedule.num_warmup_batches=1",
+                   *LAYOUTS[layout])
+    pushed = _check_push(cfg)
+
+    def check(trainer, step, metrics):
+        pushed(trainer, step, metrics)
         assert metrics["async/version_lag_max"] == (0 if step == 1 else 1), metrics
         # partial rollouts (the default): the pool returned its quota of complete groups, carrying the rest
         assert 0 <= metrics["async/partial_fraction"] <= 1 and metrics["async/dropped_stale_samples"] == 0, metrics
@@ -98,24 +109,11 @@ def test_moe_experts_reach_the_rollout_pool(rollout_tp, assets, moe_model, tmp_p
     the experts are exchanged inside the training pool (each actor rank holds half of them), each rollout rank
     receives its slice of every expert (bytes == formula, experts included), and the pool's greedy output equals
     HF's at the trainer's weights."""
-    from transformers import AutoConfig
-
     cfg = make_cfg(assets, tmp_path, f"model.path={moe_model}", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
                    *GRPO, *SEPARATE, "resources.cpus_per_worker=0.5", f"rollout.tensor_model_parallel_size={rollout_tp}",
                    f"resources.rollout_n_workers={rollout_tp}", config="configs/quickstart_moe_cpu.yaml")
     assert cfg.actor.megatron.expert_model_parallel_size == 2 and cfg.resources.n_workers == 2
-    hf_cfg = AutoConfig.from_pretrained(cfg.model.path)
-
-    def check(trainer, step, metrics):
-        state = trainer.actor_rollout.export_hf_state_dict()[0]
-        probe = trainer.val_data.batch(list(range(8)))
-        greedy = trainer.generator.generate(with_meta(probe, temperature=0.0))
-        assert _vllm_tokens(greedy) == _hf_greedy(cfg, state, probe, cfg.data.max_response_length), \
-            f"step {step}: the rollout pool's greedy != HF greedy at the trainer's weights"
-        measured, formula = _shard_formula(state, hf_cfg, rollout_tp, 4)
-        assert metrics["weight_sync/bytes_received_per_rank"] == measured == formula, (metrics, measured, formula)
-
-    run_steps(cfg, 1, check)
+    run_steps(cfg, 1, _check_push(cfg))
 
 
 def test_dynamic_sampling_and_greedy_baseline_on_the_rollout_pool(assets, tmp_path, ray_cluster):
