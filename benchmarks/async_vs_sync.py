@@ -35,7 +35,8 @@ SEPARATE = {"schedule": {"mode": "separate_async", "num_warmup_batches": 1, "par
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# sync vs separate_async (GRPO, 16 prompts x 4, {report['steps']} steps, 2 cores)", "",
+    lines = [f"# sync vs colocate_async vs separate_async vs TRL (GRPO, 16 prompts x 4, {report['steps']} steps, "
+             "2 cores)", "",
              "| workload | mode | s/step | gen tok/s | vs sync | vs TRL | val acc before -> after |", "|---|---|---|---|---|---|---|"]
     for name, entry in report["workloads"].items():
         for mode, s in entry["modes"].items():
@@ -45,6 +46,12 @@ def markdown(report: dict) -> str:
             vs_trl = f"{s['ratio_vs_trl']:.2f}x" if "ratio_vs_trl" in s else "-"
             lines.append(f"| {name} | {mode} | {s['s_per_step']:.3f} | {s['gen_tok_s']:.0f} | {s['ratio_vs_sync']:.2f}x | "
                          f"{vs_trl} | {s['val_acc_before']:.3f} -> {s['val_acc_after']:.3f} |")
+    lines += ["", "Seconds per step by stage (mean after warm-up; separate_async's `gen` is the wait for the pool):", ""]
+    for name, entry in report["workloads"].items():
+        for mode, s in entry["modes"].items():
+            if "stages_s" in s:
+                stages = ", ".join(f"{k} {v:.3f}" for k, v in sorted(s["stages_s"].items()) if v >= 0.001)
+                lines.append(f"- {name} {mode}: {stages}")
     return "\n".join(lines) + "\n"
 
 
@@ -78,7 +85,11 @@ def main(argv=None) -> int:
             modes = {}
             for mode, run in runs.items():
                 print(f"[{name}] {mode}: {a.steps} steps", flush=True)
-                modes[mode] = summarize(run(), a.warmup)
+                raw = run()
+                modes[mode] = summarize(raw, a.warmup)
+                if "stages_s" in raw:  # where a step's time goes (trainer stages; gen: waiting for the rollout)
+                    modes[mode]["stages_s"] = {k.removeprefix("time/").removesuffix("_s"): round(v, 4)
+                                               for k, v in raw["stages_s"].items()}
                 print(f"[{name}] {mode}: {modes[mode]['gen_tok_s']:.0f} gen tok/s, acc {modes[mode]['val_acc_before']:.3f}"
                       f" -> {modes[mode]['val_acc_after']:.3f}", flush=True)
             for s in modes.values():

@@ -168,6 +168,8 @@ class Trainer:
                     metrics.update(self.validate())
             metrics.update(self.timer.pop())
             metrics["perf/tokens_per_s"] = n_tokens / metrics["time/step_s"]
+            if "async/wait_rollout_s" in metrics:  # separate_async: the trainer waiting for the rollout pool
+                metrics["async/trainer_idle_fraction"] = min(1.0, metrics["async/wait_rollout_s"] / metrics["time/step_s"])
             metrics["train/nonfinite_skipped"] = float(skipped)
             if first_in_process:
                 metrics["time/to_first_step_s"] = self._to_first_step_s

@@ -150,6 +150,8 @@ def test_checkpoint_drops_the_batches_in_flight_and_resume_regenerates_them(asse
     saved = Path(straight_cfg.trainer.output_dir) / "checkpoints"
     assert checkpoint.read_state(saved / "step_2")[checkpoint.DATA_BATCHES] == 2  # 3 drawn, 1 in flight
     assert straight[3]["async/version_lag_max"] == 1
+    assert all(0 <= straight[k]["async/trainer_idle_fraction"] <= 1 for k in (1, 2, 3))  # the session's metric
+    assert 0 <= straight[3]["async/rollout_idle_fraction"] <= 1
     resumed_cfg = make_cfg(assets, tmp_path / "resumed", *run, "trainer.resume_mode=resume_path",
                            f"trainer.resume_from_path={saved}/step_2")
     with Trainer(resumed_cfg) as trainer:
