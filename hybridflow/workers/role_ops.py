@@ -90,9 +90,25 @@ def _micro_batches(role: MegatronRole, batch: Batch, micro: int | TokenBudget,
     if isinstance(micro, TokenBudget):
         # GPU with TE: packed-sequence attention (causal per row, no shared prompts); else an explicit mask
         thd = device.has_gpu() and te_available()
-        return row_layout.token_micro_batches(batch, micro, extra_keys, seq_multiple,
-                                              share_prompts=role.shares_prompts and not thd, thd=thd)
+        share = role.shares_prompts and not thd
+        count = agreed_count(row_layout.micro_batch_count(batch, micro, share))
+        return row_layout.token_micro_batches(batch, micro, extra_keys, seq_multiple, share_prompts=share, thd=thd,
+                                              count=count)
     return row_layout.micro_batches(batch, micro, extra_keys, seq_multiple, share_prompts=role.shares_prompts), None
+
+
+def agreed_count(own: int) -> int:
+    """The micro-batch count of every data-parallel rank: the largest rank's (verl 0.9.1's
+    ``same_micro_num_in_dp``). Pipeline stages run the same schedule, and under expert parallelism each
+    micro-batch's token all-to-all needs every rank of the group: ranks running different counts would wait
+    for each other for ever."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_world_size() == 1:
+        return own
+    count = device.to_device(torch.tensor([own], dtype=torch.int64))  # NCCL: a device tensor
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+    return int(count.item())
 
 
 def _gathered(outs: list[dict], key: str, order: torch.Tensor | None):
@@ -176,8 +192,9 @@ def _train(role, batch, *, name, mini_batch_size, micro, epochs, keys, loss_fn, 
     gradients over data-parallel ranks; both are undone here, so the gradient is exactly that of the
     mini-batch loss however the mini-batch is split into micro-batches and ranks. Losses in the metrics
     are scaled the same way: their mean over micro-batches and ranks is the mini-batch loss. With a token
-    budget (``micro``) the number of micro-batches varies between mini-batches and data-parallel ranks:
-    each rank's own count is undone, and megatron's DDP reduces gradients once, after all of them.
+    budget (``micro``) the number of micro-batches varies between mini-batches, and the data-parallel ranks
+    agree on one (``agreed_count``): that count is undone, and megatron's DDP reduces gradients once, after
+    all of them.
 
     ``perf/<name>_update/*``: the tokens of this rank's rows (attention mask) and the tokens its forwards
     computed (padding included, a shared prompt once), over the whole update."""

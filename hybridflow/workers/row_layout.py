@@ -59,8 +59,16 @@ def micro_batches(batch: Batch, size: int, extra_keys=(), seq_multiple: int = 1,
     return out
 
 
+def micro_batch_count(batch: Batch, budget: TokenBudget, share_prompts: bool = False) -> int:
+    """How many micro-batches ``token_micro_batches`` forms for ``batch`` on its own (the fewest that fit)."""
+    P, _ = prompt_and_response_width(batch)
+    units = _units(batch, P, budget.max_tokens, share_prompts)
+    return len(token_partitions([cost for _, _, cost in units], budget.max_tokens))
+
+
 def token_micro_batches(batch: Batch, budget: TokenBudget, extra_keys=(), seq_multiple: int = 1,
-                        share_prompts: bool = False, thd: bool = False) -> tuple[list[dict], torch.Tensor]:
+                        share_prompts: bool = False, thd: bool = False, count: int | None = None
+                        ) -> tuple[list[dict], torch.Tensor]:
     """Micro-batches of at most ``budget.max_tokens`` tokens each, every one a single packed row [1, S]: its
     rows' tokens end to end, no padding computed (but the < ``seq_multiple`` tokens sequence parallel needs
     at the end). Returns the micro-batches and ``order`` [b]: the batch row of each output
@@ -73,7 +81,11 @@ def token_micro_batches(batch: Batch, budget: TokenBudget, extra_keys=(), seq_mu
     ``rearrange_micro_batches``; it balances an attention-weighted workload and orders micro-batches for
     pipeline bubbles, we balance tokens and keep the rows' order). Micro-batch counts may differ between
     data-parallel ranks: each micro-batch's loss is normalized by the whole mini-batch
-    (role_ops._train), and megatron reduces gradients once per step, after all micro-batches.
+    (role_ops._train), and megatron reduces gradients once per step, after all micro-batches. ``count``: the
+    number the data-parallel ranks agreed on (role_ops: the largest rank's ``micro_batch_count``; with expert
+    parallelism every micro-batch's all-to-all needs all of its ranks), at least this rank's own: its rows are
+    spread over that many, a GRPO group's rows apart where they must be. The ranks hold equal numbers of rows
+    (dispatch splits evenly), so the count never exceeds a rank's rows.
 
     Attention stays within a row (a unit's responses see its prompt): with ``thd`` (GPU, TE) through
     ``cu_seqlens`` [units + 1 (+ 1 for the trailing pad)] for megatron's ``PackedSeqParams``, which restarts
@@ -94,7 +106,12 @@ def token_micro_batches(batch: Batch, budget: TokenBudget, extra_keys=(), seq_mu
         raise ValueError(f"{budget.key} ({budget.max_tokens}) is less than the longest row ({longest} tokens, "
                          f"row {row}): it must hold at least one prompt + response")
     units = _units(batch, P, budget.max_tokens, share_prompts)
-    parts = token_partitions([cost for _, _, cost in units], budget.max_tokens)
+    if count is not None and count > len(units):  # more micro-batches than units: one row each
+        if count > len(batch):
+            raise ValueError(f"{count} micro-batches agreed for {len(batch)} rows: the data-parallel ranks hold "
+                             "different numbers of rows")
+        units = [(r, r + 1, int(lengths[r])) for r in range(len(batch))]
+    parts = token_partitions([cost for _, _, cost in units], budget.max_tokens, count or 1)
     selected = batch.select(tensor_keys=[*MODEL_INPUTS, *extra_keys])
     out, order = [], []
     for part in parts:
@@ -138,12 +155,13 @@ def _units(batch: Batch, P: int, max_tokens: int, share_prompts: bool) -> list[t
     return units + [(first, len(batch), cost)]
 
 
-def token_partitions(costs: list[int], max_tokens: int) -> list[list[int]]:
-    """The fewest groups of ``costs``' indices, balanced by Karmarkar-Karp, whose sums are each at most
-    ``max_tokens`` (every cost must fit); indices ascending in each group, groups ordered by their first."""
+def token_partitions(costs: list[int], max_tokens: int, min_groups: int = 1) -> list[list[int]]:
+    """The fewest groups (at least ``min_groups``, at most one per item) of ``costs``' indices, balanced by
+    Karmarkar-Karp, whose sums are each at most ``max_tokens`` (every cost must fit); indices ascending in each
+    group, groups ordered by their first."""
     if max(costs) > max_tokens:
         raise ValueError(f"an item of {max(costs)} tokens exceeds the budget of {max_tokens}")
-    k = min(len(costs), max(1, math.ceil(sum(costs) / max_tokens)))
+    k = min(len(costs), max(1, min_groups, math.ceil(sum(costs) / max_tokens)))
     while True:  # the ceiling is a lower bound: items are indivisible
         parts = [p for p in balanced_partitions(costs, k) if p]
         if all(sum(costs[i] for i in p) <= max_tokens for p in parts):

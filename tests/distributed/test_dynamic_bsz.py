@@ -1,8 +1,10 @@
 """Dynamic batch size on real megatron ranks: micro-batches formed by a token budget, each one packed row
 (block-diagonal mask and explicit positions on CPU, with or without a GRPO group's prompt shared), give the
 log-probs, entropy, values, losses and gradients of the fixed micro-batch run, at DP 1/2 x TP 1/2 (sequence
-parallel) and PP 2, with data-parallel ranks running different numbers of micro-batches. And the entropy
-bonus: its gradient through the whole model equals Hugging Face's in float64.
+parallel) and PP 2, with data-parallel ranks whose rows alone need different numbers of micro-batches
+running the largest (agreed by an all-reduce, as verl's same_micro_num_in_dp): so does a Qwen3-MoE at expert
+parallelism 2, whose token all-to-all needs both ranks in every micro-batch. And the entropy bonus: its
+gradient through the whole model equals Hugging Face's in float64.
 
 All cases of one world size (layouts and entropy checks) run in one spawned world, one after another
 (tests/distributed/batched.py), each torn down by test_layouts.one_case."""
@@ -88,11 +90,58 @@ def _rank_fn(rank, world, hf_dir, tp, pp):
         am = role_ops.update_policy(policy, batch, actor_cfg, dp)
         cm = role_ops.update_value(critic, batch, critic_cfg, dp)
         n_mbs = len(role_ops._micro_batches(policy, shard, budget)[0])
+        own = row_layout.micro_batch_count(shard, budget, shared) if dynamic else n_mbs
         out[mode] = dict(
-            lp=lp, values=values, n_mbs=n_mbs, metrics={**am, **cm},
+            lp=lp, values=values, n_mbs=n_mbs, own=own, metrics={**am, **cm},
             actor_grads={n: p.main_grad.detach().clone() for n, p in policy.module.named_parameters()},
             critic_grads={n: p.main_grad.detach().clone() for n, p in critic.module.named_parameters()})
     return out
+
+
+def _moe_rank_fn(rank, world, moe_dir):
+    """EP 2 (= DP 2): rank 0 holds the 8 longest rows, needing more micro-batches than rank 1's 8 shortest;
+    fixed micro-batches of 1 row are the reference."""
+    from megatron.core import parallel_state as ps
+
+    from hybridflow.config.schema import Actor
+    from hybridflow.megatron import parallel
+    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.protocol import Batch
+    from hybridflow.workers import role_ops, row_layout
+    from hybridflow.workers.common import load_hf_folder
+
+    parallel.init_model_parallel(1, 1, seed=1, ep=2, etp=1)
+    cfg, state = load_hf_folder(moe_dir)
+    full, dp_rank = grouped_batch(), ps.get_data_parallel_rank()
+    lengths = full.tensors["attention_mask"].sum(1)
+    by_length = torch.argsort(lengths, descending=True, stable=True)
+    shard = full[(by_length[:8] if dp_rank == 0 else by_length[8:]).sort().values.numpy()]
+    old = -1.0 - 0.3 * shard.tensors["advantages"].sign()
+    batch = Batch(tensors={**shard.tensors, "old_log_probs": old * shard.tensors["response_mask"]})
+    out = {"dp_rank": dp_rank}
+    for mode in ("fixed", "dynamic"):
+        dynamic = mode == "dynamic"
+        budget = row_layout.TokenBudget(BUDGET, "test") if dynamic else 1
+        policy = MegatronRole(cfg, state, optim=OptimSettings(lr=1e-2, eps=1e-3, clip_grad=1e9))
+        policy.shares_prompts = True  # GRPO groups as units, cut into rows where the count needs it
+        lp = role_ops.log_probs(policy, shard, budget)["log_probs"]
+        actor = Actor(ppo_mini_batch_size=len(shard), ppo_epochs=1, use_dynamic_bsz=dynamic,
+                      ppo_max_token_len_per_gpu=BUDGET, ppo_micro_batch_size_per_gpu=1)
+        metrics = role_ops.update_policy(policy, batch, actor, 1)  # one mini-batch: the shard
+        out[mode] = dict(lp=lp, loss=metrics["actor/pg_loss"], n_mbs=len(role_ops._micro_batches(policy, shard, budget)[0]),
+                         own=row_layout.micro_batch_count(shard, budget, True) if dynamic else len(shard),
+                         grads={n: p.main_grad.detach().clone() for n, p in policy.module.named_parameters()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_arch import build_tiny
+
+    root = tmp_path_factory.mktemp("dynbsz_moe")
+    build_tiny(root, build_char_tokenizer(root), "qwen3_moe", seed=12)
+    return str(root)
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +160,9 @@ ENTROPY_TP = [1, 2]
 
 
 @pytest.fixture(scope="module")
-def case_results(hf_dir):
+def case_results(hf_dir, moe_dir):
     cases = {i: (t * p * d, (_rank_fn, hf_dir, t, p)) for i, (t, p, d) in zip(IDS, LAYOUTS)}
+    cases["moe_ep2"] = (2, (_moe_rank_fn, moe_dir))
     cases.update({f"entropy_tp{tp}": (tp, (_entropy_rank_fn, hf_dir, tp)) for tp in ENTROPY_TP})
     return batched_worlds(one_case, cases)
 
@@ -120,7 +170,7 @@ def case_results(hf_dir):
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=IDS)
 def test_dynamic_bsz_equals_fixed_micro_batches(case_results, tp, pp, dp):
     results = case_results(IDS[LAYOUTS.index((tp, pp, dp))])
-    counts = {}
+    counts, own = {}, {}
     for r in results:
         fixed = r["fixed"]
         for mode in ("dynamic", "dynamic_shared"):
@@ -136,16 +186,34 @@ def test_dynamic_bsz_equals_fixed_micro_batches(case_results, tp, pp, dp):
             assert_close(got["actor_grads"], fixed["actor_grads"], what=f"{where}: actor gradient")
             assert_close(got["critic_grads"], fixed["critic_grads"], what=f"{where}: critic gradient")
             counts.setdefault(mode, set()).add(got["n_mbs"])
+            own.setdefault(mode, set()).add(got["own"])
             m = got["metrics"]
             assert m["perf/actor_update/computed_tokens"] <= m["perf/actor_update/real_tokens"] + 2 * got["n_mbs"]
             if mode == "dynamic_shared":  # a group's prompt computed once
                 assert m["perf/actor_update/computed_tokens"] < m["perf/actor_update/real_tokens"]
         assert fixed["metrics"]["perf/actor_update/computed_tokens"] > fixed["metrics"]["perf/actor_update/real_tokens"]
     assert max(max(c) for c in counts.values()) > 1  # the budget did split the rows
-    if dp > 1:  # data-parallel ranks ran different numbers of micro-batches
-        assert any(len(c) > 1 for c in counts.values())
+    for mode, c in counts.items():  # every rank ran the count of the rank that needed the most
+        assert c == {max(own[mode])}, (mode, c, own[mode])
+    if dp > 1:  # data-parallel ranks alone would have run different numbers of micro-batches
+        assert any(len(c) > 1 for c in own.values())
     g = results[0]["fixed"]["actor_grads"]
     assert max(v.abs().max().item() for v in g.values()) > 1e-4  # a real gradient was compared
+
+
+def test_expert_parallel_ranks_agree_on_the_micro_batch_count(case_results):
+    """Without the agreed count the ranks' all-to-alls go out of step and the world hangs (until the test's
+    timeout); with it every rank runs the largest count and the results equal the fixed micro-batch run's."""
+    results = case_results("moe_ep2")
+    own = {r["dp_rank"]: r["dynamic"]["own"] for r in results}
+    assert own[0] > own[1], own  # the ranks alone would run different counts
+    for r in results:
+        got, ref, where = r["dynamic"], r["fixed"], f"dp_rank {r['dp_rank']}"
+        assert got["n_mbs"] == max(own.values()), (where, got["n_mbs"], own)
+        assert_close(got["lp"], ref["lp"], what=f"{where}: log-probs")
+        assert_close(got["loss"], ref["loss"], what=f"{where}: pg_loss")
+        assert_close(got["grads"], ref["grads"], what=f"{where}: gradient")
+    assert max(v.abs().max().item() for v in results[0]["fixed"]["grads"].values()) > 1e-4
 
 
 def _entropy_rank_fn(rank, world, hf_dir, tp):

@@ -118,6 +118,22 @@ def test_token_micro_batches_keep_budgets_and_restore_order(shared, budget):
         assert row_layout.computed_tokens(mbs) - (real - sum(PROMPTS) if shared else real) in (0, 1)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("count", [1, 3, 7, 12])
+def test_an_agreed_count_of_micro_batches_is_met_exactly(shared, count):
+    """The data-parallel ranks' agreed count (the largest rank's own, role_ops.agreed_count): a rank that alone
+    needs fewer spreads its rows over that many, cutting GRPO groups into rows where it must; the budgets and
+    the rows' order hold; more micro-batches than rows is a one-line error."""
+    batch = rollout(PROMPTS, RESPONSES, group=2)
+    budget = TokenBudget(500, "actor.ppo_max_token_len_per_gpu")
+    assert row_layout.micro_batch_count(batch, budget, shared) == 1
+    mbs, order = row_layout.token_micro_batches(batch, budget, extra_keys=["row"], share_prompts=shared, count=count)
+    assert len(mbs) == count
+    _check_layout(batch, mbs, order, 500, shared)
+    with pytest.raises(ValueError, match="13 micro-batches agreed for 12 rows"):
+        row_layout.token_micro_batches(batch, budget, share_prompts=shared, count=13)
+
+
 def test_packed_mask_is_block_diagonal_causal_with_shared_prompts():
     batch = rollout([2, 3], [2, 1, 0, 2], group=2)
     (mb,), _ = row_layout.token_micro_batches(batch, TokenBudget(100, "k"), share_prompts=True)
