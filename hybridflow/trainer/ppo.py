@@ -174,8 +174,7 @@ class PPODriver:
         rows = self.prepare(prompts, step)
         if not self.partial_on_pool:
             return rows
-        replicas = self.rollout_pool.dispatch_infos("rollout")[0]["dp_size"]
-        return rows.replace(meta={"groups_to_finish": self.cfg.data.batch_size // replicas})
+        return rows.replace(meta={"groups_to_finish": self.cfg.data.batch_size // self._dp_size()})
 
     def push_weights(self, version: int) -> dict:
         """The actor's weights (policy ``version``: after that many updates) into the rollout engines: the hybrid
