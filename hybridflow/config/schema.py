@@ -17,6 +17,15 @@ MAX_LR = 1.0
 
 
 @dataclass
+class RouterReplay:
+    """MoE routing replay (verl 0.9.1's megatron.router_replay; megatron/routing.py): ``R3`` trains with the
+    experts vLLM routed each sampled token to (rollout.enable_rollout_routing_replay returns them), ``R2`` with
+    those the old-log-prob forward chose; the routers' gates still give the probabilities (and gradients)."""
+
+    mode: Literal["disabled", "R2", "R3"] = "disabled"
+
+
+@dataclass
 class Megatron:
     """A megatron-core role's layout, precision and memory phases (verl's actor.megatron.* names)."""
 
@@ -41,6 +50,7 @@ class Megatron:
     # recompute_granularity: full | selective, recompute_method: uniform | block, recompute_num_layers,
     # recompute_modules; a name TransformerConfig lacks is an error before start.
     override_transformer_config: dict = field(default_factory=dict)
+    router_replay: RouterReplay = field(default_factory=RouterReplay)  # the actor's (and its reference's)
 
     def validate(self):
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
@@ -239,6 +249,8 @@ class Rollout:
     # Further vllm.LLM(...) arguments as given (verl's engine_kwargs.vllm); ones this suite sets itself
     # (model, tensor_parallel_size, dtype, ...) are refused before start.
     engine_kwargs: dict = field(default_factory=dict)
+    # MoE: vLLM returns the experts it routed each token to, for actor.megatron.router_replay.mode R3
+    enable_rollout_routing_replay: bool = False
     multi_turn: MultiTurn = field(default_factory=MultiTurn)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)  # validation sampling (default greedy)
     checkpoint_engine: CheckpointEngine = field(default_factory=CheckpointEngine)

@@ -117,6 +117,8 @@ RENAMED = {
     _R + "checkpoint_engine.backend": "rollout.checkpoint_engine.backend",
     _R + "checkpoint_engine.update_weights_bucket_megabytes": "rollout.checkpoint_engine.update_weights_bucket_megabytes",
     "reward_model.micro_batch_size_per_gpu": "reward_model.micro_batch_size",
+    _A + "megatron.router_replay.mode": "actor.megatron.router_replay.mode",  # MoE routing replay (R2, R3)
+    _R + "enable_rollout_routing_replay": "rollout.enable_rollout_routing_replay",
     # DAPO's overlong shaping: verl 0.9.1's DAPO reward manager reads reward.reward_kwargs.overlong_buffer_cfg
     # (reward_model.reward_kwargs is moved there by verl's migrate_legacy_reward_impl); the DAPO recipe's older
     # scripts set reward_model.overlong_buffer
@@ -147,11 +149,12 @@ MUST_AGREE = {
     _R + "name": "rollout.name",
     **{f"{_REF}megatron.{k}": f"actor.megatron.{k}"  # the reference shares the actor's layout
        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
-                 "expert_model_parallel_size", "expert_tensor_parallel_size")},
+                 "expert_model_parallel_size", "expert_tensor_parallel_size", "router_replay.mode")},
     "trainer.max_critic_ckpt_to_keep": "trainer.max_checkpoints",  # one retention for the whole checkpoint
     _REF + "log_prob_use_dynamic_bsz": "actor.log_prob_use_dynamic_bsz",  # one setting for actor and ref forwards
     _REF + "log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
     "trainer.critic_warmup": 0,  # no critic warm-up steps here
+    "critic.megatron.router_replay.mode": "disabled",  # the critic's routers route by themselves here
     "reward.reward_kwargs.max_resp_len": "data.max_response_length",  # the overlong buffer ends at the longest response
     "reward_model.reward_kwargs.max_resp_len": "data.max_response_length",
     "trainer.device": "cuda",

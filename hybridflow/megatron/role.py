@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from hybridflow import device
 from hybridflow.families import weights
-from hybridflow.megatron import convert, lr_schedule, parallel
+from hybridflow.megatron import convert, lr_schedule, parallel, routing
+from hybridflow.megatron.routing import ModelRouting
 from hybridflow.megatron.model import build_gpt, moe_layer_pattern_of, transformer_config_from_hf
 from hybridflow.megatron.offload import Offloader, optimizer_tensors
 from hybridflow.patches import megatron_core
@@ -82,7 +83,9 @@ class MegatronRole:
     def __init__(self, hf_config, hf_state_dict: Mapping | None, *, value_head: bool = False,
                  optim: OptimSettings | None = None, dtype: torch.dtype = torch.float32,
                  sequence_parallel: bool = False, offload: OffloadSettings = OffloadSettings(),
-                 transformer_overrides: dict | None = None):
+                 transformer_overrides: dict | None = None, routing_replay: bool = False):
+        """``routing_replay``: the MoE routers can record and replay their top-k (megatron/routing.py): a
+        micro-batch with ``routed_experts`` replays them."""
         from megatron.core import parallel_state as ps
 
         self.hf_config = hf_config
@@ -92,7 +95,8 @@ class MegatronRole:
         self.tf_config = transformer_config_from_hf(  # overrides: megatron.override_transformer_config
             hf_config, tp=self.shard.tp_size, pp=self.shard.pp_size, ep=self.shard.ep_size,
             etp=self.shard.expert_tp[1], sequence_parallel=sequence_parallel,
-            params_dtype=dtype, overrides=transformer_overrides)
+            params_dtype=dtype, overrides={**(transformer_overrides or {}),
+                                           **({"moe_enable_routing_replay": True} if routing_replay else {})})
         model = build_gpt(hf_config, self.tf_config, value_head=value_head, device=self.device,
                           pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
         if hf_state_dict is not None:  # None: weights come from a checkpoint (megatron.checkpoint.load_role)
@@ -109,6 +113,8 @@ class MegatronRole:
             "optimizer": Offloader(lambda: optimizer_tensors(self.optimizer) if self.optimizer else [], exclude=params),
         }
         self.offload_settings = offload
+        self.routing = ModelRouting(self.module, self.tf_config.sequence_parallel) if routing_replay else None
+        self._recording = False
         # Rows of one GRPO group may share one packed prompt (workers/row_layout.shared_prompt_rows) where attention
         # honours an arbitrary mask: megatron's local spec with its torch softmax (masked_softmax_fusion off)
         # on CPU, one pipeline stage. On GPU the attention kernels apply the causal mask only
@@ -200,6 +206,7 @@ class MegatronRole:
 
         def forward_step(data_iter, model):
             mb = device.to_device(next(data_iter))
+            self._route(mb)
             packed = mb.get("packed_mask")  # shared-prompt or token-budget rows on CPU (row_layout)
             with megatron_core.rope_at_positions(self.module, mb["position_ids"]) if packed is not None else contextlib.nullcontext():
                 out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=packed,
@@ -212,15 +219,52 @@ class MegatronRole:
                 num_microbatches=len(micro_batches), seq_length=micro_batches[0]["input_ids"].shape[1],
                 micro_batch_size=micro_batches[0]["input_ids"].shape[0], forward_only=forward_only)
 
-    def forward(self, micro_batches: list[dict], output_fn: Callable) -> list[dict]:
-        """Forward only; ``output_fn(mb, model_output) -> dict of tensors`` per micro-batch, on host."""
+    def forward(self, micro_batches: list[dict], output_fn: Callable, record_routes: bool = False) -> list[dict]:
+        """Forward only; ``output_fn(mb, model_output) -> dict of tensors`` per micro-batch, on host. With routing
+        replay the outputs also hold, per input row, ``routed_experts`` [n, T, L, k] (what the routers chose)
+        when ``record_routes``, and where the micro-batch replays routes ``routing_differing`` / ``routing_counted``
+        [n]: token-layers of the last stage whose own top-k differed from the replayed one / were replayed."""
         def loss_fn(mb, output):
             with torch.no_grad():
-                return torch.zeros((), device=output.device), device.to_host(output_fn(mb, output))
+                return torch.zeros((), device=output.device), device.to_host({**output_fn(mb, output),
+                                                                             **self.routing_outputs(mb)})
 
         self.model.eval()
-        with torch.no_grad(), self.resident():
-            return self._run_schedule(micro_batches, loss_fn, forward_only=True)
+        self._recording = record_routes and self.routing is not None
+        try:
+            with torch.no_grad(), self.resident():
+                return self._run_schedule(micro_batches, loss_fn, forward_only=True)
+        finally:
+            self._recording = False
+            if self.routing is not None:
+                self.routing.clear()
+
+    def _route(self, mb: dict) -> None:
+        """Set the routers up for this micro-batch's forward: replay its ``routed_experts``, record, or neither."""
+        if self.routing is None:
+            return
+        if "routed_experts" in mb:
+            self.routing.replay(routing.to_layout(mb["routed_experts"], mb["token_position"], *mb["input_ids"].shape))
+        elif self._recording:
+            self.routing.record()
+        else:
+            self.routing.clear()
+
+    def routing_outputs(self, mb: dict) -> dict:
+        """Per input row of the micro-batch just forwarded: the routes replayed, how many differed from the
+        routers' own choice, or the routes recorded (``forward``); every TP rank of the last stage calls it."""
+        if self.routing is None:
+            return {}
+        rows, pos = mb["input_ids"].shape[0], mb["token_position"]
+        if "routed_experts" in mb:
+            cells = routing.routed_cells(mb["routed_experts"], pos)
+            differ = routing.from_layout(self.routing.differing(rows), pos, 0)
+            return {"routing_differing": (differ * cells).sum(1).double(),
+                    "routing_counted": cells.sum(1).double() * len(self.routing.layers)}
+        if self._recording:
+            routes = self.routing.recorded(rows, self.tf_config.num_layers)
+            return {"routed_experts": routing.from_layout(routes, pos, routing.NO_ROUTE)}
+        return {}
 
     def train(self, steps: Iterable[tuple[list[dict], Callable]]) -> list[dict]:
         """One optimizer step per (micro-batches, ``loss_fn(mb, output) -> (loss, metrics)``) of ``steps``,

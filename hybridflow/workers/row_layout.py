@@ -47,6 +47,8 @@ def micro_batches(batch: Batch, size: int, extra_keys=(), seq_multiple: int = 1,
 
     The length is padded to ``seq_multiple`` (sequence parallel splits it across TP ranks). Outputs are
     read per response token: ``sample_row`` [N] is the packed row of each of the N input rows,
+    ``token_position`` [N, T] the flat place (packed row x length + position) of each token of each input row
+    (-1 for padding; a shared prompt's tokens are one place for all of its rows),
     ``response_index`` [N, R] the positions whose outputs predict its response tokens, ``response_labels``
     [N, R] those tokens and ``response_valid`` [N, R] where they exist. Built on the host; the engine moves
     each micro-batch to the device right before its forward.
@@ -214,6 +216,8 @@ def _rotated_rows(mb: Batch, P: int, R: int, seq_multiple: int) -> dict:
         t = mb.tensors[k].gather(1, rotate)[:, :length]
         d[k] = torch.nn.functional.pad(t, (0, length - t.shape[1])) if length > s else t
     d["sample_row"] = torch.arange(len(mb))
+    place = torch.arange(len(mb))[:, None] * length + (torch.arange(s)[None] - lead[:, None]) % s
+    d["token_position"] = torch.where(mask.bool(), place, -1)
     d["response_index"] = ((P - 1 - lead)[:, None] + torch.arange(R)[None]).clamp(max=length - 1)
     d["response_labels"] = mb.tensors["input_ids"][:, P:]
     d["response_valid"] = mask[:, P:]
@@ -242,8 +246,8 @@ def _packed_rows(mb: Batch, P: int, layout: list[list[tuple[int, int]]], seq_mul
     True = masked), at the positions of the unpacked row (``position_ids``). With ``cu_seqlens`` (one
     packed row, single-row units) the units' boundaries are returned instead of the mask."""
     ids, mask = mb.tensors["input_ids"], mb.tensors["attention_mask"].bool()
-    index = torch.zeros(len(mb), mask.shape[1] - P, dtype=torch.long)
-    sample_row = torch.zeros(len(mb), dtype=torch.long)
+    index, sample_row = torch.zeros(len(mb), mask.shape[1] - P, dtype=torch.long), torch.zeros(len(mb), dtype=torch.long)
+    place = torch.full(mask.shape, -1, dtype=torch.long)  # each cell's place in its packed row (until flattened)
     rows, units, segments, positions, bounds = [], [], [], [], [0]
     for r, row_units in enumerate(layout):
         tokens, unit, seg, pos, at = [], [], [], [], 0
@@ -262,6 +266,8 @@ def _packed_rows(mb: Batch, P: int, layout: list[list[tuple[int, int]]], seq_mul
                 # the prompt's last token predicts the first response token; each response token the next
                 index[i, 0] = base + len(prompt) - 1
                 index[i, 1:len(resp)] = at + torch.arange(max(len(resp) - 1, 0))
+                place[i, mask[i] & (torch.arange(mask.shape[1]) < P)] = base + torch.arange(len(prompt))
+                place[i, P:][mask[i, P:]] = at + torch.arange(len(resp))
                 sample_row[i] = r
                 at += len(resp)
             unit.append(torch.full((at - base,), u))
@@ -275,6 +281,7 @@ def _packed_rows(mb: Batch, P: int, layout: list[list[tuple[int, int]]], seq_mul
     pad = lambda ts, v: torch.stack([torch.nn.functional.pad(t, (0, length - len(t)), value=v)  # noqa: E731
                                      for t in ts])
     d = {"input_ids": pad(rows, 0), "position_ids": pad(positions, 0), "sample_row": sample_row,
+         "token_position": torch.where(place >= 0, sample_row[:, None] * length + place, -1),
          "response_index": index, "response_labels": ids[:, P:], "response_valid": mask[:, P:].long()}
     if cu_seqlens:
         assert len(layout) == 1 and all(end - first == 1 for first, end in layout[0])

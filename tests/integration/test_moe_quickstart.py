@@ -1,6 +1,6 @@
 """The MoE quickstart overlay (configs/quickstart_moe_cpu.yaml): a tiny Qwen3-MoE with expert parallelism 2 in
 the actor, 3 GRPO steps through Ray, megatron-core and vLLM with finite metrics and the routers'
-load-balancing loss logged every step. The actor's parameters are offloaded between uses (param_offload): the
+load-balancing loss logged every step, and vLLM's routes replayed (R3). The actor's parameters are offloaded between uses (param_offload): the
 resharder is built while the experts have no storage, from their shapes alone."""
 
 from __future__ import annotations
@@ -18,9 +18,35 @@ def test_moe_overlay_trains_with_expert_parallelism(assets, moe_model, tmp_path,
     cfg = make_cfg(assets, tmp_path, f"model.path={moe_model}", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
                    "actor.megatron.param_offload=true", config="configs/quickstart_moe_cpu.yaml")
     assert cfg.actor.megatron.expert_model_parallel_size == 2 and cfg.resources.n_workers == 2
+    assert cfg.actor.megatron.router_replay.mode == "R3"
     history = run_steps(cfg, 3)
     assert len(history) == 3
     for metrics in history:
         assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+        # on-policy (no old-log-prob forward): the update replays vLLM's routes and counts the differing ones
+        assert 0 <= metrics["actor/routing_replay/differing_fraction"] <= 0.02, metrics
         balance = [v for k, v in metrics.items() if k.endswith("moe/load_balancing_loss")]
         assert balance and all(v > 0 for v in balance), sorted(metrics)
+
+
+@pytest.mark.parametrize("mode", ["R3", "R2"])
+def test_routing_replay_trains_with_the_rollouts_or_the_old_log_probs_routes(assets, moe_model, tmp_path, ray_cluster,
+                                                                           mode):
+    """R3: vLLM returns each token's experts (on CPU through patches/vllm_engine.py RouteCapture) and the trainer's
+    forwards replay them: its routers would have chosen the same experts for nearly every token (vLLM and megatron
+    compute the same fp32 router logits with other kernels), and its log-probs are vLLM's within fp32 rounding.
+    R2: the old-log-prob forward records its routes, two update epochs replay them (the update reports the share
+    its routers would have chosen otherwise, in R3 too)."""
+    cfg = make_cfg(assets, tmp_path, f"model.path={moe_model}", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
+                   "actor.reuse_on_policy_log_prob=false", f"actor.megatron.router_replay.mode={mode}",
+                   f"rollout.enable_rollout_routing_replay={mode == 'R3'}", "actor.ppo_epochs=2",
+                   config="configs/quickstart_moe_cpu.yaml")
+    (metrics,) = run_steps(cfg, 1)
+    assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+    if mode == "R3":
+        assert metrics["actor/routing_replay/differing_fraction"] <= 0.02, metrics
+        assert metrics["training/rollout_probs_diff_max"] < 1e-3, metrics
+    else:  # the update replays its old-log-prob forward's routes: none differ in the first epoch (measured 0 with
+        # one), and after its first optimizer step the routers would choose others for many tokens (measured 0.21
+        # over both epochs): those the replay holds to the routes the old log-probs were computed with
+        assert 0 < metrics["actor/routing_replay/differing_fraction"] < 0.5, metrics

@@ -243,3 +243,36 @@ def test_balance_batch_reorders_rows_and_reports_shard_tokens():
     for off in (SimpleNamespace(trainer=SimpleNamespace(balance_batch=False)), cfg):
         same = balance_batch(batch, off, 1 if off is cfg else 3, {})
         assert same is batch
+
+
+# --- token positions (MoE routing replay follows every token into its micro-batch layout) ---------
+
+def _layouts(batch):
+    for name, share in (("rotated", False), ("shared prompts", True)):
+        yield name, [(batch[mb["row"].tolist()], mb)
+                     for mb in row_layout.micro_batches(batch, 4, extra_keys=("row",), share_prompts=share)]
+    for thd, share in ((False, True), (True, False), (False, False)):
+        mbs, _ = row_layout.token_micro_batches(batch, TokenBudget(14, "k"), extra_keys=("row",), seq_multiple=2,
+                                                share_prompts=share, thd=thd)
+        yield f"token budget (thd={thd}, shared={share})", [(batch[mb["row"].tolist()], mb) for mb in mbs]
+
+
+@pytest.mark.parametrize("which", range(5))
+def test_token_position_places_every_real_token_of_every_row_in_its_layout(which):
+    from hybridflow.megatron.routing import from_layout, to_layout
+
+    batch = rollout(PROMPTS, RESPONSES, group=2)
+    name, pairs = list(_layouts(batch))[which]
+    for rows, mb in pairs:
+        pos, mask = mb["token_position"], rows.tensors["attention_mask"].bool()
+        assert ((pos >= 0) == mask).all(), name
+        flat = mb["input_ids"].reshape(-1)
+        assert torch.equal(flat[pos[mask]], rows.tensors["input_ids"][mask]), name
+        # routes [n, T, L, k] cell by cell through the layout and back: the real cells unchanged
+        routes = torch.randint(0, 8, (*mask.shape, 3, 2), generator=torch.Generator().manual_seed(which),
+                               dtype=torch.int16)
+        shared = {}  # a shared prompt's place holds one of its rows' routes: make them agree, as vLLM's do
+        for cell in zip(*torch.nonzero(mask, as_tuple=True)):
+            routes[cell] = shared.setdefault(int(pos[cell]), routes[cell])
+        back = from_layout(to_layout(routes, pos, *mb["input_ids"].shape), pos, -1)
+        assert torch.equal(back[mask], routes[mask]) and (back[~mask] == -1).all(), name

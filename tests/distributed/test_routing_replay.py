@@ -1,0 +1,129 @@
+"""MoE routing replay (megatron/routing.py) on the tiny Qwen3-MoE and Qwen2-MoE (shared expert) at TP 1, TP 2 with
+sequence parallel, and EP 2: the routes the log-prob forward records (R2's source) replay to the same log-probs
+in the same and in another micro-batch layout (shared prompts -> token-budget packing) within fp32 rounding;
+routes that differ from the routers' own choice change the log-probs and are counted by the routing-difference
+metric; and an update replaying the routers' own choice equals the update without replay (the gate's gradient
+flows as without it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.batched import batched_worlds, one_case
+from tests.distributed.test_layouts import P, R, _settings, rollout_batch
+from tests.numerics import assert_close
+
+pytestmark = pytest.mark.distributed
+
+ARCHS = ("qwen3_moe", "qwen2_moe")
+LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (t, e); data parallel = e
+IDS = [f"tp{t}_ep{e}" for t, e in LAYOUTS]
+
+
+def grouped_batch():
+    """``rollout_batch`` with rows in pairs sharing a prompt (GRPO groups: the CPU layout shares their prompt)."""
+    b = rollout_batch()
+    t = {k: v.clone() for k, v in b.tensors.items()}
+    for i in range(1, len(b), 2):
+        for k in ("input_ids", "attention_mask", "position_ids"):
+            t[k][i, :P] = t[k][i - 1, :P]
+    t["position_ids"] = (t["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return type(b).from_dict(tensors=t)
+
+
+def _flip_first_routes(routes, mask, num_experts):
+    """Every row's first real token routed in layer 0 to the experts after its own (mod E): not its choice."""
+    flipped = routes.clone()
+    first = mask.float().argmax(1)
+    for i, c in enumerate(first.tolist()):
+        flipped[i, c, 0] = (routes[i, c, 0] + routes.shape[-1]) % num_experts
+    return flipped
+
+
+def _rank_fn(rank, world, root, tp, ep):
+    from megatron.core import parallel_state as ps
+
+    from hybridflow.megatron import parallel
+    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.workers import role_ops
+    from hybridflow.workers.common import open_hf_folder
+    from hybridflow.workers.row_layout import TokenBudget
+
+    parallel.init_model_parallel(tp, 1, seed=1, ep=ep, etp=1 if ep > 1 else None)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    actor_cfg, _ = _settings()
+    shard = grouped_batch().chunk(dp)[dp_rank]
+    out = {}
+    for arch in ARCHS:
+        cfg, weights = open_hf_folder(f"{root}/{arch}")
+        optim = OptimSettings(lr=1e-3, eps=1e-3, use_distributed_optimizer=dp > 1)
+        actor = MegatronRole(cfg, weights, optim=optim, sequence_parallel=tp > 1, routing_replay=True)
+        assert actor.routing.routers, "no router records or replays"
+        own = role_ops.log_probs(actor, shard, 2, record_routes=True)
+        routes = own["routed_experts"]
+        with_routes = lambda r: shard.union(type(shard).from_dict(tensors={"routed_experts": r}))  # noqa: E731
+        same = role_ops.log_probs(actor, with_routes(routes), 2)
+        packed = role_ops.log_probs(actor, with_routes(routes), TokenBudget(3 * (P + R), "k"))
+        flipped = _flip_first_routes(routes, shard.tensors["attention_mask"].bool(), cfg.num_experts)
+        other = role_ops.log_probs(actor, with_routes(flipped), 2)
+        res = dict(own=own, same=same, packed=packed, other=other, layers=len(actor.routing.layers))
+        replayed = role_ops.update_policy(actor, with_routes(routes), actor_cfg, dp)
+        res["replayed_update"] = (replayed["actor/pg_loss"], {k: v.clone() for k, v in actor.hf_state_dict().items()})
+        plain = MegatronRole(cfg, weights, optim=optim, sequence_parallel=tp > 1)
+        m = role_ops.update_policy(plain, shard, actor_cfg, dp)
+        res["plain_update"] = (m["actor/pg_loss"], {k: v.clone() for k, v in plain.hf_state_dict().items()})
+        out[arch] = res
+    return {"collect": parallel.dispatch_info()["collect"], "dp_rank": dp_rank, **out}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    from hybridflow.models.tiny_arch import build_tiny_folders
+
+    return build_tiny_folders(tmp_path_factory.mktemp("routing"), ARCHS, seed=11)
+
+
+@pytest.fixture(scope="module")
+def results(root):
+    return batched_worlds(one_case, {i: (t * e, (_rank_fn, root, t, e)) for i, (t, e) in zip(IDS, LAYOUTS)})
+
+
+@pytest.mark.parametrize("case", IDS)
+def test_recorded_routes_replay_exactly_and_other_routes_are_counted(results, case):
+    from hybridflow.megatron.routing import NO_ROUTE
+
+    ranks = results(case)
+    for r in ranks:
+        if not r["collect"]:
+            continue
+        shard = grouped_batch().chunk(len([x for x in ranks if x["collect"]]))[r["dp_rank"]]
+        mask, valid = shard.tensors["attention_mask"].bool(), shard.tensors["response_mask"].bool()
+        for arch in ARCHS:
+            res = r[arch]
+            routes = res["own"]["routed_experts"]
+            assert (routes[mask] >= 0).all() and (routes[~mask] == NO_ROUTE).all(), f"{arch}: cells without routes"
+            top = routes[mask].sort(-1).values
+            assert (top[..., 1:] != top[..., :-1]).all(), f"{arch}: a recorded top-k repeats an expert"
+            # the same routes, the same layout: the same log-probs (bit for bit at TP 1; TP 2's collectives may round
+            # Qwen2-MoE's shared expert differently between two forwards)
+            assert_close(res["same"]["log_probs"], res["own"]["log_probs"], slack=0.1,
+                         what=f"{arch}: replayed in the same layout")
+            assert float(res["same"]["routing_differing"].sum()) == 0, f"{arch}: own routes counted as differing"
+            assert torch.equal(res["same"]["routing_counted"], mask.sum(1).double() * res["layers"])
+            # another layout replays them to the same log-probs, within fp32 rounding
+            assert_close(res["packed"]["log_probs"][valid], res["own"]["log_probs"][valid],
+                         what=f"{arch}: replayed in a packed layout")
+            # routes the routers would not choose: counted, and they change what follows
+            assert float(res["other"]["routing_differing"].sum()) >= len(shard), f"{arch}: flipped routes not counted"
+            moved = (res["other"]["log_probs"] - res["own"]["log_probs"]).abs()[valid].max()
+            assert moved > 1e-4, f"{arch}: replaying other experts changed nothing ({moved})"
+
+
+@pytest.mark.parametrize("case", IDS)
+def test_an_update_replaying_the_own_routes_equals_the_plain_update(results, case):
+    r = results(case)[0]
+    for arch in ARCHS:
+        (loss_a, hf_a), (loss_b, hf_b) = r[arch]["replayed_update"], r[arch]["plain_update"]
+        assert_close(loss_a, loss_b, what=f"{arch} policy loss")
+        assert_close(hf_a, hf_b, what=f"{arch} weights after one update (router weights included)")

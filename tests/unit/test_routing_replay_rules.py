@@ -1,0 +1,75 @@
+"""MoE routing replay's config (actor.megatron.router_replay.mode, rollout.enable_rollout_routing_replay): verl's
+keys translate, and what cannot work is refused before start in one line naming the keys; plus vLLM's routes laid
+on the batch's token grid (workers/generation.py routes_grid)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from hybridflow.config import ConfigError
+from hybridflow.config.verl import translate
+from hybridflow.plan import load_experiment, resolve
+
+MOE = "configs/quickstart_moe_cpu.yaml"  # R3 on
+DENSE = SimpleNamespace(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                        hidden_size=64, intermediate_size=128, vocab_size=128)
+SEPARATE = ["schedule.mode=separate_async", "resources.rollout_n_workers=1", "schedule.parameter_sync_step=1",
+            "data.batch_size=32"]
+
+
+def test_verl_keys_translate():
+    t = translate(["actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+                   "actor_rollout_ref.rollout.enable_rollout_routing_replay=True",
+                   "actor_rollout_ref.ref.megatron.router_replay.mode=R3", "critic.megatron.router_replay.mode=disabled"])
+    assert [o for o in t.overrides] == ["actor.megatron.router_replay.mode=R3", "rollout.enable_rollout_routing_replay=True"]
+    assert set(t.agree.values()) == {"actor.megatron.router_replay.mode", "disabled"}
+
+
+def test_the_moe_overlay_replays_vllms_routes():
+    plan = resolve(load_experiment([MOE], []))
+    assert plan.actor_spec.actor.megatron.router_replay.mode == "R3"
+    assert plan.actor_spec.rollout.enable_rollout_routing_replay
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["actor.megatron.router_replay.mode=R9"], "router_replay.mode"),
+    (["rollout.enable_rollout_routing_replay=false"], "R3 replays vLLM's routes: set rollout.enable_rollout_routing_replay"),
+    (["actor.megatron.router_replay.mode=R2"], "R2 replays the old-log-prob forward's routes"),
+    (["actor.megatron.router_replay.mode=disabled"], "enable_rollout_routing_replay returns vLLM's routes"),
+    (["actor.megatron.override_transformer_config.moe_router_fusion=true"], "moe_router_fusion's TE router"),
+    (["actor.megatron.pipeline_model_parallel_size=2", "actor.megatron.expert_model_parallel_size=1",
+      "rollout.enable_rollout_routing_replay=false",
+      "actor.megatron.router_replay.mode=R2"], "R2 is not supported with actor.megatron.pipeline_model_parallel_size"),
+    (["schedule.mode=colocate_async"], "R3 takes single-turn rollouts generated whole"),
+    (SEPARATE, "R3 takes single-turn rollouts generated whole"),
+])
+def test_what_cannot_replay_is_refused_in_one_line(overrides, message):
+    with pytest.raises((ValueError, ConfigError), match=message):
+        resolve(load_experiment([MOE], overrides))
+
+
+def test_separate_async_replays_whole_rollouts_and_a_dense_model_has_nothing_to_replay():
+    resolve(load_experiment([MOE], [*SEPARATE, "schedule.partial_rollout=false"]))
+    with pytest.raises(ValueError, match="is not a mixture-of-experts model"):
+        resolve(load_experiment([MOE], []), DENSE)
+
+
+def test_vllms_routes_land_on_the_prompt_and_the_kept_response_cells():
+    from hybridflow.megatron.routing import NO_ROUTE
+    from hybridflow.protocol import Batch
+    from hybridflow.workers.generation import routes_grid
+
+    P, R = 4, 3
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    prompts = Batch.from_dict(tensors={"input_ids": mask * 5, "attention_mask": mask})
+    response_mask = torch.tensor([[1, 1, 1], [1, 0, 0]])  # row 1: cut at EOS after one token
+    routes = [np.arange(3 + 3 - 1)[:, None, None].repeat(2, 1).repeat(2, 2).astype(np.int16),  # 5 tokens fed
+              np.arange(4 + 2 - 1)[:, None, None].repeat(2, 1).repeat(2, 2).astype(np.int16)]  # it sampled 2
+    grid = routes_grid(prompts, response_mask, routes)
+    assert grid.shape == (2, P + R, 2, 2) and grid.dtype == torch.int16
+    assert grid[0, :, 0, 0].tolist() == [NO_ROUTE, 0, 1, 2, 3, 4, NO_ROUTE]  # the last response token: never fed
+    assert grid[1, :, 0, 0].tolist() == [0, 1, 2, 3, 4, NO_ROUTE, NO_ROUTE]  # only the kept token's
