@@ -37,7 +37,11 @@ class Family:
             self.qkv_bias_if and getattr(hf_config, self.qkv_bias_if, False))
 
     def num_experts(self, hf_config) -> int:
-        return (getattr(hf_config, "num_experts", None) or 0) if self.has_experts else 0
+        """Routed experts per sparse layer. A config.json read as is may name them ``num_local_experts``:
+        transformers 5 writes Qwen3-MoE's so (its config's attribute_map turns num_experts into it)."""
+        if not self.has_experts:
+            return 0
+        return getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
 
     def moe_layer_pattern(self, hf_config) -> list[int]:
         """1 for each decoder layer with a sparse MoE block, 0 for a dense MLP (Qwen-MoE's decoder_sparse_step

@@ -70,3 +70,15 @@ def test_adding_an_architecture_is_one_module():
                 for m in pkgutil.iter_modules(families.__path__) if m.name not in shared}
     assert declared == set(families.FAMILIES)
     assert set(families.SUPPORTED_ARCHS) == {f.architecture for f in families.FAMILIES.values()}
+
+
+def test_a_config_json_written_by_transformers_5_names_its_experts_num_local_experts():
+    """transformers 5 saves Qwen3-MoE's expert count as ``num_local_experts`` (its config's attribute_map); read as
+    is (vLLM's engine set-up, the memory plan) it must still count 8 experts, or a MoE model passes for dense."""
+    from types import SimpleNamespace
+
+    from hybridflow import families
+
+    raw = SimpleNamespace(model_type="qwen3_moe", num_local_experts=8, num_hidden_layers=2)
+    assert families.num_experts(raw) == 8 and families.is_moe(raw)
+    assert families.num_experts(SimpleNamespace(model_type="qwen3_moe", num_experts=4)) == 4
