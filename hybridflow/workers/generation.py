@@ -109,7 +109,9 @@ def build_vllm_rollout(model_path: str, spec, seed: int, generation_groups) -> V
 def load_generation_shard(rollout: VLLMRollout, items, hf_config, k: int, t_g: int, stats) -> None:
     """Load this rank's vLLM TP shard k of t_g ((vLLM name, tensor) pairs, consumed as produced) into the
     engine in place: as is where vLLM's parameters are that layout (GPU), else by checkpoint names through
-    vLLM's loaders (vLLM-CPU repacks its weights)."""
+    vLLM's loaders (vLLM-CPU repacks its weights); MoE experts straight into vLLM's fused expert weights where
+    they keep the shard's layout (``VLLMRollout.experts_in_place``)."""
+    items = rollout.experts_in_place(items)
     if rollout.takes_shards:
         rollout.update_weights(items, shards=True)
     else:

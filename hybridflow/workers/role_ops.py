@@ -310,8 +310,8 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
                 metrics["actor/entropy"] = masked_mean(entropy, mask)
         if "routed_experts" in mb:  # routing replay: the share of replayed routes the routers would not choose
             r = role.routing_outputs(mb)
-            metrics["actor/routing_replay/differing_fraction"] = (r["routing_differing"].sum()
-                                                                  / r["routing_counted"].sum().clamp(min=1))
+            metrics["actor/routing_replay/update_differing_fraction"] = (r["routing_differing"].sum()
+                                                                         / r["routing_counted"].sum().clamp(min=1))
         if a.use_kl_loss:  # verl's actor/kl_loss and actor/kl_coef
             kl, kl_metrics = kl_loss(log_prob, mb["ref_log_prob"], mask, a, whole)
             loss = loss + a.kl_loss_coef * kl

@@ -10,7 +10,8 @@ printed (``-s``). At the end the actor's linear weights must have moved.
 
 Other architectures (``test_architecture_steps_on_gpu``): dense Qwen3 (QK-norm) on one GPU, and Qwen3-MoE on two
 GPUs with expert parallelism 2, the actor's parameters offloaded between phases and token-budget micro-batches
-(the layout whose Resharder met offloaded experts; tiny models, conftest.build_gpu_tiny).
+(the layout whose Resharder met offloaded experts; tiny models, conftest.build_gpu_tiny), and Qwen3-MoE on one GPU
+with routing replay R3 (vLLM's own routed-experts output, through its V2 model runner) and grouped-GEMM experts.
 
 Run: ``bash tests/gpu/run.sh`` (1-8 GPUs; cases needing more GPUs than are visible are skipped).
 """
@@ -65,6 +66,11 @@ ARCH_CASES = [  # (architecture, GPUs, overrides): GRPO with the KL loss, so the
     pytest.param("qwen3", 1, [], id="qwen3-single-grpo"),
     pytest.param("qwen3_moe", 2, ["actor.megatron.expert_model_parallel_size=2", "actor.megatron.param_offload=true",
                                   *DYNAMIC_BSZ], id="qwen3_moe-ep2-param_offload-dynamic_bsz-grpo"),
+    # routing replay R3: vLLM's own enable_return_routed_experts (its V2 model runner) feeds the trainer's routers;
+    # the experts are TE's grouped GEMMs (TEGroupedMLP: weight{i} names, megatron/convert.py)
+    pytest.param("qwen3_moe", 1, ["actor.megatron.router_replay.mode=R3", "rollout.enable_rollout_routing_replay=true",
+                                  "actor.megatron.override_transformer_config.moe_grouped_gemm=true"],
+                 id="qwen3_moe-single-r3-grouped_gemm-grpo"),
 ]
 
 

@@ -110,7 +110,8 @@ def test_moe_experts_reach_the_rollout_pool(rollout_tp, assets, moe_model, tmp_p
     receives its slice of every expert (bytes == formula, experts included), and the pool's greedy output equals
     HF's at the trainer's weights. The overlay's routing replay (R3) takes the routes from the pool's engines."""
     cfg = make_cfg(assets, tmp_path, f"model.path={moe_model}", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
-                   *GRPO, *SEPARATE, "resources.cpus_per_worker=0.5", "schedule.partial_rollout=false", f"rollout.tensor_model_parallel_size={rollout_tp}",
+                   *GRPO, *SEPARATE, "resources.cpus_per_worker=0.5", "schedule.partial_rollout=false",
+                   f"rollout.tensor_model_parallel_size={rollout_tp}",
                    f"resources.rollout_n_workers={rollout_tp}", config="configs/quickstart_moe_cpu.yaml")
     assert cfg.actor.megatron.expert_model_parallel_size == 2 and cfg.resources.n_workers == 2
     run_steps(cfg, 1, _check_push(cfg))

@@ -1,7 +1,8 @@
 """The MoE quickstart overlay (configs/quickstart_moe_cpu.yaml): a tiny Qwen3-MoE with expert parallelism 2 in
 the actor, 3 GRPO steps through Ray, megatron-core and vLLM with finite metrics and the routers'
-load-balancing loss logged every step, and vLLM's routes replayed (R3). The actor's parameters are offloaded between uses (param_offload): the
-resharder is built while the experts have no storage, from their shapes alone."""
+load-balancing loss logged every step, and vLLM's routes replayed (R3). The actor's parameters are offloaded
+between uses (param_offload): the resharder is built while the experts have no storage, from their shapes alone.
+Routing replay R2 and R3 with an old-log-prob forward: their own test."""
 
 from __future__ import annotations
 
@@ -24,29 +25,37 @@ def test_moe_overlay_trains_with_expert_parallelism(assets, moe_model, tmp_path,
     for metrics in history:
         assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
         # on-policy (no old-log-prob forward): the update replays vLLM's routes and counts the differing ones
-        assert 0 <= metrics["actor/routing_replay/differing_fraction"] <= 0.02, metrics
+        assert 0 <= metrics["actor/routing_replay/update_differing_fraction"] <= 0.02, metrics
         balance = [v for k, v in metrics.items() if k.endswith("moe/load_balancing_loss")]
         assert balance and all(v > 0 for v in balance), sorted(metrics)
 
 
-@pytest.mark.parametrize("mode", ["R3", "R2"])
+@pytest.mark.parametrize("mode", ["R3", "R2", "R3-carried"])
 def test_routing_replay_trains_with_the_rollouts_or_the_old_log_probs_routes(assets, moe_model, tmp_path, ray_cluster,
                                                                            mode):
     """R3: vLLM returns each token's experts (on CPU through patches/vllm_engine.py RouteCapture) and the trainer's
     forwards replay them: its routers would have chosen the same experts for nearly every token (vLLM and megatron
     compute the same fp32 router logits with other kernels), and its log-probs are vLLM's within fp32 rounding.
     R2: the old-log-prob forward records its routes, two update epochs replay them (the update reports the share
-    its routers would have chosen otherwise, in R3 too)."""
+    its routers would have chosen otherwise, in R3 too). R3-carried: colocate_async, whose rows come from its
+    partial-rollout generation (workers/carry.py: each row's routes those of the request that finished it), one
+    batch ahead: step 2 trains on rows vLLM routed under step 1's weights, and the replay holds the trainer's
+    routers, which have moved since, to them."""
+    carried = ["schedule.mode=colocate_async", "schedule.num_warmup_batches=1"] if mode == "R3-carried" else []
     cfg = make_cfg(assets, tmp_path, f"model.path={moe_model}", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
-                   "actor.reuse_on_policy_log_prob=false", f"actor.megatron.router_replay.mode={mode}",
-                   f"rollout.enable_rollout_routing_replay={mode == 'R3'}", "actor.ppo_epochs=2",
+                   "actor.reuse_on_policy_log_prob=false", f"actor.megatron.router_replay.mode={mode[:2]}",
+                   f"rollout.enable_rollout_routing_replay={mode != 'R2'}", "actor.ppo_epochs=2", *carried,
                    config="configs/quickstart_moe_cpu.yaml")
-    (metrics,) = run_steps(cfg, 1)
+    history = run_steps(cfg, 2 if carried else 1)
+    metrics = history[-1]
     assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
-    if mode == "R3":
+    if carried:
+        assert metrics["async/version_lag_max"] == 1, metrics  # measured: 0.32 of the routes the trainer replays
+        assert 0 < metrics["actor/routing_replay/differing_fraction"] < 0.6, metrics  # it would not have chosen
+    elif mode == "R3":
         assert metrics["actor/routing_replay/differing_fraction"] <= 0.02, metrics
         assert metrics["training/rollout_probs_diff_max"] < 1e-3, metrics
     else:  # the update replays its old-log-prob forward's routes: none differ in the first epoch (measured 0 with
         # one), and after its first optimizer step the routers would choose others for many tokens (measured 0.21
         # over both epochs): those the replay holds to the routes the old log-probs were computed with
-        assert 0 < metrics["actor/routing_replay/differing_fraction"] < 0.5, metrics
+        assert 0 < metrics["actor/routing_replay/update_differing_fraction"] < 0.5, metrics

@@ -95,6 +95,9 @@ class _TEModel:
     def state_dict(self):
         return dict(self.tensors)
 
+    def named_modules(self):  # no megatron GroupedMLP inside
+        return iter(())
+
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
 def test_te_names_round_trip_bit_identically(tp, pp):
@@ -120,6 +123,25 @@ def test_te_names_round_trip_bit_identically(tp, pp):
     assert set(merged) == set(hf)
     for k in hf:
         assert torch.equal(merged[k], hf[k]), k
+
+
+def test_te_grouped_expert_names_are_sequential_ones_per_expert():
+    """TE's grouped experts (TEGroupedMLP, moe_grouped_gemm on GPU) keep expert i's weight as
+    ``experts.linear_fc1.weight{i}`` (TE GroupedLinear, one parameter per GEMM) with ``_extra_state{i}``:
+    conversion, resharding and export see SequentialMLP's ``experts.local_experts.{i}.linear_fc1.weight``."""
+    from hybridflow.megatron.convert import canonical_names, load_into
+
+    layer = "decoder.layers.0."
+    local = {f"{layer}mlp.experts.local_experts.{i}.linear_fc{j}.weight": torch.randn(4, 3) for i in range(2)
+             for j in (1, 2)}
+    local[f"{layer}input_layernorm.weight"] = torch.randn(3)
+    expert = f"{layer}mlp.experts.local_experts.{{}}.linear_fc{{}}.weight"
+    te = {f"{layer}mlp.experts.linear_fc{j}.weight{i}": local[expert.format(i, j)] for i in range(2) for j in (1, 2)}
+    te[f"{layer}self_attention.linear_qkv.layer_norm_weight"] = local[f"{layer}input_layernorm.weight"]
+    te_model = _TEModel({**te, f"{layer}mlp.experts.linear_fc1._extra_state1": None})
+    load_into(te_model, local)
+    assert all(torch.equal(te_model.tensors[k], v) for k, v in te.items())
+    assert set(canonical_names(te_model.state_dict())) == set(local)
 
 
 def test_te_norm_names_come_from_megatron_and_are_replicated():

@@ -1,6 +1,6 @@
-"""MoE routing replay's config (actor.megatron.router_replay.mode, rollout.enable_rollout_routing_replay): verl's
-keys translate, and what cannot work is refused before start in one line naming the keys; plus vLLM's routes laid
-on the batch's token grid (workers/generation.py routes_grid)."""
+"""MoE rules. Routing replay's config (actor.megatron.router_replay.mode, rollout.enable_rollout_routing_replay):
+verl's keys translate, and what cannot work is refused before start in one line naming the keys; plus vLLM's routes
+laid on the batch's token grid (workers/generation.py routes_grid). And grouped-GEMM experts' one rule (bf16)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ SEPARATE = ["schedule.mode=separate_async", "resources.rollout_n_workers=1", "sc
 def test_verl_keys_translate():
     t = translate(["actor_rollout_ref.actor.megatron.router_replay.mode=R3",
                    "actor_rollout_ref.rollout.enable_rollout_routing_replay=True",
-                   "actor_rollout_ref.ref.megatron.router_replay.mode=R3", "critic.megatron.router_replay.mode=disabled"])
-    assert [o for o in t.overrides] == ["actor.megatron.router_replay.mode=R3", "rollout.enable_rollout_routing_replay=True"]
+                   "actor_rollout_ref.ref.megatron.router_replay.mode=R3",
+                   "critic.megatron.router_replay.mode=disabled"])
+    assert [o for o in t.overrides] == ["actor.megatron.router_replay.mode=R3",
+                                        "rollout.enable_rollout_routing_replay=True"]
     assert set(t.agree.values()) == {"actor.megatron.router_replay.mode", "disabled"}
 
 
@@ -37,23 +39,25 @@ def test_the_moe_overlay_replays_vllms_routes():
 
 @pytest.mark.parametrize("overrides,message", [
     (["actor.megatron.router_replay.mode=R9"], "router_replay.mode"),
-    (["rollout.enable_rollout_routing_replay=false"], "R3 replays vLLM's routes: set rollout.enable_rollout_routing_replay"),
+    (["rollout.enable_rollout_routing_replay=false"],
+     "R3 replays vLLM's routes: set rollout.enable_rollout_routing_replay"),
     (["actor.megatron.router_replay.mode=R2"], "R2 replays the old-log-prob forward's routes"),
     (["actor.megatron.router_replay.mode=disabled"], "enable_rollout_routing_replay returns vLLM's routes"),
     (["actor.megatron.override_transformer_config.moe_router_fusion=true"], "moe_router_fusion's TE router"),
     (["actor.megatron.pipeline_model_parallel_size=2", "actor.megatron.expert_model_parallel_size=1",
       "rollout.enable_rollout_routing_replay=false",
       "actor.megatron.router_replay.mode=R2"], "R2 is not supported with actor.megatron.pipeline_model_parallel_size"),
-    (["schedule.mode=colocate_async"], "R3 takes single-turn rollouts generated whole"),
-    (SEPARATE, "R3 takes single-turn rollouts generated whole"),
+    (["rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=configs/tools/calculator.yaml"],
+     "R3 takes single-turn rollouts"),
 ])
 def test_what_cannot_replay_is_refused_in_one_line(overrides, message):
     with pytest.raises((ValueError, ConfigError), match=message):
         resolve(load_experiment([MOE], overrides))
 
 
-def test_separate_async_replays_whole_rollouts_and_a_dense_model_has_nothing_to_replay():
-    resolve(load_experiment([MOE], [*SEPARATE, "schedule.partial_rollout=false"]))
+def test_async_modes_replay_and_a_dense_model_has_nothing_to_replay():
+    for overrides in (SEPARATE, [*SEPARATE, "schedule.partial_rollout=false"], ["schedule.mode=colocate_async"]):
+        resolve(load_experiment([MOE], overrides))
     with pytest.raises(ValueError, match="is not a mixture-of-experts model"):
         resolve(load_experiment([MOE], []), DENSE)
 
@@ -73,3 +77,20 @@ def test_vllms_routes_land_on_the_prompt_and_the_kept_response_cells():
     assert grid.shape == (2, P + R, 2, 2) and grid.dtype == torch.int16
     assert grid[0, :, 0, 0].tolist() == [NO_ROUTE, 0, 1, 2, 3, 4, NO_ROUTE]  # the last response token: never fed
     assert grid[1, :, 0, 0].tolist() == [0, 1, 2, 3, 4, NO_ROUTE, NO_ROUTE]  # only the kept token's
+
+
+def test_grouped_gemm_experts_need_bf16_in_one_line():
+    from transformers import Qwen3MoeConfig
+
+    from hybridflow.config.schema import Megatron
+    from hybridflow.megatron.model import check_transformer_config
+
+    model = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                           num_experts_per_tok=2)
+    key = "actor.megatron.override_transformer_config"
+    grouped = {"moe_grouped_gemm": True}
+    with pytest.raises(ValueError, match="moe_grouped_gemm: grouped-GEMM experts compute in bfloat16.*"
+                                         "actor.megatron.dtype=bfloat16"):
+        check_transformer_config(model, Megatron(dtype="float32", override_transformer_config=grouped), key)
+    check_transformer_config(model, Megatron(dtype="bfloat16", override_transformer_config=grouped), key)

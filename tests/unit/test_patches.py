@@ -26,7 +26,8 @@ EXPECTED = {
     "megatron.cpu_get_cuda_rng_state", "megatron.cpu_set_cuda_rng_state", "megatron.cpu_recompute_in_device_scope",
     "megatron.sequence_parallel_torch_norm", "megatron.rope_inverse_frequencies", "megatron.rope_at_positions",
     "megatron.optimizer_step_skips_nonfinite", "megatron.cpu_moe_dispatch_without_streams",
-    "megatron.cpu_moe_dispatch_stream", "megatron.moe_router_gemm_without_te",
+    "megatron.cpu_moe_dispatch_stream", "megatron.moe_router_gemm_without_te", "megatron.grouped_gemm_from_torch",
+    "megatron.cpu_grouped_mlp_eager",
     "vllm.init_model_parallel_group", "vllm.cpu_shm_group_name", "vllm.cpu_worker_set_num_threads",
     "vllm.cpu_eager_vocab_mask", "vllm.cpu_eager_logprob_ranks", "vllm.cpu_moe_repack_after_reload",
     "vllm.cpu_routed_experts_capture",
@@ -180,12 +181,33 @@ def test_moe_router_gemm_is_defined_without_te_on_a_gpu_too(monkeypatch):
 
     monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
     _pretend_gpu(monkeypatch)
-    layer_spec(SimpleNamespace(num_moe_experts=4, qk_layernorm=False, sequence_parallel=False))
+    layer_spec(SimpleNamespace(num_moe_experts=4, qk_layernorm=False, sequence_parallel=False, moe_grouped_gemm=False))
     assert moe_utils.te_general_gemm is None
     g = torch.Generator().manual_seed(0)
     inp, weight = torch.randn(3, 8, generator=g), torch.randn(4, 8, generator=g)
     out = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
     torch.testing.assert_close(out, inp @ weight.t())
+
+
+def test_torch_grouped_gemm_is_grouped_gemms_gmm():
+    """grouped_gemm's ``gmm(a, b, batch_sizes, trans_b)`` (megatron's GroupedMLP calls it) from torch's grouped_mm:
+    the rows of ``a`` in consecutive groups, group e times b[e] (transposed with trans_b), an empty group
+    included; bf16, as GroupedMLP computes, with both gradients."""
+    import torch
+
+    from hybridflow.patches.megatron_core import _TorchGroupedGemm
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(10, 16, generator=g).bfloat16().requires_grad_()
+    b = torch.randn(3, 16, 8, generator=g).bfloat16().requires_grad_()
+    sizes = torch.tensor([4, 0, 6])
+    out = _TorchGroupedGemm.gmm(a, b, sizes)
+    ref = torch.cat([a[:4] @ b[0], a[4:] @ b[2]])
+    torch.testing.assert_close(out.float(), ref.float())
+    out.float().sum().backward()
+    assert a.grad is not None and b.grad is not None and not b.grad[1].any()
+    bt = b.detach().transpose(1, 2).contiguous()
+    torch.testing.assert_close(_TorchGroupedGemm.gmm(a.detach(), bt, sizes, trans_b=True).float(), ref.float())
 
 
 def test_te_available_needs_te_torch_bindings_not_just_the_package(monkeypatch):
