@@ -72,6 +72,9 @@ class _TENamed:
                                                                                        "final" not in k for k in sd)
         return {**sd, "decoder.layers.0.self_attention.linear_qkv._extra_state": torch.zeros(3)}
 
+    def named_modules(self):
+        return self.module.named_modules()
+
 
 def _rank_fn(rank, world, hf_dir, p, t, t_g):
     from megatron.core import parallel_state as ps
