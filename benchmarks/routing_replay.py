@@ -39,11 +39,11 @@ METRICS = ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max"
 def prepare(root: Path) -> list[str]:
     """The MoE quickstart's data and warm-started model under ``root`` (built once); the overrides that use them."""
     paths = [f"prepare.data_dir={root}/data", f"prepare.base_model_dir={root}/base", f"model.path={root}/sft"]
-    if not (root / "sft" / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "hybridflow.trainer.main", "--config", "configs/quickstart_moe_cpu.yaml",
-                        *paths, "trainer.total_steps=0", f"trainer.output_dir={root}/prepare_run",
-                        "trainer.val_before_train=false", "trainer.save_hf_at_end=false"],
-                       check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    if not (root / "sft" / "config.json").exists():  # the quickstart's own preparation (data, base model, warm start)
+        from hybridflow.plan import load_experiment
+        from hybridflow.trainer.prepare import prepare_quickstart
+
+        prepare_quickstart(load_experiment([str(REPO / "configs/quickstart_moe_cpu.yaml")], paths))
     return [*paths, "prepare.enable=false", f"data.train_files=[{root}/data/train.parquet]",
             f"data.val_files=[{root}/data/val.parquet]"]
 

@@ -38,6 +38,9 @@ class Trajectory:
     tool_seconds: float = 0.0
     truncated_tool_responses: int = 0
     done: bool = False
+    # MoE routing replay (R3): the experts of every token but the last, from the latest turn's request, which routed
+    # the whole context again (an engine with ``routed_experts``)
+    routes: object = None
 
     @property
     def context(self) -> list[int]:
@@ -80,12 +83,15 @@ class AgentLoop:
     def run(self, engine, prompts: list[list[int]], sampling, *, log_probs: bool) -> list[Trajectory]:
         s = self.settings
         trajectories = [Trajectory(list(p)) for p in prompts]
+        routes = {"with_routes": True} if getattr(engine, "routed_experts", False) else {}
         while active := [t for t in trajectories if not t.done]:
             outs = engine.generate_with_log_probs(
                 [t.context for t in active], sampling, log_probs=log_probs, stop_token_ids=self.chat.stop_token_ids,
-                max_new_tokens=[s.max_response_length - len(t.response_ids) for t in active])
+                max_new_tokens=[s.max_response_length - len(t.response_ids) for t in active], **routes)
             calling = []
-            for t, (ids, lps) in zip(active, outs):
+            for t, (ids, lps, *turn_routes) in zip(active, outs):
+                if turn_routes:
+                    t.routes = turn_routes[0]
                 t.append(list(ids), True, list(lps) if lps is not None else None)
                 t.assistant_turns += 1
                 if self._finished(t, ids):

@@ -151,8 +151,7 @@ def check_routing_replay(cfg, model) -> None:
     the rollout returns, R2 what the old-log-prob forward records (verl refuses both sources at once); neither on a
     dense model, through the fused TE router (it never asks megatron's RouterReplay), or with pipeline stages where
     they would go wrong: R2's recorded routes come back from the last stage only, and a recomputed layer of an
-    interleaved 1F1B schedule would replay a later micro-batch's. R3's routes come from single-turn generation
-    (whole or carried across updates: workers/carry.py)."""
+    interleaved 1F1B schedule would replay a later micro-batch's."""
     mode, m = cfg.actor.megatron.router_replay.mode, cfg.actor.megatron
     key = "actor.megatron.router_replay.mode"
     returned = cfg.rollout.enable_rollout_routing_replay
@@ -175,5 +174,3 @@ def check_routing_replay(cfg, model) -> None:
             "recompute_granularity")):
         raise ValueError(f"{key} {mode} is not supported with actor.megatron.pipeline_model_parallel_size > 1"
                          + (" and activation recompute" if mode == "R3" else ""))
-    if mode == "R3" and cfg.rollout.multi_turn.enable:
-        raise ValueError(f"{key} R3 takes single-turn rollouts: not rollout.multi_turn.enable yet")

@@ -47,8 +47,10 @@ Assumptions (estimates meant to err on the high side, not exact accounting):
   when offloaded), the engine's gathered generation shard (P*bytes/t_g in the actor's dtype, own copy
   included: DESIGN's peak M/(t_g*p_g)), the largest group assembled at a time (hybrid: a decoder layer,
   the embeddings or lm_head, /t_g; gather_all: a whole pipeline stage unsharded), every other resident item.
-  On GPU vLLM takes the shard in its own layout (VLLMRollout.takes_shards): no checkpoint-shaped staging
-  copy (vLLM-CPU's loaders need one; reshard/staging_bytes reports it there).
+  On GPU vLLM takes a dense model's shard in its own layout (VLLMRollout.takes_shards): no checkpoint-shaped
+  staging copy (vLLM-CPU's loaders need one; reshard/staging_bytes reports it there). A MoE model's dense weights
+  go through the loaders on GPU too: the largest piece (the embedding) staged whole; its experts are written in
+  place from the second sync (rollout/fused_experts.py).
 - A fixed 2 GiB per GPU for CUDA contexts and NCCL buffers. The critic on a separate pool
   (critic.placement = separate) gets its own table.
 """
@@ -214,6 +216,12 @@ def _resharding_buffers(cfg, shape: Shape, P: int, t_g: int | None = None) -> li
     else:
         gathered = ("resharding: gathered generation shard", P * by_a / t_g)
     buffers = [gathered, (f"resharding: {piece[0]}", piece[1])]
+    if shape.experts and t_g > 1:
+        # a MoE model's dense weights reach vLLM through its loaders (VLLMRollout.takes_shards), one piece at a time
+        # staged checkpoint-shaped, t_g times its shard (vllm_layout.to_checkpoint_names): at most the embedding;
+        # its experts too at the first sync only (then in place: rollout/fused_experts.py)
+        widest = max(shape.vocab, shape.heads * shape.head_dim, shape.moe_intermediate)
+        buffers.append(("resharding: one piece staged for vLLM's loaders (MoE)", widest * shape.hidden * by_a))
     if shape.experts and (mg_a.expert_model_parallel_size > 1 or (mg_a.expert_tensor_parallel_size or t) != t):
         # the expert all-to-all (transition.Resharder._exchange_experts): every expert's 1/t_g slice of the stage
         buffers.append(("resharding: experts in generation form", expert_params(shape) * by_a / (p * t_g)))

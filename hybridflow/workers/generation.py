@@ -56,14 +56,17 @@ def trajectories_to_batch(prompts: Batch, trajectories, max_len: int, pad_id: in
         real[i, :k] = 1
         log_probs[i, :k] = torch.tensor(t.log_probs[:k], dtype=torch.float32)
     tensors, non_tensors = trajectory_columns(trajectories)
+    if trajectories and trajectories[0].routes is not None:  # R3: tool tokens after the last turn have none
+        tensors["routed_experts"] = routes_grid(prompts, real, [t.routes for t in trajectories])
     return Batch.from_dict(tensors={**_after_prompts(prompts, resp, resp_mask, real), "rollout_log_probs": log_probs,
                                     **tensors}, non_tensors=non_tensors)
 
 
 def routes_grid(prompts: Batch, response_mask: torch.Tensor, routes: list) -> torch.Tensor:
     """vLLM's routes of each row ([prompt + response - 1, layers, k], workers' ``generate_with_log_probs``) on the
-    batch's token grid [b, P + R, layers, k] int16: the left-padded prompt's cells, then the kept response's;
-    ``NO_ROUTE`` where no token was routed (padding, a response's last token, tokens past a cut)."""
+    batch's token grid [b, P + R, layers, k] int16: the left-padded prompt's cells, then the kept response's
+    (``response_mask``: its tokens, a trajectory's tool messages included); ``NO_ROUTE`` where no token was routed
+    (padding, a response's last token, tokens past a cut or after the last request)."""
     P = prompts.tensors["input_ids"].shape[1]
     kept = response_mask.sum(1)
     out = torch.full((len(routes), P + response_mask.shape[1], *routes[0].shape[1:]), routing.NO_ROUTE,

@@ -177,6 +177,41 @@ def test_call_tool_then_answer(tools_model):
     assert tensors["agent_assistant_turns"].tolist() == [2] and non_tensors["agent_tool_errors"][0] == {}
 
 
+class RoutedPolicy(ScriptedPolicy):
+    """A ScriptedPolicy that also routes, as a MoE engine with routed_experts does: every token of the context and
+    of the turn but the last, each to the expert numbered by its position."""
+
+    routed_experts = True
+
+    def generate_with_log_probs(self, prompts, sampling, *, with_routes=False, **kw):
+        assert with_routes
+        outs = super().generate_with_log_probs(prompts, sampling, **kw)
+        return [(ids, lps, torch.arange(len(p) + len(ids) - 1, dtype=torch.int16)[:, None, None].expand(-1, 2, 1))
+                for p, (ids, lps) in zip(prompts, outs)]
+
+
+def test_a_trajectorys_routes_are_its_last_requests_and_land_on_its_tokens(tools_model):
+    """R3 with the agent: the last turn's request routed the prompt, every earlier turn and tool message again;
+    trajectories_to_batch lays them on the row's cells (the last token, never fed, has none)."""
+    from hybridflow.megatron.routing import NO_ROUTE
+    from hybridflow.protocol import Batch
+    from hybridflow.workers.generation import trajectories_to_batch
+
+    _, tok = tools_model
+    prompt = prompt_ids(tok)
+    (t,) = make_loop(tok).run(RoutedPolicy(tok, [call_text(expression="12*34"), "408"]), [prompt], SamplingSettings(),
+                              log_probs=True)
+    n = len(prompt) + len(t.response_ids)
+    assert t.routes.shape == (n - 1, 2, 1)
+    P, R = len(prompt) + 2, len(t.response_ids) + 3
+    ids = torch.tensor([[0, 0] + prompt])
+    batch = trajectories_to_batch(Batch.from_dict(tensors={"input_ids": ids, "attention_mask": (ids != 0).long()}),
+                                  [t], R, 0)
+    grid = batch.tensors["routed_experts"][0, :, 0, 0].tolist()
+    assert grid == [NO_ROUTE] * 2 + list(range(n - 1)) + [NO_ROUTE] * (R - len(t.response_ids) + 1)
+    assert len(grid) == P + R
+
+
 def test_several_calls_in_a_turn_run_up_to_max_parallel_calls(tools_model):
     _, tok = tools_model
     chat = ChatFormat(tok)

@@ -287,3 +287,14 @@ def test_moe_activations_count_every_token_top_k_times():
     assert mp.activation_bytes(shape, 2, 8, mg, 100, backward=False) == sparse + logits  # one layer: the larger
     every_layer_sparse = mp.Shape.from_hf({**TINY_MOE, "mlp_only_layers": []})
     assert mp.activation_bytes(every_layer_sparse, 2, 8, mg, 100, backward=True) == 2 * sparse + logits
+
+
+def test_a_moe_models_transition_counts_the_piece_staged_for_vllms_loaders(capsys, monkeypatch, tmp_path):
+    """A MoE model's dense weights reach vLLM-GPU through its loaders: the largest piece, the embedding
+    (151936 x 2048 bf16 for Qwen3-30B-A3B), staged whole; a dense model's go in place (no such line)."""
+    monkeypatch.chdir(tmp_path)
+    assert mp.main(["--config", os.path.join(REPO, "configs", "gsm8k_qwen3_30b_a3b_gspo.yaml")]) == 0
+    staged = [line for line in capsys.readouterr().out.splitlines() if "staged for vLLM's loaders" in line]
+    assert len(staged) == 1 and float(staged[0].split()[-1]) == round(151936 * 2048 * 2 / 2**30, 2)
+    assert mp.main(["--config", os.path.join(REPO, "configs", "gsm8k_qwen3_8b_grpo.yaml")]) == 0
+    assert "staged for vLLM's loaders" not in capsys.readouterr().out

@@ -47,8 +47,6 @@ def test_the_moe_overlay_replays_vllms_routes():
     (["actor.megatron.pipeline_model_parallel_size=2", "actor.megatron.expert_model_parallel_size=1",
       "rollout.enable_rollout_routing_replay=false",
       "actor.megatron.router_replay.mode=R2"], "R2 is not supported with actor.megatron.pipeline_model_parallel_size"),
-    (["rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=configs/tools/calculator.yaml"],
-     "R3 takes single-turn rollouts"),
 ])
 def test_what_cannot_replay_is_refused_in_one_line(overrides, message):
     with pytest.raises((ValueError, ConfigError), match=message):
