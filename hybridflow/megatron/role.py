@@ -114,7 +114,7 @@ class MegatronRole:
         }
         self.offload_settings = offload
         self.routing = ModelRouting(self.module, self.tf_config.sequence_parallel) if routing_replay else None
-        self._recording = False
+        self._recording, self._routed = False, None
         # Rows of one GRPO group may share one packed prompt (workers/row_layout.shared_prompt_rows) where attention
         # honours an arbitrary mask: megatron's local spec with its torch softmax (masked_softmax_fusion off)
         # on CPU, one pipeline stage. On GPU the attention kernels apply the causal mask only
@@ -211,6 +211,8 @@ class MegatronRole:
             with megatron_core.rope_at_positions(self.module, mb["position_ids"]) if packed is not None else contextlib.nullcontext():
                 out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=packed,
                             **_packed_sequences(mb))
+            if self._routed is not None:  # this stage's routing of the micro-batch, before the next one's
+                self._routed.append(device.to_host(self.routing_outputs(mb)))
             return out, partial(loss_fn, mb)
 
         with megatron_core.cpu_scope():
@@ -223,21 +225,39 @@ class MegatronRole:
         """Forward only; ``output_fn(mb, model_output) -> dict of tensors`` per micro-batch, on host. With routing
         replay the outputs also hold, per input row, ``routed_experts`` [n, T, L, k] (what the routers chose)
         when ``record_routes``, and where the micro-batch replays routes ``routing_differing`` / ``routing_counted``
-        [n]: token-layers of the last stage whose own top-k differed from the replayed one / were replayed."""
+        [n]: token-layers whose own top-k differed from the replayed one / were replayed. Every pipeline stage
+        routes its own layers: their parts meet on the last stage (``_routing_of_all_stages``)."""
         def loss_fn(mb, output):
             with torch.no_grad():
-                return torch.zeros((), device=output.device), device.to_host({**output_fn(mb, output),
-                                                                             **self.routing_outputs(mb)})
+                return torch.zeros((), device=output.device), device.to_host(output_fn(mb, output))
 
         self.model.eval()
         self._recording = record_routes and self.routing is not None
+        self._routed = [] if self.routing is not None else None
         try:
             with torch.no_grad(), self.resident():
-                return self._run_schedule(micro_batches, loss_fn, forward_only=True)
+                outs = self._run_schedule(micro_batches, loss_fn, forward_only=True)
+                routed = self._routing_of_all_stages(self._routed)
         finally:
-            self._recording = False
+            self._recording, self._routed = False, None
             if self.routing is not None:
                 self.routing.clear()
+        return [{**o, **r} for o, r in zip(outs, routed)] if routed else outs
+
+    def _routing_of_all_stages(self, routed: list[dict] | None) -> list[dict] | None:
+        """Each micro-batch's routing outputs (``routing_outputs``) of every pipeline stage merged: the recorded
+        routes by maximum (a stage leaves other stages' layers ``NO_ROUTE``), the counts summed."""
+        if not routed or self.shard.pp_size == 1:
+            return routed
+        from megatron.core import parallel_state as ps
+
+        for r in routed:
+            for key, value in r.items():
+                merged = device.to_device(value.to(torch.int32 if key == "routed_experts" else torch.float64))
+                dist.all_reduce(merged, op=dist.ReduceOp.MAX if key == "routed_experts" else dist.ReduceOp.SUM,
+                                group=ps.get_pipeline_model_parallel_group())
+                r[key] = device.to_host(merged).to(value.dtype)
+        return routed
 
     def _route(self, mb: dict) -> None:
         """Set the routers up for this micro-batch's forward: replay its ``routed_experts``, record, or neither."""
@@ -251,17 +271,24 @@ class MegatronRole:
             self.routing.clear()
 
     def routing_outputs(self, mb: dict) -> dict:
-        """Per input row of the micro-batch just forwarded: the routes replayed, how many differed from the
-        routers' own choice, or the routes recorded (``forward``); every TP rank of the last stage calls it."""
+        """Per input row of the micro-batch this stage just forwarded, for its own layers: how many of the routes
+        replayed differed from the routers' own choice, or the routes recorded (``forward``); every TP rank of the
+        stage calls it."""
         if self.routing is None:
             return {}
         rows, pos = mb["input_ids"].shape[0], mb["token_position"]
         if "routed_experts" in mb:
             cells = routing.routed_cells(mb["routed_experts"], pos)
+            if not self.routing.routers:  # a stage of dense layers only
+                return {"routing_differing": torch.zeros(len(pos), dtype=torch.float64),
+                        "routing_counted": torch.zeros(len(pos), dtype=torch.float64)}
             differ = routing.from_layout(self.routing.differing(rows), pos, 0)
             return {"routing_differing": (differ * cells).sum(1).double(),
                     "routing_counted": cells.sum(1).double() * len(self.routing.layers)}
         if self._recording:
+            if not self.routing.routers:  # a stage of dense layers only: the other stages' routes
+                shape = (*pos.shape, self.tf_config.num_layers, self.tf_config.moe_router_topk)
+                return {"routed_experts": torch.full(shape, routing.NO_ROUTE, dtype=torch.int16)}
             routes = self.routing.recorded(rows, self.tf_config.num_layers)
             return {"routed_experts": routing.from_layout(routes, pos, routing.NO_ROUTE)}
         return {}

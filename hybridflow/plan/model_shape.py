@@ -26,6 +26,9 @@ class Shape:
     qk_norm: bool = False  # Qwen3's per-head q_norm/k_norm
     top_k: int = 0  # MoE: experts each token goes through
     sparse_layers: int | None = None  # MoE layers (None: every layer); the rest dense (mlp_only_layers)
+    # MoE, an assumption rather than a shape: the routed tokens the busiest expert-parallel rank computes, over an
+    # even share (1.0: balanced routing; without load balancing a few hot experts draw several times their share)
+    routing_skew: float = 1.0
 
     @classmethod
     def from_hf(cls, c: dict) -> Shape:

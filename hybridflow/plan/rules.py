@@ -149,9 +149,8 @@ def check_schedule(cfg, on_gpu: bool) -> None:
 def check_routing_replay(cfg, model) -> None:
     """actor.megatron.router_replay (megatron/routing.py) and rollout.enable_rollout_routing_replay: R3 replays what
     the rollout returns, R2 what the old-log-prob forward records (verl refuses both sources at once); neither on a
-    dense model, through the fused TE router (it never asks megatron's RouterReplay), or with pipeline stages where
-    they would go wrong: R2's recorded routes come back from the last stage only, and a recomputed layer of an
-    interleaved 1F1B schedule would replay a later micro-batch's."""
+    dense model, through the fused TE router (it never asks megatron's RouterReplay), or with pipeline stages and
+    activation recompute: a layer recomputed in 1F1B's backward would replay a later micro-batch's routes."""
     mode, m = cfg.actor.megatron.router_replay.mode, cfg.actor.megatron
     key = "actor.megatron.router_replay.mode"
     returned = cfg.rollout.enable_rollout_routing_replay
@@ -170,7 +169,6 @@ def check_routing_replay(cfg, model) -> None:
     if m.override_transformer_config.get("moe_router_fusion"):
         raise ValueError(f"{key} {mode}: actor.megatron.override_transformer_config.moe_router_fusion's TE router "
                          "does not replay routes")
-    if m.pipeline_model_parallel_size > 1 and (mode == "R2" or m.override_transformer_config.get(
-            "recompute_granularity")):
-        raise ValueError(f"{key} {mode} is not supported with actor.megatron.pipeline_model_parallel_size > 1"
-                         + (" and activation recompute" if mode == "R3" else ""))
+    if m.pipeline_model_parallel_size > 1 and m.override_transformer_config.get("recompute_granularity"):
+        raise ValueError(f"{key} {mode} is not supported with actor.megatron.pipeline_model_parallel_size > 1 and "
+                         "activation recompute (override_transformer_config.recompute_granularity)")

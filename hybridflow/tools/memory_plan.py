@@ -58,6 +58,7 @@ Assumptions (estimates meant to err on the high side, not exact accounting):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -102,10 +103,10 @@ def moe_mlp_bytes_per_token(s: Shape) -> float:
     through top_k experts, and each copy keeps its dispatched input (h), the SwiGLU fc1 output (2f), the
     activation and its product (f each, fc2's input) and the expert output the combine weights (h):
     top_k x (4h + 8f) bytes; plus the fp32 router logits (4 x experts) and a shared expert's SwiGLU
-    (2h + 8 f_shared). Balanced routing assumed: an expert that draws more than its share (load balancing
-    is off by default) holds proportionally more on its rank."""
+    (2h + 8 f_shared). The routed part scaled by ``routing_skew`` (--moe-routing-skew): a rank whose experts draw
+    more than their share of the tokens (load balancing is off by default) holds proportionally more."""
     h, f, fs = s.hidden, s.moe_intermediate, s.shared_intermediate
-    return s.top_k * (4 * h + 8 * f) + 4 * s.experts + (2 * h + 8 * fs if fs else 0)
+    return s.routing_skew * s.top_k * (4 * h + 8 * f) + 4 * s.experts + (2 * h + 8 * fs if fs else 0)
 
 
 def activation_bytes(s: Shape, b: int, seq: int, mg, out_width: int, backward: bool, in_flight: int = 1) -> float:
@@ -350,8 +351,15 @@ def main(argv=None) -> int:
     ap.add_argument("--cuda-graph-gib", type=float, default=CUDA_GRAPH_GIB,
                     help=f"a sleeping vLLM's CUDA-graph pool, GiB (default {CUDA_GRAPH_GIB:g}; vLLM logs its own "
                          "estimate at start-up)")
+    ap.add_argument("--moe-routing-skew", type=float, default=1.0,
+                    help="MoE: the routed tokens of the busiest expert-parallel rank over an even share (default 1: "
+                         "balanced routing)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = ap.parse_args(argv)
+    if args.moe_routing_skew < 1:
+        print("memory_plan: --moe-routing-skew must be >= 1 (the busiest rank draws at least an even share)",
+              file=sys.stderr)
+        return 2
 
     try:
         cfg = load_experiment([args.config], args.overrides)
@@ -362,7 +370,7 @@ def main(argv=None) -> int:
         print(f"memory_plan: {e}", file=sys.stderr)
         return 2
     try:
-        shape = _read_shape(shapes)
+        shape = dataclasses.replace(_read_shape(shapes), routing_skew=args.moe_routing_skew)
         rm_shape = _read_shape(rm_shapes) if rm_shapes else None
     except ValueError as e:
         print(f"memory_plan: {e}", file=sys.stderr)

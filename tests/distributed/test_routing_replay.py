@@ -1,6 +1,6 @@
 """MoE routing replay (megatron/routing.py) on the tiny Qwen3-MoE and Qwen2-MoE (shared expert) at TP 1, TP 2 with
-sequence parallel, and EP 2: the routes the log-prob forward records (R2's source) replay to the same log-probs
-in the same and in another micro-batch layout (shared prompts -> token-budget packing) within fp32 rounding;
+sequence parallel, EP 2 and PP 2 (each stage routes its own layers): the routes the log-prob forward records (R2's
+source) replay to the same log-probs in the same and in another micro-batch layout (shared prompts -> token-budget packing) within fp32 rounding;
 routes that differ from the routers' own choice change the log-probs and are counted by the routing-difference
 metric; and an update replaying the routers' own choice equals the update without replay (the gate's gradient
 flows as without it)."""
@@ -17,8 +17,8 @@ from tests.numerics import assert_close
 pytestmark = pytest.mark.distributed
 
 ARCHS = ("qwen3_moe", "qwen2_moe")
-LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (t, e); data parallel = e
-IDS = [f"tp{t}_ep{e}" for t, e in LAYOUTS]
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (t, e, p); data parallel = e
+IDS = [f"tp{t}_ep{e}" + (f"_pp{p}" if p > 1 else "") for t, e, p in LAYOUTS]
 
 
 def grouped_batch():
@@ -41,7 +41,7 @@ def _flip_first_routes(routes, mask, num_experts):
     return flipped
 
 
-def _rank_fn(rank, world, root, tp, ep):
+def _rank_fn(rank, world, root, tp, ep, pp):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import parallel
@@ -50,7 +50,7 @@ def _rank_fn(rank, world, root, tp, ep):
     from hybridflow.workers.common import open_hf_folder
     from hybridflow.workers.row_layout import TokenBudget
 
-    parallel.init_model_parallel(tp, 1, seed=1, ep=ep, etp=1 if ep > 1 else None)
+    parallel.init_model_parallel(tp, pp, seed=1, ep=ep, etp=1 if ep > 1 else None)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     actor_cfg, _ = _settings()
     shard = grouped_batch().chunk(dp)[dp_rank]
@@ -61,18 +61,25 @@ def _rank_fn(rank, world, root, tp, ep):
         actor = MegatronRole(cfg, weights, optim=optim, sequence_parallel=tp > 1, routing_replay=True)
         assert actor.routing.routers, "no router records or replays"
         own = role_ops.log_probs(actor, shard, 2, record_routes=True)
-        routes = own["routed_experts"]
+        routes = [own["routed_experts"]]  # on the last stage; the driver hands the batch to every stage
+        if pp > 1:
+            group = ps.get_pipeline_model_parallel_group()
+            torch.distributed.broadcast_object_list(routes, src=torch.distributed.get_process_group_ranks(group)[-1],
+                                                    group=group)
+        routes = routes[0]
         with_routes = lambda r: shard.union(type(shard).from_dict(tensors={"routed_experts": r}))  # noqa: E731
         same = role_ops.log_probs(actor, with_routes(routes), 2)
         packed = role_ops.log_probs(actor, with_routes(routes), TokenBudget(3 * (P + R), "k"))
         flipped = _flip_first_routes(routes, shard.tensors["attention_mask"].bool(), cfg.num_experts)
         other = role_ops.log_probs(actor, with_routes(flipped), 2)
-        res = dict(own=own, same=same, packed=packed, other=other, layers=len(actor.routing.layers))
+        # the tiny models' layers are all sparse
+        res = dict(own=own, same=same, packed=packed, other=other, layers=actor.tf_config.num_layers)
         replayed = role_ops.update_policy(actor, with_routes(routes), actor_cfg, dp)
-        res["replayed_update"] = (replayed["actor/pg_loss"], {k: v.clone() for k, v in actor.hf_state_dict().items()})
+        res["replayed_update"] = (replayed.get("actor/pg_loss"),  # on the last stage
+                                  {k: v.clone() for k, v in actor.hf_state_dict().items()})  # on rank 0
         plain = MegatronRole(cfg, weights, optim=optim, sequence_parallel=tp > 1)
         m = role_ops.update_policy(plain, shard, actor_cfg, dp)
-        res["plain_update"] = (m["actor/pg_loss"], {k: v.clone() for k, v in plain.hf_state_dict().items()})
+        res["plain_update"] = (m.get("actor/pg_loss"), {k: v.clone() for k, v in plain.hf_state_dict().items()})
         out[arch] = res
     return {"collect": parallel.dispatch_info()["collect"], "dp_rank": dp_rank, **out}
 
@@ -86,7 +93,7 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(root):
-    return batched_worlds(one_case, {i: (t * e, (_rank_fn, root, t, e)) for i, (t, e) in zip(IDS, LAYOUTS)})
+    return batched_worlds(one_case, {i: (t * e * p, (_rank_fn, root, t, e, p)) for i, (t, e, p) in zip(IDS, LAYOUTS)})
 
 
 @pytest.mark.parametrize("case", IDS)
@@ -122,8 +129,11 @@ def test_recorded_routes_replay_exactly_and_other_routes_are_counted(results, ca
 
 @pytest.mark.parametrize("case", IDS)
 def test_an_update_replaying_the_own_routes_equals_the_plain_update(results, case):
-    r = results(case)[0]
+    ranks = results(case)
     for arch in ARCHS:
-        (loss_a, hf_a), (loss_b, hf_b) = r[arch]["replayed_update"], r[arch]["plain_update"]
-        assert_close(loss_a, loss_b, what=f"{arch} policy loss")
+        (_, hf_a), (_, hf_b) = ranks[0][arch]["replayed_update"], ranks[0][arch]["plain_update"]
         assert_close(hf_a, hf_b, what=f"{arch} weights after one update (router weights included)")
+        for r in ranks:
+            (loss_a, _), (loss_b, _) = r[arch]["replayed_update"], r[arch]["plain_update"]
+            if loss_b is not None:
+                assert_close(loss_a, loss_b, what=f"{arch} policy loss")

@@ -1,5 +1,6 @@
 """The memory planner: parameter counts, per-item bytes checked by hand, offload phases, and the shipped configs."""
 
+import dataclasses
 import json
 import os
 
@@ -287,6 +288,23 @@ def test_moe_activations_count_every_token_top_k_times():
     assert mp.activation_bytes(shape, 2, 8, mg, 100, backward=False) == sparse + logits  # one layer: the larger
     every_layer_sparse = mp.Shape.from_hf({**TINY_MOE, "mlp_only_layers": []})
     assert mp.activation_bytes(every_layer_sparse, 2, 8, mg, 100, backward=True) == 2 * sparse + logits
+    # routing skew 1.5: the busiest rank's experts compute 1.5 x its share of the top_k copies (4 x 512 of 2080)
+    skewed = dataclasses.replace(shape, routing_skew=1.5)
+    assert mp.activation_bytes(skewed, 2, 8, mg, 100, backward=False) == sparse + 8 * 2 * 0.5 * 4 * 512 + logits
+
+
+def test_routing_skew_is_a_flag_and_at_least_balanced(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    config = os.path.join(REPO, "configs", "gsm8k_qwen3_30b_a3b_gspo.yaml")
+    assert mp.main(["--config", config, "--moe-routing-skew", "0.5"]) == 2
+    assert "--moe-routing-skew must be >= 1" in capsys.readouterr().err
+    assert mp.main(["--config", config]) == 0
+    balanced = capsys.readouterr().out
+    assert mp.main(["--config", config, "--moe-routing-skew", "2"]) in (0, 1)
+    def activations(out):
+        return float(next(line for line in out.splitlines() if "actor activations" in line).split()[-1])
+
+    assert activations(capsys.readouterr().out) > activations(balanced)
 
 
 def test_a_moe_models_transition_counts_the_piece_staged_for_vllms_loaders(capsys, monkeypatch, tmp_path):

@@ -45,8 +45,10 @@ def test_the_moe_overlay_replays_vllms_routes():
     (["actor.megatron.router_replay.mode=disabled"], "enable_rollout_routing_replay returns vLLM's routes"),
     (["actor.megatron.override_transformer_config.moe_router_fusion=true"], "moe_router_fusion's TE router"),
     (["actor.megatron.pipeline_model_parallel_size=2", "actor.megatron.expert_model_parallel_size=1",
-      "rollout.enable_rollout_routing_replay=false",
-      "actor.megatron.router_replay.mode=R2"], "R2 is not supported with actor.megatron.pipeline_model_parallel_size"),
+      "actor.megatron.override_transformer_config.recompute_granularity=full",
+      "actor.megatron.override_transformer_config.recompute_method=uniform",
+      "actor.megatron.override_transformer_config.recompute_num_layers=1"],
+     "R3 is not supported with actor.megatron.pipeline_model_parallel_size > 1 and activation recompute"),
 ])
 def test_what_cannot_replay_is_refused_in_one_line(overrides, message):
     with pytest.raises((ValueError, ConfigError), match=message):
