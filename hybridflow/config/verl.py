@@ -52,6 +52,8 @@ _SAME_LEAVES = {
     "trainer.": ("experiment_name", "total_epochs", "logger", "project_name", "val_before_train", "balance_batch"),
     "custom_reward_function.": ("path", "name"),
     "reward_model.": ("enable",),
+    _MODEL + "lora.": ("rank", "alpha", "dropout", "target_modules", "exclude_modules", "lora_A_init_method",
+                       "lora_B_init_method", "merge", "adapter_path"),
     _R + "val_kwargs.": ("temperature", "top_p", "top_k", "n"),
     "reward.sandbox_fusion.": _SANDBOX_LEAVES,
 }
@@ -63,7 +65,7 @@ _MEGATRON = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequ
 _OURS_PREFIX = {_A: "actor.", _R: "rollout.", "algorithm.kl_ctrl.": "algorithm.kl_ctrl.",
                 _R + "val_kwargs.": "rollout.val_kwargs.",
                 _R + "multi_turn.": "rollout.multi_turn.",
-                _A + "policy_loss.": "actor.policy_loss."}
+                _A + "policy_loss.": "actor.policy_loss.", _MODEL + "lora.": "model.lora."}
 
 _OVERLONG_SECTIONS = ("reward.reward_kwargs.overlong_buffer_cfg", "reward_model.reward_kwargs.overlong_buffer_cfg",
                       "reward_model.overlong_buffer")
@@ -118,6 +120,10 @@ RENAMED = {
     _R + "checkpoint_engine.update_weights_bucket_megabytes": "rollout.checkpoint_engine.update_weights_bucket_megabytes",
     "reward_model.micro_batch_size_per_gpu": "reward_model.micro_batch_size",
     _A + "megatron.router_replay.mode": "actor.megatron.router_replay.mode",  # MoE routing replay (R2, R3)
+    # LoRA: the FSDP engine's names (peft) and the megatron section's (Megatron-Bridge) both onto model.lora
+    _MODEL + "lora_rank": "model.lora.rank",
+    _MODEL + "lora_alpha": "model.lora.alpha",
+    _MODEL + "lora_adapter_path": "model.lora.adapter_path",
     _R + "enable_rollout_routing_replay": "rollout.enable_rollout_routing_replay",
     # DAPO's overlong shaping: verl 0.9.1's DAPO reward manager reads reward.reward_kwargs.overlong_buffer_cfg
     # (reward_model.reward_kwargs is moved there by verl's migrate_legacy_reward_impl); the DAPO recipe's older
@@ -160,6 +166,10 @@ MUST_AGREE = {
     "trainer.device": "cuda",
     "async_training.require_batches": 1,  # a step's mini-batches come from one batch of data.batch_size prompts
     "trainer.v1.separate_async.hybrid_rollout.enable_switch": False,  # the trainer's devices are not lent to rollout
+    _MODEL + "lora.type": "lora",  # Megatron-Bridge's fused lora (canonical_lora, dora, vlm_lora are not built here)
+    _MODEL + "lora.dropout_position": "pre",
+    _MODEL + "lora.a2a_experimental": False,
+    _MODEL + "lora.dtype": None,  # the adapters take the model's dtype (fp32 main params in the optimizer)
 }
 _STRATEGY = "an FSDP run becomes megatron data parallelism with the distributed optimizer (this module's docstring)"
 _FSDP_ONLY = "FSDP's wrapping/sharding detail; megatron's distributed optimizer shards state here"
@@ -215,6 +225,8 @@ NO_EFFECT = {  # verl key -> why it changes nothing here
                                        "rollout from the standalone pool (verl's hybrid replicas on the trainer's "
                                        "devices are not built)",
     "algorithm.filter_groups.max_inflight_gen_batches": "dynamic sampling generates one batch at a time here",
+    **{_MODEL + f"lora.{k}": "vision-language models are not supported here"
+       for k in ("freeze_vision_model", "freeze_vision_projection", "freeze_language_model")},
 }
 _PROFILE = ("verl's profiler hooks (nsys, npu, torch, torch_memory, precision_debugger) wrap its workers' stages; "
             "hybridflow has none: each stage's seconds are in every step's time/* metrics, and a profiler runs the "
@@ -274,6 +286,10 @@ _LISTS = ("data.train_files", "data.val_files", "trainer.logger")
 # ours -> (verl key, reason). tests/unit/test_verl_overrides.py compares every mapped key's default with
 # verl's and fails on one not listed here.
 DIFFERENCES = {
+    "model.lora.alpha": ("actor_rollout_ref.model.lora_alpha", "32, the megatron section's (lora.alpha); the FSDP "
+                                                               "name's 16 applies when a command line sets lora_rank"),
+    "model.lora.merge": ("actor_rollout_ref.model.lora.merge", "true: merged weights reach vLLM through the resharding "
+                                                               "engine; adapter-only sync into vLLM's LoRA is not built"),
     "data.val_batch_size": ("data.val_batch_size", "verl's null sends the whole validation set to one generate "
                                                    "call; 256 prompts per call bounds the driver's memory"),
     "actor.ppo_mini_batch_size": ("actor_rollout_ref.actor.ppo_mini_batch_size",
@@ -328,6 +344,44 @@ def _ours(key: str):
         if key.startswith(section) and len(key) > len(section):
             return ours + key[len(section):]
     return None
+
+
+# peft's module names (verl's FSDP target_modules) -> the megatron linear holding each
+_HF_LINEARS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+               "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+
+
+def _lora_targets(arg: str, value: str) -> str:
+    """verl's FSDP ``target_modules`` (``all-linear`` or peft's names) as megatron's linears, in a YAML list.
+    A fused linear's adapter covers all its projections (q_proj alone adapts linear_qkv)."""
+    import yaml
+
+    try:
+        names = yaml.safe_load(value)
+    except yaml.YAMLError:
+        names = value
+    if names == "all-linear":
+        names = list(_HF_LINEARS)
+    names = [names] if isinstance(names, str) else names
+    if not isinstance(names, list) or any(n not in _HF_LINEARS for n in names):
+        raise ConfigError(f"verl override {arg!r}: expects all-linear or a list of {', '.join(_HF_LINEARS)}")
+    return "[" + ",".join(dict.fromkeys(_HF_LINEARS[n] for n in names)) + "]"
+
+
+_FSDP_LORA = (_MODEL + "lora_rank", _MODEL + "target_modules", _MODEL + "exclude_modules")
+
+
+def _fsdp_lora(key: str, arg: str, value: str, implied: list, ours: list, unsupported: list) -> None:
+    """verl's FSDP LoRA keys (peft's): lora_rank (whose lora_alpha defaults to 16, the megatron section's to 32),
+    target_modules in peft's names, exclude_modules (a peft regex: only null is taken)."""
+    why = f"verl override '{arg}'"
+    if key.endswith("lora_rank"):
+        implied.append(Override("model.lora.alpha=16", f"{why} (verl's FSDP default lora_alpha)"))
+        ours.append(Override(f"model.lora.rank={value}", why))
+    elif key.endswith("target_modules"):
+        ours.append(Override(f"model.lora.target_modules={_lora_targets(arg, value)}", why))
+    elif value.strip() not in ("null", "None", ""):
+        unsupported.append(f"{key} (peft's exclude regex; model.lora.exclude_modules takes megatron's names)")
 
 
 def _gpu_count(arg: str, value: str, minimum: int = 1) -> int:
@@ -386,6 +440,8 @@ def translate(verl_args: list[str]) -> Translation:
             if _is_true(value):  # first, so explicit override_transformer_config entries win
                 implied.extend(Override(f"{_CHECKPOINTING[key]}{k}={v}", f"verl override '{arg}'")
                             for k, v in _RECOMPUTE.items())
+        elif key in _FSDP_LORA:
+            _fsdp_lora(key, arg, value, implied, ours, unsupported)
         elif (target := _ours(key)) is None:
             unsupported.append(key)
         else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.megatron import checkpoint_files
+from hybridflow.megatron import checkpoint_files, lora
 from hybridflow.patches import megatron_core
 
 _METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
@@ -25,6 +25,8 @@ _SCHEDULER = "lr_scheduler"
 
 def _sharded_state_dict(role, loading: bool) -> dict:
     model_sd = role.module.sharded_state_dict()
+    if lora.adapters(role.module):  # LoRA: the adapters only; the frozen base comes from model.path
+        model_sd = {k: v for k, v in model_sd.items() if lora.is_adapter(k)}
     state = {"model": model_sd}
     if role.optimizer is not None:
         state["optimizer"] = role.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=_METADATA)
@@ -66,7 +68,7 @@ def load_role(role, path: str, *, with_optimizer: bool = True) -> None:
         # torch's CheckpointException, which derives from BaseException (torch/distributed/checkpoint/api.py).
         except (Exception, CheckpointException) as e:
             raise checkpoint_files.load_error(path, e) from e
-        role.module.load_state_dict(loaded["model"], strict=True)
+        _load_model(role.module, loaded["model"])
         if training:
             # Loads the fp32 main params of 16-bit models too (the model's copies came with "model").
             _load_optimizer(role.optimizer, loaded["optimizer"])
@@ -74,6 +76,18 @@ def load_role(role, path: str, *, with_optimizer: bool = True) -> None:
                 raise checkpoint_files.DamagedCheckpoint(
                     f"checkpoint {path} holds no learning-rate schedule state (saved before schedules were kept)")
             _load_scheduler(role.scheduler, loaded[_SCHEDULER])
+
+
+def _load_model(module, state: dict) -> None:
+    """The loaded weights into ``module``: all of them, or with LoRA its adapters (every one, nothing else)."""
+    if not lora.adapters(module):
+        module.load_state_dict(state, strict=True)
+        return
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if lora.is_adapter(k)]
+    if missing or unexpected:
+        raise checkpoint_files.DamagedCheckpoint(f"LoRA checkpoint: adapters missing {missing[:3]}, "
+                                                 f"unexpected entries {unexpected[:3]}")
 
 
 def _distributed_torch_adam(optimizer):

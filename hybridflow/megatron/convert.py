@@ -25,6 +25,7 @@ import torch
 from hybridflow import families
 from hybridflow.families import weights
 from hybridflow.families.weights import Split
+from hybridflow.megatron import lora
 from hybridflow.megatron.hf_weights import tp_chunk
 
 
@@ -99,7 +100,7 @@ def is_expert_param(name: str) -> bool:
     return weights.is_expert(name)
 
 
-def _to_megatron(weight: weights.Weight, src: str, part, cfg, tp_size: int) -> torch.Tensor:
+def weight_to_megatron(weight: weights.Weight, src: str, part, cfg, tp_size: int) -> torch.Tensor:
     """One megatron tensor (this rank's TP chunk) from its HF tensors under layer prefix ``src``."""
     if weight.split is Split.QKV:
         return fuse_qkv(*(part(src + h, 0) for h in weight.hf), cfg, tp_size)
@@ -108,7 +109,7 @@ def _to_megatron(weight: weights.Weight, src: str, part, cfg, tp_size: int) -> t
     return part(src + weight.hf[0], weight.split.dim)
 
 
-def _to_hf(weight: weights.Weight, tensor: torch.Tensor, dst: str, cfg, tp_size: int) -> dict:
+def weight_to_hf(weight: weights.Weight, tensor: torch.Tensor, dst: str, cfg, tp_size: int) -> dict:
     """The HF tensors of one TP-gathered megatron tensor, under layer prefix ``dst``. A gathered linear_fc1
     is ``tp_size`` concatenated [gate_r; up_r] blocks."""
     if weight.split is Split.QKV:
@@ -142,9 +143,9 @@ def hf_to_megatron(hf_sd: Mapping, cfg, shard: Shard = Shard(), *, value_head: b
     for local, layer in enumerate(shard.layer_range(cfg.num_hidden_layers)):
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
         for w in family.layer_weights(cfg, layer):
-            out[dst + w.megatron] = _to_megatron(w, src, part, cfg, shard.tp_size)
+            out[dst + w.megatron] = weight_to_megatron(w, src, part, cfg, shard.tp_size)
         for w in family.layer_experts(cfg, layer, held):
-            out[dst + w.megatron] = _to_megatron(w, src, expert_part, cfg, etp_size)
+            out[dst + w.megatron] = weight_to_megatron(w, src, expert_part, cfg, etp_size)
     if shard.last_stage:
         out[weights.FINAL_NORM.megatron] = part(weights.FINAL_NORM.hf[0], None)
         if value_head:
@@ -242,8 +243,9 @@ def grouped_expert_views(module: torch.nn.Module) -> dict:
 
 def local_state_dict(module: torch.nn.Module) -> dict:
     """This rank's parameters of a megatron GPTModel, detached, in the local spec's names (grouped experts
-    as SequentialMLP's: copies for megatron's GroupedMLP, whose experts are transposed slices)."""
-    sd = canonical_names(module.state_dict())
+    as SequentialMLP's: copies for megatron's GroupedMLP, whose experts are transposed slices); with LoRA the
+    adapted weights merged (megatron/lora.py)."""
+    sd = canonical_names(lora.merged(module, module.state_dict()))
     grouped = grouped_expert_views(module)
     if grouped:
         sd = {k: v for k, v in sd.items() if not re.search(r"\bmlp\.experts\.weight[12]$", k)}
@@ -255,19 +257,24 @@ def local_state_dict(module: torch.nn.Module) -> dict:
 def load_into(model: torch.nn.Module, local_sd: dict) -> None:
     """Copy a converted state dict (local-spec names) into the model, whichever spec built it, failing on
     any parameter left unset or unknown. Tensors are copied onto the model's device and dtype."""
-    own = {k: v for k, v in model.state_dict().items() if not _EXTRA_STATE.search(k)}
+    own = {k: v for k, v in model.state_dict().items() if not _EXTRA_STATE.search(k) and not lora.is_adapter(k)}
     grouped = grouped_expert_views(model)
     if grouped:  # each expert's weight lands in its slice of the grouped tensor
         own = {**{k: v for k, v in own.items() if not re.search(r"\bmlp\.experts\.weight[12]$", k)}, **grouped}
-    local_sd = model_names(local_sd, own)
-    missing = sorted(set(own) - set(local_sd) - {"output_layer.weight"})
-    unknown = sorted(set(local_sd) - set(own))
+    copy_checked(own, model_names(local_sd, own), "weight conversion", optional={"output_layer.weight"})
+
+
+def copy_checked(own: dict, new: dict, what: str, optional=frozenset()) -> None:
+    """Copy ``new``'s tensors into the model's ``own`` (same names; ``optional`` ones may be missing), failing in
+    one line on a name left unset or unknown, or on a shape that differs."""
+    missing = sorted(set(own) - set(new) - set(optional))
+    unknown = sorted(set(new) - set(own))
     if missing or unknown:
-        raise KeyError(f"weight conversion mismatch: missing {missing[:5]}, unexpected {unknown[:5]}")
+        raise KeyError(f"{what} mismatch: missing {missing[:5]}, unexpected {unknown[:5]}")
     with torch.no_grad():
-        for k, v in local_sd.items():
+        for k, v in new.items():
             if own[k].shape != v.shape:
-                raise ValueError(f"{k}: converted shape {tuple(v.shape)} != model shape {tuple(own[k].shape)}")
+                raise ValueError(f"{what}: {k} has shape {tuple(v.shape)}, the model's {tuple(own[k].shape)}")
             own[k].copy_(v)
 
 
@@ -285,17 +292,17 @@ def megatron_to_hf(full_sd: dict, cfg, shard: Shard, *, value_head: bool = False
         for w, tp in ([(w, shard.tp_size) for w in family.layer_weights(cfg, layer)]
                       + [(w, shard.expert_tp[1]) for w in family.layer_experts(cfg, layer)]):
             if src + w.megatron in full_sd:
-                out.update(_to_hf(w, full_sd[src + w.megatron], dst, cfg, tp))
+                out.update(weight_to_hf(w, full_sd[src + w.megatron], dst, cfg, tp))
                 used.add(src + w.megatron)
     if weights.EMBEDDING.megatron in full_sd:
-        out.update(_to_hf(weights.EMBEDDING, full_sd[weights.EMBEDDING.megatron], "", cfg, 1))
+        out.update(weight_to_hf(weights.EMBEDDING, full_sd[weights.EMBEDDING.megatron], "", cfg, 1))
     if weights.FINAL_NORM.megatron in full_sd:
-        out.update(_to_hf(weights.FINAL_NORM, full_sd[weights.FINAL_NORM.megatron], "", cfg, 1))
+        out.update(weight_to_hf(weights.FINAL_NORM, full_sd[weights.FINAL_NORM.megatron], "", cfg, 1))
         # A tied policy's last-stage output layer is megatron's copy of the embedding: not exported.
         tied = not value_head and getattr(cfg, "tie_word_embeddings", False)
         if weights.LM_HEAD.megatron in full_sd and not tied:
             head = weights.VALUE_HEAD if value_head else weights.LM_HEAD
-            out.update(_to_hf(head, full_sd[head.megatron], "", cfg, 1))
+            out.update(weight_to_hf(head, full_sd[head.megatron], "", cfg, 1))
     unknown = sorted(k for k in full_sd if k.startswith("decoder.layers.") and k not in used)
     if unknown:
         raise KeyError(f"{family.architecture} declares no weight {unknown[0]} (hybridflow/families)")

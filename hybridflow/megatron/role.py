@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hybridflow import device
 from hybridflow.families import weights
-from hybridflow.megatron import convert, lr_schedule, parallel, routing
+from hybridflow.megatron import convert, lora, lr_schedule, parallel, routing
 from hybridflow.megatron.routing import ModelRouting
 from hybridflow.megatron.model import build_gpt, moe_layer_pattern_of, transformer_config_from_hf
 from hybridflow.megatron.offload import Offloader, optimizer_tensors
@@ -83,9 +83,11 @@ class MegatronRole:
     def __init__(self, hf_config, hf_state_dict: Mapping | None, *, value_head: bool = False,
                  optim: OptimSettings | None = None, dtype: torch.dtype = torch.float32,
                  sequence_parallel: bool = False, offload: OffloadSettings = OffloadSettings(),
-                 transformer_overrides: dict | None = None, routing_replay: bool = False):
+                 transformer_overrides: dict | None = None, routing_replay: bool = False,
+                 lora_settings: lora.LoRASettings | None = None):
         """``routing_replay``: the MoE routers can record and replay their top-k (megatron/routing.py): a
-        micro-batch with ``routed_experts`` replays them."""
+        micro-batch with ``routed_experts`` replays them. ``lora_settings``: the base weights are frozen and
+        adapters train (megatron/lora.py); the optimizer holds the adapters only."""
         from megatron.core import parallel_state as ps
 
         self.hf_config = hf_config
@@ -101,6 +103,8 @@ class MegatronRole:
                           pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
         if hf_state_dict is not None:  # None: weights come from a checkpoint (megatron.checkpoint.load_role)
             convert.load_into(model, convert.hf_to_megatron(hf_state_dict, hf_config, self.shard, value_head=value_head))
+        if lora_settings is not None:  # before DDP: gradient buffers and optimizer state for the adapters only
+            lora.add_adapters(model, lora_settings, self.tf_config)
         self.optimizer = self.scheduler = None
         if optim is None:
             model.requires_grad_(False)

@@ -74,6 +74,34 @@ def expert_params(s: Shape) -> int:
     return s.moe_layers * s.experts * 3 * s.hidden * s.moe_intermediate
 
 
+def lora_params(s: Shape, rank: int, targets, t: int = 1) -> float:
+    """LoRA adapters' parameters on one of ``t`` TP ranks for the whole model (megatron/lora.py: a column-parallel
+    linear's A [r, in] whole and B [out/t, r] split, a row-parallel one's A [r, in/t] split and B [out, r] whole);
+    MoE layers adapt their shared expert's MLP, not the routed experts. ``targets``: megatron's linear names (a
+    wildcard pattern counts as its last name on every layer: an upper bound)."""
+    return _per_adapted_linear(s, targets, lambda fan_in, fan_out, column: rank * (
+        fan_in + fan_out / t if column else fan_in / t + fan_out))
+
+
+def lora_base_params(s: Shape, targets) -> float:
+    """The weights of the linears LoRA adapts (whole model): what merging W + BA rewrites."""
+    return _per_adapted_linear(s, targets, lambda fan_in, fan_out, column: fan_in * fan_out)
+
+
+def _per_adapted_linear(s: Shape, targets, count) -> float:
+    """Sum of ``count(fan_in, fan_out, column_parallel)`` over the adapted linears of every layer."""
+    leaves = {str(x).rsplit(".", 1)[-1] for x in targets}
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+
+    def layer(inter: int) -> float:
+        sizes = {"linear_qkv": (s.hidden, q + 2 * kv, True), "linear_proj": (q, s.hidden, False),
+                 "linear_fc1": (s.hidden, 2 * inter, True), "linear_fc2": (inter, s.hidden, False)}
+        return sum(count(*size) for name, size in sizes.items() if name in leaves and size[0] and size[1])
+
+    sparse = s.moe_layers
+    return sparse * layer(s.shared_intermediate) + (s.layers - sparse) * layer(s.intermediate)
+
+
 def largest_layer_params(s: Shape) -> int:
     """The largest single decoder layer, experts included."""
     sizes = [layer_params(s, False)] if s.layers > s.moe_layers else []

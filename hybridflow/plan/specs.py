@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridflow.config.schema import Actor, Critic, RewardModel, Rollout, RolloutCorrection
+from hybridflow.config.schema import Actor, Critic, LoRA, RewardModel, Rollout, RolloutCorrection
 from hybridflow.plan.needs import Needs
 
 
@@ -41,6 +41,7 @@ class ActorSpec:
     # max_off_policy_threshold versions or more (None: no bound)
     carry_unfinished: bool = False
     max_off_policy_threshold: int | None = None
+    lora: LoRA | None = None  # model.lora when it trains adapters (rank > 0)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def role_specs(cfg, needs: Needs, total_steps: int | None, actor_layout, generat
     actor = ActorSpec(process, cfg.actor, r, cfg.algorithm.rollout_correction, needs, d.max_prompt_length,
                       d.max_response_length, d.apply_chat_template_kwargs, r.temperature if r.temperature > 0 else 1.0,
                       generation.world if separate else 0, cfg.schedule.mode == "colocate_async",
-                      cfg.schedule.max_off_policy_threshold)
+                      cfg.schedule.max_off_policy_threshold, cfg.model.lora if cfg.model.lora.rank else None)
     rollout = (RolloutSpec(process, r, d.max_prompt_length, d.max_response_length, d.apply_chat_template_kwargs,
                            (actor_layout.pp, actor_layout.tp, actor_layout.dp), partial_rollout(cfg),
                            carry_threshold(cfg.schedule)) if separate else None)

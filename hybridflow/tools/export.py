@@ -1,5 +1,7 @@
 """``hybridflow export --checkpoint DIR --out HF_DIR``: a run checkpoint's actor as a HF folder (config,
-tokenizer, sharded safetensors with index) that transformers and vLLM load.
+tokenizer, sharded safetensors with index) that transformers and vLLM load; a LoRA run's as a peft adapter folder
+on its base model (``adapter_model.safetensors``, ``adapter_config.json``), or with ``--merged`` as the HF model
+with the adapters merged.
 
 One process loads the actor at TP1/PP1 with dist_checkpointing (any saved layout reshards on load) and
 streams it out one layer at a time; the optimizer state is not read. DIR may be a checkpoint
@@ -80,7 +82,9 @@ def check_writable(out_dir: str) -> None:
         raise ConfigError(f"--out {out_dir}: cannot write in {parent} ({e.strerror or type(e).__name__})") from None
 
 
-def export(ckpt: Path, out_dir: str) -> None:
+def export(ckpt: Path, out_dir: str, merged: bool = False) -> None:
+    """The checkpoint's actor as a HF folder; a LoRA run's as a peft adapter folder (its base: the run's
+    model.path), or with ``merged`` as the HF model with the adapters merged."""
     import torch
     import torch.distributed as dist
     import yaml
@@ -91,7 +95,9 @@ def export(ckpt: Path, out_dir: str) -> None:
     from hybridflow.controller.worker import Worker
     from hybridflow.megatron import parallel
     from hybridflow.megatron.checkpoint import load_role
+    from hybridflow.config.schema import LoRA
     from hybridflow.megatron.role import MegatronRole
+    from hybridflow.workers.common import lora_settings, open_hf_folder
     from hybridflow.workers.export import save_hf_folder
 
     hf_config = AutoConfig.from_pretrained(str(ckpt / "hf"))
@@ -103,12 +109,34 @@ def export(ckpt: Path, out_dir: str) -> None:
     dist.init_process_group("gloo" if bound.type == "cpu" else "nccl", rank=0, world_size=1)
     try:
         parallel.init_model_parallel(1, 1, seed=0)
-        actor = MegatronRole(hf_config, None, dtype=dtype)
+        lora = LoRA(**saved.get("model", {}).get("lora", {}))
+        if not lora.rank:
+            actor = MegatronRole(hf_config, None, dtype=dtype)
+        else:  # the checkpoint holds the adapters; the frozen base is the run's model
+            actor = MegatronRole(hf_config, open_hf_folder(saved["model"]["path"])[1], dtype=dtype,
+                                 lora_settings=lora_settings(lora, seed=0))
         load_role(actor, str(ckpt / "actor"), with_optimizer=False)
         with torch.no_grad():
-            save_hf_folder(out_dir, hf_config, actor.iter_hf_weights(), tokenizer)
+            if lora.rank and not merged:
+                _save_adapters(actor, lora, saved["model"]["path"], out_dir)
+            else:
+                save_hf_folder(out_dir, hf_config, actor.iter_hf_weights(), tokenizer)
     finally:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()  # its groups die with the world: a second export in this process makes new ones
         dist.destroy_process_group()
+
+
+def _save_adapters(actor, lora, base_model: str, out_dir: str) -> None:
+    from hybridflow.megatron import lora_peft
+    from hybridflow.megatron.lora import is_adapter
+    from hybridflow.workers.export import save_peft_folder
+
+    full = {k: v for k, v in actor.module.state_dict().items() if is_adapter(k)}  # one rank: whole adapters
+    tensors = lora_peft.to_peft(full, actor.hf_config, actor.shard)
+    save_peft_folder(out_dir, tensors, lora_peft.adapter_config(tensors, lora.rank, lora.alpha, lora.dropout,
+                                                                os.path.abspath(base_model)))
 
 
 def main(argv=None) -> int:
@@ -117,6 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="the HF folder to write (a new or empty folder)")
     ap.add_argument("--force", action="store_true",
                     help="replace an existing --out (atomically); never a run's folder or its files")
+    ap.add_argument("--merged", action="store_true",
+                    help="a LoRA run: the HF model with the adapters merged, not the peft adapter folder")
     args = ap.parse_args(argv)
     try:
         ckpt = resolve(args.checkpoint)
@@ -126,7 +156,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        export(ckpt, args.out)
+        export(ckpt, args.out, merged=args.merged)
     except DamagedCheckpoint as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -68,8 +68,10 @@ from types import SimpleNamespace
 
 from hybridflow.config import ConfigError
 from hybridflow.plan import ParallelLayout, load_experiment, resolve
+from hybridflow.config.schema import LORA_TARGETS
 from hybridflow.plan.model_shape import (Shape, count_params, expert_params, kv_bytes_per_token,  # noqa: F401
-                                         largest_layer_params, layer_params)
+                                         largest_layer_params, layer_params, lora_base_params,
+                                         lora_params)
 
 GiB = 2 ** 30
 CONTEXT_BYTES = 2 * GiB
@@ -124,10 +126,12 @@ def activation_bytes(s: Shape, b: int, seq: int, mg, out_width: int, backward: b
     return (sparse * n_sparse + dense * (stage - n_sparse)) * in_flight + logits
 
 
-def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width: int, trainable=True) -> Role:
+def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width: int, trainable=True,
+              lora=None) -> Role:
     """Per-GPU bytes of a megatron role. Dense parameters are split over TP x PP and their optimizer state
     over DP; routed experts over expert TP x EP x PP and theirs over the expert-data-parallel ranks
-    (n / (etp x ep x pp)), as megatron's distributed optimizer shards each kind in its own group."""
+    (n / (etp x ep x pp)), as megatron's distributed optimizer shards each kind in its own group. ``lora``
+    (model.lora with rank > 0): the adapters are added to the params and alone have gradients and optimizer state."""
     mg = cfg_role.megatron
     layout = ParallelLayout.of(name, mg, n, "")
     tp, etp = layout.tp * layout.pp, layout.etp * layout.ep * layout.pp  # the groups each kind is split over
@@ -139,6 +143,10 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
     if not trainable:  # the reference: forward-only log-probs
         act = activation_bytes(shape, cfg_role.log_prob_micro_batch_size_per_gpu, seq, mg, out_width, False)
         return Role(name, items, off, act, f"forward {cfg_role.log_prob_micro_batch_size_per_gpu} x {seq} tokens")
+    if lora is not None:  # the base frozen: gradients and optimizer state for the adapters only
+        adapters = lora_params(shape, lora.rank, lora.target_modules or LORA_TARGETS, layout.tp) / layout.pp
+        items["params"] += adapters * by
+        per_gpu, P, experts = adapters, adapters * tp, 0
     items["grads"] = per_gpu * 4
     sharded = ((P - experts) / tp / d + experts / etp / ed) if mg.use_distributed_optimizer else per_gpu
     items["optimizer"] = sharded * (12 if by < 4 else 8)
@@ -163,8 +171,9 @@ def reward_model_role(rm, shape: Shape) -> Role:
 def _roles(cfg, run, shape: Shape, P: int, P_c: int, rm_shape: Shape | None) -> tuple[list[Role], Role | None]:
     """Every role of the run, the actor first, and the critic's (None without a critic)."""
     seq, n = run.longest_row, run.actor.world
-    roles = [make_role("actor", cfg.actor, P, shape, seq, n, shape.vocab)]
-    if run.needs.reference:
+    lora = cfg.model.lora if cfg.model.lora.rank else None
+    roles = [make_role("actor", cfg.actor, P, shape, seq, n, shape.vocab, lora=lora)]
+    if run.needs.reference and lora is None:  # with LoRA the reference is the actor with its adapters off
         roles.append(make_role("ref", cfg.actor, P, shape, seq, n, shape.vocab, trainable=False))
     critic = None
     if run.critic is not None:
@@ -223,6 +232,9 @@ def _resharding_buffers(cfg, shape: Shape, P: int, t_g: int | None = None) -> li
         # its experts too at the first sync only (then in place: rollout/fused_experts.py)
         widest = max(shape.vocab, shape.heads * shape.head_dim, shape.moe_intermediate)
         buffers.append(("resharding: one piece staged for vLLM's loaders (MoE)", widest * shape.hidden * by_a))
+    if cfg.model.lora.rank:  # LoRA: the adapted weights merged (W + BA) for vLLM, a copy of this rank's shard of them
+        adapted = lora_base_params(shape, cfg.model.lora.target_modules or LORA_TARGETS)
+        buffers.append(("resharding: LoRA-merged weights", adapted * by_a / (t * p)))
     if shape.experts and (mg_a.expert_model_parallel_size > 1 or (mg_a.expert_tensor_parallel_size or t) != t):
         # the expert all-to-all (transition.Resharder._exchange_experts): every expert's 1/t_g slice of the stage
         buffers.append(("resharding: experts in generation form", expert_params(shape) * by_a / (p * t_g)))

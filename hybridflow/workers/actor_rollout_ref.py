@@ -8,13 +8,14 @@ the driver pushes the actor's weights into vLLM in place (``sync_weights``) afte
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
 from hybridflow import device
 from hybridflow.controller import Dispatch, Worker, register
-from hybridflow.megatron import parallel
+from hybridflow.megatron import lora, parallel
 from hybridflow.megatron.role import MegatronRole
 from hybridflow.protocol import Batch
 from hybridflow.resharding.plan import HybridPlan, Layout
@@ -22,8 +23,8 @@ from hybridflow.resharding.transition import Resharder, TransitionStats
 from hybridflow.resharding import checkpoint_engine
 from hybridflow.resharding.separate import SeparatePlan
 from hybridflow.workers import role_ops
-from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoint, offload_settings, optim_settings,
-                                       ref_offload_settings, save_role_checkpoint)
+from hybridflow.workers.common import (init_megatron_worker, load_lora_adapter, load_role_checkpoint, lora_settings,
+                                       offload_settings, optim_settings, ref_offload_settings, save_role_checkpoint)
 from hybridflow.workers.export import save_hf_folder
 from hybridflow.workers.carry import CarriedGeneration
 from hybridflow.workers.generation import (build_agent_loop, build_vllm_rollout, generate_batch, load_generation_shard,
@@ -44,13 +45,15 @@ class ActorRolloutRefWorker(Worker):
                                                                          "actor.optim"),
                                   dtype=dtype, sequence_parallel=mp.sequence_parallel, offload=offload_settings(mp),
                                   transformer_overrides=mp.override_transformer_config,
-                                  routing_replay=self.replay != "disabled")
+                                  routing_replay=self.replay != "disabled", lora_settings=lora_settings(spec.lora, p.seed))
+        if spec.lora is not None and spec.lora.adapter_path:
+            load_lora_adapter(self.actor, spec.lora.adapter_path)
         # The reference lives in the actor's processes, with the actor's layout and its own param offload; under
-        # R3 it replays vLLM's routes too.
+        # R3 it replays vLLM's routes too. With LoRA it is the actor with its adapters off: no second copy.
         self.ref = MegatronRole(hf_config, state, dtype=dtype, sequence_parallel=mp.sequence_parallel,
                                 offload=ref_offload_settings(spec.actor),
                                 transformer_overrides=mp.override_transformer_config,
-                                routing_replay=self.replay == "R3") if self.needs.reference else None
+                                routing_replay=self.replay == "R3") if self.needs.reference and not spec.lora else None
         del state
         from transformers import AutoTokenizer
 
@@ -154,8 +157,10 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE_3D)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        out = role_ops.log_probs(self.ref, batch, role_ops.log_prob_batching(self.spec.actor, ref=True),
-                                 temperature=self.spec.logit_temperature)
+        base = lora.disabled(self.actor.module) if self.ref is None else contextlib.nullcontext()  # LoRA: no copy
+        with base:
+            out = role_ops.log_probs(self.ref or self.actor, batch, role_ops.log_prob_batching(self.spec.actor, ref=True),
+                                     temperature=self.spec.logit_temperature)
         return role_ops.last_stage_batch(ref_log_prob=out["log_probs"])
 
     @register(Dispatch.DP_COMPUTE_3D)

@@ -7,7 +7,9 @@ import os
 from hybridflow import rng
 from hybridflow.megatron import lr_schedule, parallel
 from hybridflow.megatron.checkpoint import load_role, save_role
+from hybridflow.config.schema import LORA_TARGETS
 from hybridflow.megatron.hf_weights import HFWeights
+from hybridflow.megatron.lora import LoRASettings
 from hybridflow.megatron.role import OffloadSettings, OptimSettings
 
 
@@ -48,6 +50,30 @@ def optim_settings(optim, megatron_cfg, total_steps: int, key: str = "optim"):
     return OptimSettings(lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
                          clip_grad=optim.clip_grad, use_distributed_optimizer=megatron_cfg.use_distributed_optimizer,
                          schedule=lr_schedule.resolve(optim, total_steps, key))
+
+
+def lora_settings(lora_cfg, seed: int):
+    """The adapters' settings from ``model.lora`` (None without LoRA); an empty target_modules means every
+    linear but exclude_modules (verl's meaning)."""
+    if lora_cfg is None:
+        return None
+    c = lora_cfg
+    return LoRASettings(rank=c.rank, alpha=c.alpha, dropout=c.dropout,
+                        target_modules=tuple(c.target_modules or LORA_TARGETS), exclude_modules=tuple(c.exclude_modules),
+                        a_init=c.lora_A_init_method, b_init=c.lora_B_init_method, seed=seed)
+
+
+def load_lora_adapter(role, path: str) -> None:
+    """Start the role's adapters from a peft adapter folder (``adapter_model.safetensors``; model.lora.adapter_path)."""
+    from safetensors.torch import load_file
+
+    from hybridflow.megatron import lora, lora_peft
+
+    file = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"model.lora.adapter_path: no adapter_model.safetensors in {path}")
+    parts = lora_peft.from_peft(load_file(file), role.hf_config, role.shard, set(lora.adapters(role.module)))
+    lora_peft.load(role.module, parts)
 
 
 def offload_settings(megatron_cfg):

@@ -59,16 +59,37 @@ def save_hf_folder(out_dir: str, hf_config, weights, tokenizer=None, max_shard_b
     """``weights``: a state dict, or an iterable of (HF name, tensor) consumed as it is produced. An
     existing ``out_dir`` (a folder or a file) is replaced once the new folder is whole; one holding a run's
     files is refused (FileExistsError) before anything is written."""
+    def fill(tmp: Path) -> None:
+        hf_config.save_pretrained(str(tmp))
+        _write_shards(tmp, weights.items() if isinstance(weights, dict) else weights, max_shard_bytes)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+
+    _write_folder(out_dir, fill)
+
+
+def save_peft_folder(out_dir: str, tensors: dict, adapter_config: dict) -> None:
+    """A peft adapter folder (``adapter_model.safetensors`` under peft's saved names, ``adapter_config.json``),
+    written as ``save_hf_folder`` writes."""
+    from safetensors.torch import save_file
+
+    def fill(tmp: Path) -> None:
+        save_file({k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+
+    _write_folder(out_dir, fill)
+
+
+def _write_folder(out_dir: str, fill) -> None:
+    """``fill(tmp)`` writes a new folder beside ``out_dir``, which replaces it once whole (never a run's folder)."""
     out = Path(out_dir)
     if out.is_dir() and (marker := run_file_in(out)) is not None:
         raise FileExistsError(f"{out} holds a training run ({marker}); a run folder is never replaced")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        hf_config.save_pretrained(str(tmp))
-        _write_shards(tmp, weights.items() if isinstance(weights, dict) else weights, max_shard_bytes)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+        fill(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

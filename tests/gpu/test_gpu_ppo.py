@@ -62,6 +62,10 @@ CASES.insert(2, pytest.param("single", "ppo", OFFLOAD, id="single-ppo-offload"))
 DYNAMIC_BSZ = ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096", "critic.ppo_max_token_len_per_gpu=4096"]
 CASES.append(pytest.param("single", "ppo", DYNAMIC_BSZ, id="single-ppo-dynamic_bsz"))
 CASES.append(pytest.param("actor_tp2", "grpo", DYNAMIC_BSZ, id="actor_tp2-grpo-dynamic_bsz"))
+# LoRA on TE's LayerNorm-linears with sequence parallelism (megatron/lora.py: the norm's output taken per rank);
+# the reference is the actor with its adapters off; vLLM gets the merged weights
+LORA = ["model.lora.rank=8", "actor.optim.lr=1e-3"]
+CASES.append(pytest.param("actor_tp2", "grpo", LORA, id="actor_tp2-grpo-lora"))
 ARCH_CASES = [  # (architecture, GPUs, overrides): GRPO with the KL loss, so the reference runs too
     pytest.param("qwen3", 1, [], id="qwen3-single-grpo"),
     pytest.param("qwen3_moe", 2, ["actor.megatron.expert_model_parallel_size=2", "actor.megatron.param_offload=true",

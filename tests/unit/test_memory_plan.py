@@ -165,7 +165,8 @@ def test_missing_shapes_name_the_file(tiny, capsys, monkeypatch):
 
 
 SHIPPED = ["gsm8k_qwen2.5_0.5b_ppo", "gsm8k_qwen2.5_0.5b_grpo", "gsm8k_qwen2.5_7b_ppo", "gsm8k_qwen2.5_7b_grpo",
-           "gsm8k_qwen2.5_7b_dapo", "gsm8k_qwen3_8b_grpo", "gsm8k_qwen3_8b_tools_grpo", "gsm8k_qwen3_30b_a3b_gspo"]
+           "gsm8k_qwen2.5_7b_dapo", "gsm8k_qwen3_8b_grpo", "gsm8k_qwen3_8b_tools_grpo", "gsm8k_qwen3_30b_a3b_gspo",
+           "gsm8k_qwen2.5_32b_lora_grpo"]
 MARGIN = 0.9  # the plan is an estimate: every phase of a shipped config leaves a tenth of the card free
 
 
@@ -316,3 +317,21 @@ def test_a_moe_models_transition_counts_the_piece_staged_for_vllms_loaders(capsy
     assert len(staged) == 1 and float(staged[0].split()[-1]) == round(151936 * 2048 * 2 / 2**30, 2)
     assert mp.main(["--config", os.path.join(REPO, "configs", "gsm8k_qwen3_8b_grpo.yaml")]) == 0
     assert "staged for vLLM's loaders" not in capsys.readouterr().out
+
+
+def test_lora_counts_the_adapters_alone_as_trained_and_no_reference_copy(tiny):
+    """model.lora: the frozen base in bf16 plus rank-4 adapters, whose gradients (fp32) and optimizer state alone
+    are counted; the reference is the actor with its adapters off (no role of its own, even with a KL loss); the
+    sync holds the adapted weights merged once more. By hand, per layer at TP 1: qkv 4 x (64 + 128), proj
+    4 x (64 + 64), fc1 4 x (64 + 256), fc2 4 x (128 + 64) = 3328 adapter parameters."""
+    r = mp.plan(tiny("model.lora.rank=4", "actor.use_kl_loss=true"), mp.Shape.from_hf(TINY), gpu_mem_gib=1)
+    adapters = 2 * 3328
+    training = rows(r, "training")
+    assert training["actor params"] == (TINY_P + adapters) * 2
+    assert training["actor grads"] == adapters * 4
+    assert training["actor optimizer"] == adapters * 12 / 2  # distributed optimizer over d = 2
+    assert not any(k.startswith("ref ") for k in training)
+    adapted = 2 * (12288 + 24576)  # the four linears' weights of both layers
+    assert rows(r, "transition")["resharding: LoRA-merged weights"] == adapted * 2
+    full = mp.plan(tiny("actor.use_kl_loss=true"), mp.Shape.from_hf(TINY), gpu_mem_gib=1)
+    assert any(k.startswith("ref ") for k in rows(full, "training"))

@@ -309,6 +309,14 @@ def test_hydra_config_name_with_a_space_and_engine_kwargs():
     (["reward_model.sandbox_fusion.url=localhost:8080"], "sandbox_fusion.url must be an http(s) URL"),
     (["+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True"],
      "verl applies overlong shaping only in the dapo reward manager; add reward_model.reward_manager=dapo"),
+    (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.type=dora"],
+     "'actor_rollout_ref.model.lora.type=dora' must equal supported here ('lora')"),
+    (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.merge=False"],
+     "model.lora.merge=false (adapters into vLLM's LoRA) is not supported yet"),
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,lm_head]"],
+     "expects all-linear or a list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
+    (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.exclude_modules=[linear_fc2]"],
+     "model.lora.exclude_modules needs target_modules empty"),
 ])
 def test_unsupported_or_conflicting_verl_keys_are_one_line(args, message):
     with pytest.raises(ConfigError) as err:
@@ -375,3 +383,18 @@ def test_prime_manager_with_a_custom_reward_function_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="reward.manager 'prime' runs the rule and sandbox scorers; "
                                           "custom_reward_function.path is called row by row"):
         resolve(["reward_model.reward_manager=prime", f"custom_reward_function.path={fn}"])
+
+
+def test_lora_keys_of_both_verl_engines():
+    """The megatron section (Megatron-Bridge's names, alpha 32) and the FSDP engine's peft keys (lora_alpha 16,
+    peft's module names onto the megatron linear holding them) both land on model.lora."""
+    cfg = resolve(["actor_rollout_ref.model.lora.rank=16", "actor_rollout_ref.model.lora.target_modules=[linear_qkv]",
+                   "actor_rollout_ref.model.lora.lora_A_init_method=kaiming"])
+    lora = cfg.model.lora
+    assert (lora.rank, lora.alpha, lora.target_modules, lora.lora_A_init_method) == (16, 32, ["linear_qkv"], "kaiming")
+    cfg = resolve(["actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.target_modules=all-linear"])
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha) == (32, 16)
+    assert cfg.model.lora.target_modules == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    cfg = resolve(["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=64",
+                   "actor_rollout_ref.model.target_modules=[q_proj,v_proj,down_proj]"])
+    assert (cfg.model.lora.alpha, cfg.model.lora.target_modules) == (64, ["linear_qkv", "linear_fc2"])

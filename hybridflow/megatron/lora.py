@@ -1,0 +1,259 @@
+"""LoRA adapters on megatron-core's parallel linears: verl 0.9.1's megatron LoRA (``actor_rollout_ref.model.lora``),
+which builds Megatron-Bridge's ``LoRALinear`` / ``ParallelLinearAdapter`` (megatron/bridge/peft/lora_layers.py,
+utils.py). Megatron-Bridge needs transformers < 5 and imports Transformer Engine at module level, so the same
+adapter is written here on megatron-core's own TP mappings.
+
+Each adapted linear gives y + (alpha / r) * B(A(dropout(x))), split the way its base linear is split:
+- column-parallel base (linear_qkv, linear_fc1: output rows split over TP): A [r, in] whole on every TP rank,
+  B [out/t, r] this rank's rows, in the base weight's fused row order (B's shard pairs with W's shard). The r-wide
+  activation A x is gathered over the sequence under sequence parallelism (reduce-scattered back in backward),
+  or enters the TP region (its gradient all-reduced) without;
+- row-parallel base (linear_proj, linear_fc2: input columns split): A [r, in/t] this rank's columns, B [out, r]
+  whole; the r-wide partial sums are all-reduced (reduce-scattered over the sequence under SP).
+So the only collectives carry r-wide activations. A parameter that is whole on every TP rank but gets its gradient
+from this rank's tokens only (SP) carries megatron's ``sequence_parallel`` attribute: finalize_model_grads sums it
+over TP as it does the norms'. As Megatron-Bridge's default ``lora`` type, the fused q/k/v (and gate/up) share one
+A; in peft's format that is the same A under each projection (``to_peft``), so an exported adapter is exact.
+
+The adapters hang off their base linears (``<linear>.adapter.lora_a`` / ``lora_b``) and act through a forward hook,
+so the base weights keep their names for conversion, resharding and export. ``convert.local_state_dict`` gives the
+merged weights W + (alpha/r) B A of this rank's shard (no communication: B's rows or A's columns are the shard's),
+which is what vLLM, ``hybridflow export`` and check-model read.
+
+Deliberate differences from verl: the initialization draws each whole adapter from a generator seeded by its
+global layer and name, then keeps this rank's part, so a run starts from the same adapters at every layout; routed
+experts are not adapted (their adapters need the expert-TP group and megatron's token dispatch: left for later).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+COLUMN, ROW = "column", "row"
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """The adapters of one model (the defaults are the config's: config/schema.py ``LoRA``)."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]
+    exclude_modules: tuple[str, ...]
+    a_init: str
+    b_init: str
+    seed: int
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class Adapter(torch.nn.Module):
+    """The two low-rank factors of one parallel linear (this TP rank's parts) and how they meet its input."""
+
+    def __init__(self, kind: str, a: torch.Tensor, b: torch.Tensor, settings: LoRASettings, sequence_parallel: bool,
+                 swiglu: bool = False):
+        """``swiglu``: a gated linear_fc1, whose rows are [gate_r; up_r] on each rank."""
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        super().__init__()
+        self.kind, self.scale, self.dropout = kind, settings.scale, settings.dropout
+        self.sequence_parallel, self.swiglu = sequence_parallel, swiglu
+        self.lora_a, self.lora_b = torch.nn.Parameter(a), torch.nn.Parameter(b)
+        self.enabled = True
+        split, whole = (self.lora_b, self.lora_a) if kind == COLUMN else (self.lora_a, self.lora_b)
+        set_tensor_model_parallel_attributes(split, True, 0 if kind == COLUMN else 1, 1)
+        if sequence_parallel:  # its gradient covers this rank's tokens only: summed over TP (finalize_model_grads)
+            whole.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        h = F.linear(F.dropout(x, self.dropout, self.training), self.lora_a)
+        if self.kind == COLUMN:
+            if self.sequence_parallel:
+                h = mappings.gather_from_sequence_parallel_region(h)
+            else:
+                h = mappings.copy_to_tensor_model_parallel_region(h)
+        elif self.sequence_parallel:
+            h = mappings.reduce_scatter_to_sequence_parallel_region(h)
+        else:
+            h = mappings.reduce_from_tensor_model_parallel_region(h)
+        return F.linear(h, self.lora_b) * self.scale
+
+    def delta(self) -> torch.Tensor:
+        """(alpha/r) B A of this rank's shard of the base weight, in fp32 (the factors may be bf16)."""
+        return (self.lora_b.float() @ self.lora_a.float()) * self.scale
+
+
+def _hook(module, args, output):
+    # megatron's linears give (out, bias); TE's LayerNorm-linear with return_layernorm_output ((out, ln_out), bias),
+    # or (out, bias, ln_out) where TE returns its bias too (layernorm_linear.py forward; Megatron-Bridge's
+    # AdapterWrapper.base_linear_forward reads the same three forms). The caller gets (out, bias) in every case.
+    if len(output) == 3:
+        out, bias, x = output
+    else:
+        (out, bias), x = output, args[0]
+        if isinstance(out, tuple):
+            out, x = out
+    adapter = module.adapter
+    return (out + adapter(x).to(out.dtype) if adapter.enabled else out), bias
+
+
+def _sharded_state_dict(linear, original, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+    """The linear's checkpoint entries (megatron's ``sharded_state_dict``) with its adapter's split factor sharded
+    over TP: megatron's linears take every entry but weight and bias for a TP replica
+    (utils.make_sharded_tensors_for_checkpoint), which holds for the whole factor only."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+
+    sd = original(prefix, sharded_offsets, metadata)
+    name, axis = ("lora_b", 0) if linear.adapter.kind == COLUMN else ("lora_a", 1)
+    key = f"{prefix}adapter.{name}"
+    sd[key] = make_tp_sharded_tensor_for_checkpoint(getattr(linear.adapter, name), key, axis,
+                                                    prepend_offsets=sharded_offsets)
+    if linear.adapter.swiglu and name == "lora_b":  # [gate_r; up_r] rows per rank, as megatron's MLP saves fc1
+        sd[key] = apply_swiglu_sharded_factory(sd[key], sharded_offsets,
+                                               (metadata or {}).get("singleton_local_shards", False))
+    return sd
+
+
+def _kind(linear) -> str:
+    """COLUMN or ROW for megatron's local and TE linears (Megatron-Bridge's get_adapter_attributes_from_linear). A
+    linear that skips its TP communication (a shared expert under moe_shared_expert_overlap: explicit_expert_comm,
+    or TE's parallel_mode None; megatron-core transformer/moe/shared_experts.py) is refused: the adapter's would not."""
+    if getattr(linear, "explicit_expert_comm", False):
+        raise ValueError("LoRA: a linear with explicit_expert_comm (moe_shared_expert_overlap) cannot take an adapter; "
+                         "exclude it (model.lora.exclude_modules) or turn the overlap off")
+    if hasattr(linear, "input_is_parallel") or getattr(linear, "parallel_mode", None) == "row":
+        return ROW
+    if hasattr(linear, "gather_output") or getattr(linear, "parallel_mode", None) == "column":
+        return COLUMN
+    raise TypeError(f"LoRA: {type(linear).__name__} is neither a column- nor a row-parallel linear")
+
+
+def _init(shape: tuple[int, int], method: str, generator: torch.Generator) -> torch.Tensor:
+    """Megatron-Bridge's init methods (ParallelLinearAdapter._get_init_fn) on the whole factor."""
+    t = torch.empty(shape, dtype=torch.float32)
+    if method == "xavier":
+        return torch.nn.init.xavier_normal_(t, generator=generator)
+    if method == "kaiming":
+        return torch.nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=generator)
+    if method == "zero":
+        return t.zero_()
+    raise ValueError(f"LoRA: unknown init method {method!r} (xavier, kaiming, zero)")
+
+
+def targets(module: torch.nn.Module, settings: LoRASettings) -> list[tuple[str, int, torch.nn.Module]]:
+    """(name under the layer, global layer number, linear) of every linear ``settings`` adapts on this stage."""
+    out = []
+    for layer in module.decoder.layers:
+        for name, sub in layer.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf not in settings.target_modules or ".experts." in f".{name}.":
+                continue
+            full = f"decoder.layers.{layer.layer_number - 1}.{name}"
+            if any(fnmatch.fnmatch(full, p) or p == leaf for p in settings.exclude_modules):
+                continue
+            out.append((name, layer.layer_number - 1, sub))
+    return out
+
+
+def add_adapters(module: torch.nn.Module, settings: LoRASettings, tf_config) -> int:
+    """Freeze ``module`` and give each target linear its adapter (trainable, in the model's dtype and device);
+    returns how many. Call before megatron's DDP wraps the model, so that only the adapters get gradient buffers
+    and optimizer state."""
+    from megatron.core import parallel_state as ps
+
+    module.requires_grad_(False)
+    t, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    found = targets(module, settings)
+    for name, layer, linear in found:
+        kind, w = _kind(linear), linear.weight
+        out_dim, in_dim = (w.shape[0] * t, w.shape[1]) if kind == COLUMN else (w.shape[0], w.shape[1] * t)
+        g = torch.Generator().manual_seed(settings.seed + zlib.crc32(f"{layer}.{name}".encode()))
+        a = _init((settings.rank, in_dim), settings.a_init, g)
+        b = _init((out_dim, settings.rank), settings.b_init, g)
+        swiglu = tf_config.gated_linear_unit and name.endswith("linear_fc1")
+        if swiglu:  # each rank holds [gate_r; up_r]: this rank's part of the [gate; up] drawn at every layout
+            b = torch.cat([half.chunk(t, 0)[rank] for half in b.chunk(2, 0)])
+        a, b = (a, b if swiglu else b.chunk(t, 0)[rank]) if kind == COLUMN else (a.chunk(t, 1)[rank], b)
+        if hasattr(linear, "return_layernorm_output"):
+            # TE's LayerNorm-linear: the adapter takes the norm's output, this rank's sequence chunk under SP, gathered
+            # r-wide as on the local spec. Not TE's return_layernorm_output_gathered: from TE 2.4 its backward drops
+            # the gradient of the gathered output (layernorm_linear.py, the grad_outputs[1] add is skipped there).
+            linear.return_layernorm_output = True
+        linear.adapter = Adapter(kind, a.to(w.device, w.dtype).contiguous(), b.to(w.device, w.dtype).contiguous(),
+                                 settings, tf_config.sequence_parallel, swiglu)
+        linear.register_forward_hook(_hook)
+        linear.sharded_state_dict = functools.partial(_sharded_state_dict, linear, linear.sharded_state_dict)
+    if not found:
+        raise ValueError(f"LoRA: no linear matches target_modules {list(settings.target_modules)} "
+                         f"(exclude_modules {list(settings.exclude_modules)})")
+    if tf_config.recompute_granularity is not None:
+        module.decoder.register_forward_pre_hook(_input_requires_grad, with_kwargs=True)
+    return len(found)
+
+
+def _input_requires_grad(block, args, kwargs):
+    """The decoder's input made to require grad (as Megatron-Bridge's maybe_enable_recompute_inputs_grad): with the
+    whole base frozen the embedding's output does not, and megatron's recompute (CheckpointFunction) then never runs
+    its backward, so the adapters inside a recomputed layer would get no gradient."""
+    if "hidden_states" in kwargs:
+        x = kwargs["hidden_states"]
+        if torch.is_grad_enabled() and x.is_floating_point() and not x.requires_grad:
+            kwargs = {**kwargs, "hidden_states": x.detach().requires_grad_(True)}
+        return args, kwargs
+    x = args[0]
+    if torch.is_grad_enabled() and x.is_floating_point() and not x.requires_grad:
+        args = (x.detach().requires_grad_(True), *args[1:])
+    return args, kwargs
+
+
+def is_adapter(name: str) -> bool:
+    """An adapter's parameter, by its state-dict name."""
+    return ".adapter.lora_" in name
+
+
+def adapters(module: torch.nn.Module) -> dict[str, Adapter]:
+    """name of the adapted linear (module path) -> its adapter."""
+    return {name: m.adapter for name, m in module.named_modules() if isinstance(getattr(m, "adapter", None), Adapter)}
+
+
+@contextlib.contextmanager
+def disabled(module: torch.nn.Module):
+    """The base model: every adapter off (the reference policy of a LoRA actor, without a copy of its weights)."""
+    found = adapters(module).values()
+    for a in found:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a in found:
+            a.enabled = True
+
+
+def merged(module: torch.nn.Module, sd: dict) -> dict:
+    """``sd`` (this rank's state dict) with each adapted weight merged, W + (alpha/r) B A, and the adapters' own
+    entries dropped: the weights vLLM, export and check-model see."""
+    found = adapters(module)
+    if not found:
+        return sd
+    out = {k: v for k, v in sd.items() if not is_adapter(k)}
+    with torch.no_grad():
+        for name, adapter in found.items():
+            key = f"{name}.weight"
+            if not out[key].untyped_storage().size():  # offloaded (megatron/offload.py): its shape only
+                continue
+            out[key] = (out[key].float() + adapter.delta()).to(out[key].dtype)
+    return out
