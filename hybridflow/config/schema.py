@@ -384,7 +384,8 @@ class LoRA:
     alpha: float = 32  # the adapter's output is scaled by alpha / rank
     dropout: float = 0.0  # on the adapter's input
     # megatron's linears (fused q/k/v and gate/up share one A each); wildcards on the full name (e.g.
-    # "*.layers.0.*.linear_qkv") are verl's too. Routed experts are not adapted here.
+    # "*.layers.0.*.linear_qkv") are verl's too; linear_fc1/fc2 take a MoE model's routed experts (SequentialMLP, expert
+    # TP 1) and shared expert as well (exclude them with "*.experts.*").
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     exclude_modules: list[str] = field(default_factory=list)  # with target_modules empty: every linear but these
     lora_A_init_method: str = "xavier"

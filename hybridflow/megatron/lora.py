@@ -21,8 +21,12 @@ merged weights W + (alpha/r) B A of this rank's shard (no communication: B's row
 which is what vLLM, ``hybridflow export`` and check-model read.
 
 Deliberate differences from verl: the initialization draws each whole adapter from a generator seeded by its
-global layer and name, then keeps this rank's part, so a run starts from the same adapters at every layout; routed
-experts are not adapted (their adapters need the expert-TP group and megatron's token dispatch: left for later).
+global layer and name (a routed expert's by its global index), then keeps this rank's part, so a run starts from the
+same adapters at every layout.
+
+Routed experts (megatron's SequentialMLP) take adapters too, with expert TP 1: each expert's linear sees the tokens
+dispatched to it, so its adapter is whole and local, its gradients reduced over the expert-data-parallel ranks like
+the expert's weight (``allreduce`` False under EP). Grouped-GEMM experts and expert TP > 1 are refused in one line.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import contextlib
 import fnmatch
 import functools
 import math
+import re
 import zlib
 from dataclasses import dataclass
 
@@ -62,15 +67,18 @@ class Adapter(torch.nn.Module):
     """The two low-rank factors of one parallel linear (this TP rank's parts) and how they meet its input."""
 
     def __init__(self, kind: str, a: torch.Tensor, b: torch.Tensor, settings: LoRASettings, sequence_parallel: bool,
-                 swiglu: bool = False):
-        """``swiglu``: a gated linear_fc1, whose rows are [gate_r; up_r] on each rank."""
+                 swiglu: bool = False, expert: bool = False):
+        """``swiglu``: a gated linear_fc1, whose rows are [gate_r; up_r] on each rank; ``expert``: a routed expert's
+        linear (expert TP 1), which sees the tokens dispatched to it and needs no communication."""
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         super().__init__()
         self.kind, self.scale, self.dropout = kind, settings.scale, settings.dropout
-        self.sequence_parallel, self.swiglu = sequence_parallel, swiglu
+        self.sequence_parallel, self.swiglu, self.expert = sequence_parallel and not expert, swiglu, expert
         self.lora_a, self.lora_b = torch.nn.Parameter(a), torch.nn.Parameter(b)
         self.enabled = True
+        if expert:
+            return
         split, whole = (self.lora_b, self.lora_a) if kind == COLUMN else (self.lora_a, self.lora_b)
         set_tensor_model_parallel_attributes(split, True, 0 if kind == COLUMN else 1, 1)
         if sequence_parallel:  # its gradient covers this rank's tokens only: summed over TP (finalize_model_grads)
@@ -80,7 +88,9 @@ class Adapter(torch.nn.Module):
         from megatron.core.tensor_parallel import mappings
 
         h = F.linear(F.dropout(x, self.dropout, self.training), self.lora_a)
-        if self.kind == COLUMN:
+        if self.expert:
+            pass
+        elif self.kind == COLUMN:
             if self.sequence_parallel:
                 h = mappings.gather_from_sequence_parallel_region(h)
             else:
@@ -128,11 +138,12 @@ def _sharded_state_dict(linear, original, prefix: str = "", sharded_offsets: tup
     return sd
 
 
-def _kind(linear) -> str:
+def _kind(linear, expert: bool = False) -> str:
     """COLUMN or ROW for megatron's local and TE linears (Megatron-Bridge's get_adapter_attributes_from_linear). A
-    linear that skips its TP communication (a shared expert under moe_shared_expert_overlap: explicit_expert_comm,
-    or TE's parallel_mode None; megatron-core transformer/moe/shared_experts.py) is refused: the adapter's would not."""
-    if getattr(linear, "explicit_expert_comm", False):
+    linear other than a routed expert's that skips its TP communication (a shared expert under
+    moe_shared_expert_overlap: explicit_expert_comm, or TE's parallel_mode None; megatron-core
+    transformer/moe/shared_experts.py) is refused: the adapter's would not."""
+    if getattr(linear, "explicit_expert_comm", False) and not expert:
         raise ValueError("LoRA: a linear with explicit_expert_comm (moe_shared_expert_overlap) cannot take an adapter; "
                          "exclude it (model.lora.exclude_modules) or turn the overlap off")
     if hasattr(linear, "input_is_parallel") or getattr(linear, "parallel_mode", None) == "row":
@@ -154,18 +165,33 @@ def _init(shape: tuple[int, int], method: str, generator: torch.Generator) -> to
     raise ValueError(f"LoRA: unknown init method {method!r} (xavier, kaiming, zero)")
 
 
-def targets(module: torch.nn.Module, settings: LoRASettings) -> list[tuple[str, int, torch.nn.Module]]:
-    """(name under the layer, global layer number, linear) of every linear ``settings`` adapts on this stage."""
+_LOCAL_EXPERT = re.compile(r"\bmlp\.experts\.local_experts\.(\d+)\.")
+
+
+def targets(module: torch.nn.Module, settings: LoRASettings) -> list[tuple[str, torch.nn.Module, bool]]:
+    """(global name, linear, routed expert) of every linear ``settings`` adapts on this stage. The global name
+    (``decoder.layers.{global layer}.…``, a routed expert's ``mlp.experts.{global index}.…``) is what exclude_modules'
+    wildcards match and what seeds the adapter's initialization. Grouped-GEMM experts cannot take adapters."""
     out = []
     for layer in module.decoder.layers:
+        prefix = f"decoder.layers.{layer.layer_number - 1}."
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        offset = experts.ep_group.rank() * experts.num_local_experts if experts is not None else 0
         for name, sub in layer.named_modules():
             leaf = name.rsplit(".", 1)[-1]
-            if leaf not in settings.target_modules or ".experts." in f".{name}.":
+            if leaf not in settings.target_modules:
                 continue
-            full = f"decoder.layers.{layer.layer_number - 1}.{name}"
+            full = prefix + _LOCAL_EXPERT.sub(lambda m: f"mlp.experts.{offset + int(m[1])}.", name)
             if any(fnmatch.fnmatch(full, p) or p == leaf for p in settings.exclude_modules):
                 continue
-            out.append((name, layer.layer_number - 1, sub))
+            if "GroupedMLP" in type(experts).__name__ and name.startswith("mlp.experts"):
+                raise ValueError(f"LoRA: {full} is a grouped-GEMM expert linear, which cannot take an adapter; set "
+                                 "moe_grouped_gemm false or exclude the experts (model.lora.exclude_modules)")
+            out.append((full, sub, _LOCAL_EXPERT.search(name) is not None))
+        if "GroupedMLP" == type(experts).__name__ and {"linear_fc1", "linear_fc2"} & set(settings.target_modules) \
+                and not any(fnmatch.fnmatch(f"{prefix}mlp.experts.linear_fc1", p) for p in settings.exclude_modules):
+            raise ValueError(f"LoRA: {prefix}mlp.experts are megatron's grouped-GEMM experts, which cannot take "
+                             "adapters; set moe_grouped_gemm false or exclude them (model.lora.exclude_modules)")
     return out
 
 
@@ -176,12 +202,15 @@ def add_adapters(module: torch.nn.Module, settings: LoRASettings, tf_config) -> 
     from megatron.core import parallel_state as ps
 
     module.requires_grad_(False)
-    t, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     found = targets(module, settings)
-    for name, layer, linear in found:
-        kind, w = _kind(linear), linear.weight
+    for name, linear, expert in found:
+        t, rank = (1, 0) if expert else (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank())
+        if expert and linear.tp_group.size() > 1:
+            raise ValueError(f"LoRA: {name} is split over expert tensor parallelism "
+                             f"({linear.tp_group.size()}); adapters on routed experts need expert_tensor_parallel_size 1")
+        kind, w = _kind(linear, expert), linear.weight
         out_dim, in_dim = (w.shape[0] * t, w.shape[1]) if kind == COLUMN else (w.shape[0], w.shape[1] * t)
-        g = torch.Generator().manual_seed(settings.seed + zlib.crc32(f"{layer}.{name}".encode()))
+        g = torch.Generator().manual_seed(settings.seed + zlib.crc32(name.encode()))
         a = _init((settings.rank, in_dim), settings.a_init, g)
         b = _init((out_dim, settings.rank), settings.b_init, g)
         swiglu = tf_config.gated_linear_unit and name.endswith("linear_fc1")
@@ -194,9 +223,13 @@ def add_adapters(module: torch.nn.Module, settings: LoRASettings, tf_config) -> 
             # the gradient of the gathered output (layernorm_linear.py, the grad_outputs[1] add is skipped there).
             linear.return_layernorm_output = True
         linear.adapter = Adapter(kind, a.to(w.device, w.dtype).contiguous(), b.to(w.device, w.dtype).contiguous(),
-                                 settings, tf_config.sequence_parallel, swiglu)
+                                 settings, tf_config.sequence_parallel, swiglu, expert)
+        if expert:  # reduced over the expert-data-parallel ranks, in megatron's expert optimizer, as the weight is
+            for p in (linear.adapter.lora_a, linear.adapter.lora_b):
+                p.allreduce = getattr(w, "allreduce", True)
         linear.register_forward_hook(_hook)
-        linear.sharded_state_dict = functools.partial(_sharded_state_dict, linear, linear.sharded_state_dict)
+        if not expert:  # a routed expert's factors are whole (expert TP 1): megatron's own entries are right
+            linear.sharded_state_dict = functools.partial(_sharded_state_dict, linear, linear.sharded_state_dict)
     if not found:
         raise ValueError(f"LoRA: no linear matches target_modules {list(settings.target_modules)} "
                          f"(exclude_modules {list(settings.exclude_modules)})")
@@ -228,6 +261,12 @@ def is_adapter(name: str) -> bool:
 def adapters(module: torch.nn.Module) -> dict[str, Adapter]:
     """name of the adapted linear (module path) -> its adapter."""
     return {name: m.adapter for name, m in module.named_modules() if isinstance(getattr(m, "adapter", None), Adapter)}
+
+
+def adapter_bytes(module: torch.nn.Module) -> int:
+    """The bytes of this rank's adapters: what an adapter-only weight sync would move, next to the merged sync's
+    full-weight transition."""
+    return sum(p.numel() * p.element_size() for a in adapters(module).values() for p in (a.lora_a, a.lora_b))
 
 
 @contextlib.contextmanager

@@ -34,12 +34,17 @@ def peft_names(sd: dict) -> dict:
 
 
 def _adapted(cfg, shard, layer: int, targets: set[str]):
-    """(local prefix, family weight) of each adapted linear of a layer held on ``shard``."""
+    """(local prefix, family weight, TP size, TP rank) of each adapted linear of a layer held on ``shard``: the
+    dense ones split over TP, the routed experts held here (their local index; expert TP 1) whole."""
     local = layer - shard.layer_range(cfg.num_hidden_layers).start
-    for w in families.of(cfg).layer_weights(cfg, layer):
+    family = families.of(cfg)
+    held = list(enumerate(shard.expert_range(family.num_experts(cfg))))
+    weights = [(w, shard.tp_size, shard.tp_rank) for w in family.layer_weights(cfg, layer)]
+    weights += [(w, 1, 0) for w in family.layer_experts(cfg, layer, held)]
+    for w, tp, tp_rank in weights:
         module = w.megatron.removesuffix(".weight")
         if w.megatron.endswith(".weight") and f"decoder.layers.{local}.{module}" in targets:
-            yield f"decoder.layers.{local}.{module}", w
+            yield f"decoder.layers.{local}.{module}", w, tp, tp_rank
 
 
 def from_peft(peft_sd: dict, cfg, shard, targets: set[str]) -> dict:
@@ -48,7 +53,7 @@ def from_peft(peft_sd: dict, cfg, shard, targets: set[str]) -> dict:
     sd = peft_names(peft_sd)
     out = {}
     for layer in shard.layer_range(cfg.num_hidden_layers):
-        for prefix, w in _adapted(cfg, shard, layer, targets):
+        for prefix, w, tp, tp_rank in _adapted(cfg, shard, layer, targets):
             src = f"model.layers.{layer}."
             a = [_get(sd, f"{PREFIX}{src}{h.removesuffix('.weight')}.lora_A.weight") for h in w.hf]
             b = {src + h: _get(sd, f"{PREFIX}{src}{h.removesuffix('.weight')}.lora_B.weight") for h in w.hf}
@@ -56,25 +61,26 @@ def from_peft(peft_sd: dict, cfg, shard, targets: set[str]) -> dict:
                 raise ValueError(f"LoRA adapter: {', '.join(w.hf)} of layer {layer} have different lora_A; the fused "
                                  f"{w.megatron} takes one A for all (Megatron-Bridge's lora type)")
             if w.split is Split.ROW:
-                out[f"{prefix}.adapter.lora_a"] = tp_chunk({"a": a[0]}, "a", 1, shard.tp_size, shard.tp_rank)
+                out[f"{prefix}.adapter.lora_a"] = tp_chunk({"a": a[0]}, "a", 1, tp, tp_rank)
                 out[f"{prefix}.adapter.lora_b"] = next(iter(b.values()))
             else:
-                part = lambda name, dim: tp_chunk(b, name, dim, shard.tp_size, shard.tp_rank)  # noqa: E731
+                part = lambda name, dim: tp_chunk(b, name, dim, tp, tp_rank)  # noqa: E731
                 out[f"{prefix}.adapter.lora_a"] = a[0]
-                out[f"{prefix}.adapter.lora_b"] = convert.weight_to_megatron(w, src, part, cfg, shard.tp_size)
+                out[f"{prefix}.adapter.lora_b"] = convert.weight_to_megatron(w, src, part, cfg, tp)
     return out
 
 
 def to_peft(full: dict, cfg, shard) -> dict:
     """peft's tensors of one pipeline stage from its TP-gathered adapters ({local adapter parameter name:
-    tensor}: column B gathered along its rows, row A along its columns)."""
+    tensor}: column B gathered along its rows, row A along its columns) and the routed experts ``shard`` holds
+    (peft's per-expert names, ``mlp.experts.{e}.gate_proj``, as vLLM's and transformers 4's checkpoints name them)."""
     targets = {k.rsplit(".adapter.", 1)[0] for k in full}
     out = {}
     for layer in shard.layer_range(cfg.num_hidden_layers):
-        for prefix, w in _adapted(cfg, shard, layer, targets):
+        for prefix, w, tp, _ in _adapted(cfg, shard, layer, targets):
             dst = f"model.layers.{layer}."
             a, b = full[f"{prefix}.adapter.lora_a"], full[f"{prefix}.adapter.lora_b"]
-            bs = {dst + w.hf[0]: b} if w.split is Split.ROW else convert.weight_to_hf(w, b, dst, cfg, shard.tp_size)
+            bs = {dst + w.hf[0]: b} if w.split is Split.ROW else convert.weight_to_hf(w, b, dst, cfg, tp)
             for name, tensor in bs.items():
                 stem = PREFIX + name.removesuffix(".weight")
                 out[f"{stem}.lora_A.weight"], out[f"{stem}.lora_B.weight"] = a, tensor

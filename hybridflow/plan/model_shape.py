@@ -83,6 +83,15 @@ def lora_params(s: Shape, rank: int, targets, t: int = 1) -> float:
         fan_in + fan_out / t if column else fan_in / t + fan_out))
 
 
+def lora_expert_params(s: Shape, rank: int, targets) -> float:
+    """LoRA adapters of the routed experts (whole model; each expert's whole: expert TP 1), where linear_fc1 or
+    linear_fc2 is a target."""
+    leaves = {str(x).rsplit(".", 1)[-1] for x in targets}
+    per_expert = rank * ((s.hidden + 2 * s.moe_intermediate) * ("linear_fc1" in leaves)
+                         + (s.moe_intermediate + s.hidden) * ("linear_fc2" in leaves))
+    return s.moe_layers * s.experts * per_expert
+
+
 def lora_base_params(s: Shape, targets) -> float:
     """The weights of the linears LoRA adapts (whole model): what merging W + BA rewrites."""
     return _per_adapted_linear(s, targets, lambda fan_in, fan_out, column: fan_in * fan_out)

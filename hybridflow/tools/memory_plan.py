@@ -71,7 +71,7 @@ from hybridflow.plan import ParallelLayout, load_experiment, resolve
 from hybridflow.config.schema import LORA_TARGETS
 from hybridflow.plan.model_shape import (Shape, count_params, expert_params, kv_bytes_per_token,  # noqa: F401
                                          largest_layer_params, layer_params, lora_base_params,
-                                         lora_params)
+                                         lora_expert_params, lora_params)
 
 GiB = 2 ** 30
 CONTEXT_BYTES = 2 * GiB
@@ -144,9 +144,12 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
         act = activation_bytes(shape, cfg_role.log_prob_micro_batch_size_per_gpu, seq, mg, out_width, False)
         return Role(name, items, off, act, f"forward {cfg_role.log_prob_micro_batch_size_per_gpu} x {seq} tokens")
     if lora is not None:  # the base frozen: gradients and optimizer state for the adapters only
-        adapters = lora_params(shape, lora.rank, lora.target_modules or LORA_TARGETS, layout.tp) / layout.pp
-        items["params"] += adapters * by
-        per_gpu, P, experts = adapters, adapters * tp, 0
+        targets = lora.target_modules or LORA_TARGETS
+        dense = lora_params(shape, lora.rank, targets, layout.tp) / layout.pp  # per GPU
+        experts = lora_expert_params(shape, lora.rank, targets)  # whole model, split over EP x PP (expert TP 1)
+        per_gpu = dense + experts / etp
+        items["params"] += per_gpu * by
+        P = dense * tp + experts
     items["grads"] = per_gpu * 4
     sharded = ((P - experts) / tp / d + experts / etp / ed) if mg.use_distributed_optimizer else per_gpu
     items["optimizer"] = sharded * (12 if by < 4 else 8)
@@ -233,8 +236,11 @@ def _resharding_buffers(cfg, shape: Shape, P: int, t_g: int | None = None) -> li
         widest = max(shape.vocab, shape.heads * shape.head_dim, shape.moe_intermediate)
         buffers.append(("resharding: one piece staged for vLLM's loaders (MoE)", widest * shape.hidden * by_a))
     if cfg.model.lora.rank:  # LoRA: the adapted weights merged (W + BA) for vLLM, a copy of this rank's shard of them
-        adapted = lora_base_params(shape, cfg.model.lora.target_modules or LORA_TARGETS)
-        buffers.append(("resharding: LoRA-merged weights", adapted * by_a / (t * p)))
+        targets = {str(x).rsplit(".", 1)[-1] for x in cfg.model.lora.target_modules or LORA_TARGETS}
+        expert_share = (2 * ("linear_fc1" in targets) + ("linear_fc2" in targets)) / 3  # fc1 is [gate; up]
+        merged = (lora_base_params(shape, targets) / (t * p)
+                  + expert_params(shape) * expert_share / (mg_a.expert_model_parallel_size * p))
+        buffers.append(("resharding: LoRA-merged weights", merged * by_a))
     if shape.experts and (mg_a.expert_model_parallel_size > 1 or (mg_a.expert_tensor_parallel_size or t) != t):
         # the expert all-to-all (transition.Resharder._exchange_experts): every expert's 1/t_g slice of the stage
         buffers.append(("resharding: experts in generation form", expert_params(shape) * by_a / (p * t_g)))

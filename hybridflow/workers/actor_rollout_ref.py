@@ -99,7 +99,10 @@ class ActorRolloutRefWorker(Worker):
             load_generation_shard(self.rollout, self.resharder.stream(stats), self.actor.hf_config, me.gen_tp_rank,
                                   self.hybrid_plan.t_g, stats)
         stats.seconds = time.perf_counter() - start
-        return {**stats.as_metrics(), **device.memory_stats("memory/reshard")}
+        out = {**stats.as_metrics(), **device.memory_stats("memory/reshard")}
+        if self.spec.lora is not None:  # the merged weights moved as full ones; the adapters alone would be this
+            out["reshard/lora_adapter_bytes"] = float(lora.adapter_bytes(self.actor.module))
+        return out
 
     @register(Dispatch.ONE_TO_ALL, blocking=False)
     def connect_rollout(self, host: str, port: int, prefix: str, timeout_s: float) -> None:

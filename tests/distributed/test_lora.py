@@ -68,8 +68,8 @@ def _rank_fn(rank, world, root, tp, pp, recompute):
     parallel.init_model_parallel(tp, pp, seed=1)
     cfg, state = load_hf_folder(f"{root}/base")
     actor_cfg, settings = _settings()
-    actor = MegatronRole(cfg, state, optim=OptimSettings(lr=1e-3), sequence_parallel=tp > 1, lora_settings=settings,
-                         transformer_overrides=RECOMPUTE if recompute else None)
+    actor = MegatronRole(cfg, state, optim=OptimSettings(lr=1e-3, clip_grad=0.0), sequence_parallel=tp > 1,
+                         lora_settings=settings, transformer_overrides=RECOMPUTE if recompute else None)
     found = lora.adapters(actor.module)
     lora_peft.load(actor.module, lora_peft.from_peft(torch.load(f"{root}/adapter.pt"), cfg, actor.shard, set(found)))
     batch = on_policy_batch()

@@ -5,12 +5,15 @@ with --merged, as the merged model the trainer exports itself)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from hybridflow.config.schema import LORA_TARGETS
+from hybridflow.plan.model_shape import Shape, lora_params
 from tests.integration.conftest import make_cfg
 from tests.integration.test_checkpoint_resume import assert_same_weights, comparable, fit, weights
 from tests.numerics import assert_close
@@ -29,17 +32,20 @@ def straight(assets, tmp_path_factory, ray_cluster):
     return Path(cfg.trainer.output_dir), fit(cfg)
 
 
-def test_lora_trains_adapters_against_the_base_as_reference(straight):
+def test_lora_trains_adapters_against_the_base_as_reference(straight, assets):
     """Step 1: the adapters start with B = 0, so the actor is the base model and its KL to the reference (the same
     forward with the adapters off) is 0. Step 2: one update has moved the adapters: the KL is > 0, and vLLM, which
     sampled step 2 from the merged weights pushed after step 1, gives the trainer's log-probs (a vLLM left at the
     base weights would be off by the KL's order)."""
     _, (first, second) = straight
+    shape = Shape.from_hf(json.loads((assets / "sft" / "config.json").read_text()))
     for metrics in (first, second):
         assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
     assert abs(first["actor/kl_loss"]) < 1e-9, first["actor/kl_loss"]
     assert second["actor/kl_loss"] > 1e-7, second["actor/kl_loss"]
     assert second["training/rollout_probs_diff_max"] < 1e-4, second["training/rollout_probs_diff_max"]
+    # the merged sync moves what a full-weight sync moves; an adapter-only one would move the adapters' fp32 bytes
+    assert second["reshard/lora_adapter_bytes"] == 4 * lora_params(shape, 16, LORA_TARGETS), second
 
 
 def test_lora_checkpoint_resumes_exactly(straight, assets, tmp_path):

@@ -335,3 +335,15 @@ def test_lora_counts_the_adapters_alone_as_trained_and_no_reference_copy(tiny):
     assert rows(r, "transition")["resharding: LoRA-merged weights"] == adapted * 2
     full = mp.plan(tiny("actor.use_kl_loss=true"), mp.Shape.from_hf(TINY), gpu_mem_gib=1)
     assert any(k.startswith("ref ") for k in rows(full, "training"))
+
+
+def test_lora_on_a_moe_model_counts_every_routed_experts_adapters_over_expert_parallelism():
+    """Routed experts' adapters are whole per expert (expert TP 1) and split over EP: by hand for 2 MoE layers of 4
+    experts (hidden 64, expert width 32), rank 4: fc1 4 x (64 + 64) + fc2 4 x (32 + 64) = 896 per expert."""
+    from hybridflow.plan.model_shape import lora_expert_params
+
+    shape = mp.Shape.from_hf({**TINY, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 32})
+    targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert lora_expert_params(shape, 4, targets) == 2 * 4 * 896
+    assert lora_expert_params(shape, 4, ["linear_qkv"]) == 0
