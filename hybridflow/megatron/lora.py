@@ -88,17 +88,13 @@ class Adapter(torch.nn.Module):
         from megatron.core.tensor_parallel import mappings
 
         h = F.linear(F.dropout(x, self.dropout, self.training), self.lora_a)
-        if self.expert:
-            pass
-        elif self.kind == COLUMN:
-            if self.sequence_parallel:
-                h = mappings.gather_from_sequence_parallel_region(h)
+        if not self.expert:  # a routed expert's adapter is whole and local
+            if self.kind == COLUMN:
+                h = (mappings.gather_from_sequence_parallel_region(h) if self.sequence_parallel
+                     else mappings.copy_to_tensor_model_parallel_region(h))
             else:
-                h = mappings.copy_to_tensor_model_parallel_region(h)
-        elif self.sequence_parallel:
-            h = mappings.reduce_scatter_to_sequence_parallel_region(h)
-        else:
-            h = mappings.reduce_from_tensor_model_parallel_region(h)
+                h = (mappings.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
+                     else mappings.reduce_from_tensor_model_parallel_region(h))
         return F.linear(h, self.lora_b) * self.scale
 
     def delta(self) -> torch.Tensor:
@@ -155,7 +151,7 @@ def _kind(linear, expert: bool = False) -> str:
 
 def _init(shape: tuple[int, int], method: str, generator: torch.Generator) -> torch.Tensor:
     """Megatron-Bridge's init methods (ParallelLinearAdapter._get_init_fn) on the whole factor."""
-    t = torch.empty(shape, dtype=torch.float32)
+    t = torch.empty(shape, dtype=torch.float32)  # on the host, for the CPU generator; moved to the weight's device after
     if method == "xavier":
         return torch.nn.init.xavier_normal_(t, generator=generator)
     if method == "kaiming":
@@ -176,23 +172,33 @@ def targets(module: torch.nn.Module, settings: LoRASettings) -> list[tuple[str, 
     for layer in module.decoder.layers:
         prefix = f"decoder.layers.{layer.layer_number - 1}."
         experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        _check_grouped_experts(prefix, experts, settings)
         offset = experts.ep_group.rank() * experts.num_local_experts if experts is not None else 0
         for name, sub in layer.named_modules():
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf not in settings.target_modules:
+            if name.rsplit(".", 1)[-1] not in settings.target_modules:
                 continue
             full = prefix + _LOCAL_EXPERT.sub(lambda m: f"mlp.experts.{offset + int(m[1])}.", name)
-            if any(fnmatch.fnmatch(full, p) or p == leaf for p in settings.exclude_modules):
+            if _excluded(full, settings):  # a grouped expert linear (TE's) is, or _check_grouped_experts refused
                 continue
-            if "GroupedMLP" in type(experts).__name__ and name.startswith("mlp.experts"):
-                raise ValueError(f"LoRA: {full} is a grouped-GEMM expert linear, which cannot take an adapter; set "
-                                 "moe_grouped_gemm false or exclude the experts (model.lora.exclude_modules)")
             out.append((full, sub, _LOCAL_EXPERT.search(name) is not None))
-        if "GroupedMLP" == type(experts).__name__ and {"linear_fc1", "linear_fc2"} & set(settings.target_modules) \
-                and not any(fnmatch.fnmatch(f"{prefix}mlp.experts.linear_fc1", p) for p in settings.exclude_modules):
-            raise ValueError(f"LoRA: {prefix}mlp.experts are megatron's grouped-GEMM experts, which cannot take "
-                             "adapters; set moe_grouped_gemm false or exclude them (model.lora.exclude_modules)")
     return out
+
+
+def _excluded(full: str, settings: LoRASettings) -> bool:
+    """exclude_modules: a wildcard pattern on the global name, or a linear's own name."""
+    leaf = full.rsplit(".", 1)[-1]
+    return any(fnmatch.fnmatch(full, p) or p == leaf for p in settings.exclude_modules)
+
+
+def _check_grouped_experts(prefix: str, experts, settings: LoRASettings) -> None:
+    """Grouped-GEMM experts (TE's TEGroupedMLP, megatron's GroupedMLP: no linear per expert) cannot take adapters:
+    refused where linear_fc1/fc2 is a target they are not excluded from."""
+    if "GroupedMLP" not in type(experts).__name__:
+        return
+    for leaf in set(settings.target_modules) & {"linear_fc1", "linear_fc2"}:
+        if not _excluded(f"{prefix}mlp.experts.{leaf}", settings):
+            raise ValueError(f"LoRA: {prefix}mlp.experts are grouped-GEMM experts, which cannot take adapters; set "
+                             "moe_grouped_gemm false or exclude them (model.lora.exclude_modules)")
 
 
 def add_adapters(module: torch.nn.Module, settings: LoRASettings, tf_config) -> int:
@@ -242,15 +248,14 @@ def _input_requires_grad(block, args, kwargs):
     """The decoder's input made to require grad (as Megatron-Bridge's maybe_enable_recompute_inputs_grad): with the
     whole base frozen the embedding's output does not, and megatron's recompute (CheckpointFunction) then never runs
     its backward, so the adapters inside a recomputed layer would get no gradient."""
-    if "hidden_states" in kwargs:
-        x = kwargs["hidden_states"]
+    def requiring_grad(x):
         if torch.is_grad_enabled() and x.is_floating_point() and not x.requires_grad:
-            kwargs = {**kwargs, "hidden_states": x.detach().requires_grad_(True)}
-        return args, kwargs
-    x = args[0]
-    if torch.is_grad_enabled() and x.is_floating_point() and not x.requires_grad:
-        args = (x.detach().requires_grad_(True), *args[1:])
-    return args, kwargs
+            return x.detach().requires_grad_(True)
+        return x
+
+    if "hidden_states" in kwargs:  # GPTModel passes it by name
+        return args, {**kwargs, "hidden_states": requiring_grad(kwargs["hidden_states"])}
+    return (requiring_grad(args[0]), *args[1:]), kwargs
 
 
 def is_adapter(name: str) -> bool:

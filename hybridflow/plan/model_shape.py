@@ -75,31 +75,43 @@ def expert_params(s: Shape) -> int:
 
 
 def lora_params(s: Shape, rank: int, targets, t: int = 1) -> float:
-    """LoRA adapters' parameters on one of ``t`` TP ranks for the whole model (megatron/lora.py: a column-parallel
-    linear's A [r, in] whole and B [out/t, r] split, a row-parallel one's A [r, in/t] split and B [out, r] whole);
-    MoE layers adapt their shared expert's MLP, not the routed experts. ``targets``: megatron's linear names (a
-    wildcard pattern counts as its last name on every layer: an upper bound)."""
+    """LoRA adapters' parameters on one of ``t`` TP ranks for the dense linears of the whole model (megatron/lora.py:
+    a column-parallel linear's A [r, in] whole and B [out/t, r] split, a row-parallel one's A [r, in/t] split and B
+    [out, r] whole), a MoE layer's shared expert included; the routed experts': ``lora_expert_params``. ``targets``:
+    megatron's linear names (a wildcard pattern counts as its last name on every layer: an upper bound)."""
     return _per_adapted_linear(s, targets, lambda fan_in, fan_out, column: rank * (
         fan_in + fan_out / t if column else fan_in / t + fan_out))
 
 
-def lora_expert_params(s: Shape, rank: int, targets) -> float:
-    """LoRA adapters of the routed experts (whole model; each expert's whole: expert TP 1), where linear_fc1 or
-    linear_fc2 is a target."""
-    leaves = {str(x).rsplit(".", 1)[-1] for x in targets}
-    per_expert = rank * ((s.hidden + 2 * s.moe_intermediate) * ("linear_fc1" in leaves)
-                         + (s.moe_intermediate + s.hidden) * ("linear_fc2" in leaves))
-    return s.moe_layers * s.experts * per_expert
-
-
 def lora_base_params(s: Shape, targets) -> float:
-    """The weights of the linears LoRA adapts (whole model): what merging W + BA rewrites."""
+    """The weights of the dense linears LoRA adapts (whole model): what merging W + BA rewrites."""
     return _per_adapted_linear(s, targets, lambda fan_in, fan_out, column: fan_in * fan_out)
 
 
+def lora_expert_params(s: Shape, rank: int, targets) -> float:
+    """LoRA adapters of the routed experts (whole model; each expert's whole: expert TP 1)."""
+    return _per_adapted_expert(s, targets, lambda fan_in, fan_out: rank * (fan_in + fan_out))
+
+
+def lora_expert_base_params(s: Shape, targets) -> float:
+    """The routed experts' weights LoRA adapts (whole model): what merging rewrites of them."""
+    return _per_adapted_expert(s, targets, lambda fan_in, fan_out: fan_in * fan_out)
+
+
+def _lora_leaves(targets) -> set[str]:
+    return {str(x).rsplit(".", 1)[-1] for x in targets}
+
+
+def _per_adapted_expert(s: Shape, targets, count) -> float:
+    """Sum of ``count(fan_in, fan_out)`` over the adapted linears (fc1 = [gate; up], fc2) of every routed expert."""
+    leaves, f = _lora_leaves(targets), s.moe_intermediate
+    per_expert = count(s.hidden, 2 * f) * ("linear_fc1" in leaves) + count(f, s.hidden) * ("linear_fc2" in leaves)
+    return s.moe_layers * s.experts * per_expert
+
+
 def _per_adapted_linear(s: Shape, targets, count) -> float:
-    """Sum of ``count(fan_in, fan_out, column_parallel)`` over the adapted linears of every layer."""
-    leaves = {str(x).rsplit(".", 1)[-1] for x in targets}
+    """Sum of ``count(fan_in, fan_out, column_parallel)`` over the adapted dense linears of every layer."""
+    leaves = _lora_leaves(targets)
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
 
     def layer(inter: int) -> float:

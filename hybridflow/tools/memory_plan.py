@@ -71,7 +71,7 @@ from hybridflow.plan import ParallelLayout, load_experiment, resolve
 from hybridflow.config.schema import LORA_TARGETS
 from hybridflow.plan.model_shape import (Shape, count_params, expert_params, kv_bytes_per_token,  # noqa: F401
                                          largest_layer_params, layer_params, lora_base_params,
-                                         lora_expert_params, lora_params)
+                                         lora_expert_base_params, lora_expert_params, lora_params)
 
 GiB = 2 ** 30
 CONTEXT_BYTES = 2 * GiB
@@ -236,10 +236,9 @@ def _resharding_buffers(cfg, shape: Shape, P: int, t_g: int | None = None) -> li
         widest = max(shape.vocab, shape.heads * shape.head_dim, shape.moe_intermediate)
         buffers.append(("resharding: one piece staged for vLLM's loaders (MoE)", widest * shape.hidden * by_a))
     if cfg.model.lora.rank:  # LoRA: the adapted weights merged (W + BA) for vLLM, a copy of this rank's shard of them
-        targets = {str(x).rsplit(".", 1)[-1] for x in cfg.model.lora.target_modules or LORA_TARGETS}
-        expert_share = (2 * ("linear_fc1" in targets) + ("linear_fc2" in targets)) / 3  # fc1 is [gate; up]
+        targets = cfg.model.lora.target_modules or LORA_TARGETS
         merged = (lora_base_params(shape, targets) / (t * p)
-                  + expert_params(shape) * expert_share / (mg_a.expert_model_parallel_size * p))
+                  + lora_expert_base_params(shape, targets) / (mg_a.expert_model_parallel_size * p))
         buffers.append(("resharding: LoRA-merged weights", merged * by_a))
     if shape.experts and (mg_a.expert_model_parallel_size > 1 or (mg_a.expert_tensor_parallel_size or t) != t):
         # the expert all-to-all (transition.Resharder._exchange_experts): every expert's 1/t_g slice of the stage

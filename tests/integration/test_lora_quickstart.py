@@ -41,8 +41,9 @@ def test_lora_trains_adapters_against_the_base_as_reference(straight, assets):
     shape = Shape.from_hf(json.loads((assets / "sft" / "config.json").read_text()))
     for metrics in (first, second):
         assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
-    assert abs(first["actor/kl_loss"]) < 1e-9, first["actor/kl_loss"]
     assert second["actor/kl_loss"] > 1e-7, second["actor/kl_loss"]
+    # step 1's actor and reference are one model: its KL is rounding, a millionth of step 2's at most
+    assert abs(first["actor/kl_loss"]) <= 1e-6 * second["actor/kl_loss"], (first["actor/kl_loss"], second["actor/kl_loss"])
     assert second["training/rollout_probs_diff_max"] < 1e-4, second["training/rollout_probs_diff_max"]
     # the merged sync moves what a full-weight sync moves; an adapter-only one would move the adapters' fp32 bytes
     assert second["reshard/lora_adapter_bytes"] == 4 * lora_params(shape, 16, LORA_TARGETS), second
