@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from hybridflow.config.checks import check_number, check_numbers, check_sizes
+from hybridflow.config.model import Model
 from hybridflow.config.scoring import SandboxFusion, ValKwargs
 
 
@@ -369,55 +370,6 @@ class Data:
 
     def validate(self):
         check_sizes(self, "batch_size", "val_batch_size", "max_prompt_length", "max_response_length")
-
-
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron's linears an adapter can take
-LORA_INITS = ("xavier", "kaiming", "zero")
-
-
-@dataclass
-class LoRA:
-    """LoRA on the actor (verl 0.9.1's actor_rollout_ref.model.lora, Megatron-Bridge's ``lora`` type; megatron/lora.py):
-    the base weights are frozen, the adapters train, the reference policy is the actor with its adapters off."""
-
-    rank: int = 0  # 0: no LoRA (full-parameter training)
-    alpha: float = 32  # the adapter's output is scaled by alpha / rank
-    dropout: float = 0.0  # on the adapter's input
-    # megatron's linears (fused q/k/v and gate/up share one A each); wildcards on the full name (e.g.
-    # "*.layers.0.*.linear_qkv") are verl's too; linear_fc1/fc2 take a MoE model's routed experts (SequentialMLP, expert
-    # TP 1) and shared expert as well (exclude them with "*.experts.*").
-    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    exclude_modules: list[str] = field(default_factory=list)  # with target_modules empty: every linear but these
-    lora_A_init_method: str = "xavier"
-    lora_B_init_method: str = "zero"
-    # true: the actor's weights reach vLLM merged (W + alpha/rank B A, resharded as full weights are). verl's
-    # default false loads the adapters into vLLM's LoRA instead, which is not supported here yet.
-    merge: bool = True
-    adapter_path: str | None = None  # a peft adapter folder (adapter_model.safetensors) to start from
-
-    def validate(self):
-        check_number("model.lora.rank", self.rank, ge=0)
-        if not self.rank:
-            return
-        check_number("model.lora.alpha", self.alpha, gt=0)
-        check_number("model.lora.dropout", self.dropout, ge=0, lt=1)
-        unknown = [t for t in self.target_modules if t not in LORA_TARGETS and not any(c in t for c in "*?[")]
-        if unknown:
-            raise ValueError(f"model.lora.target_modules: {unknown[0]!r} is none of {', '.join(LORA_TARGETS)}")
-        if self.exclude_modules and self.target_modules:
-            raise ValueError("model.lora.exclude_modules needs target_modules empty (every linear but the excluded)")
-        for key in ("lora_A_init_method", "lora_B_init_method"):
-            if getattr(self, key) not in LORA_INITS:
-                raise ValueError(f"model.lora.{key} must be one of {', '.join(LORA_INITS)}, not {getattr(self, key)!r}")
-        if not self.merge:
-            raise ValueError("model.lora.merge=false (adapters into vLLM's LoRA) is not supported yet: set "
-                             "model.lora.merge=true (merged weights reach vLLM)")
-
-
-@dataclass
-class Model:
-    path: str = "outputs/quickstart/sft_model"  # HF folder (config, safetensors, tokenizer) of the policy
-    lora: LoRA = field(default_factory=LoRA)
 
 
 @dataclass

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridflow.config.schema import Actor, Critic, LoRA, RewardModel, Rollout, RolloutCorrection
+from hybridflow.config.model import LoRA
+from hybridflow.config.schema import Actor, Critic, RewardModel, Rollout, RolloutCorrection
 from hybridflow.plan.needs import Needs
 
 

@@ -95,7 +95,7 @@ def export(ckpt: Path, out_dir: str, merged: bool = False) -> None:
     from hybridflow.controller.worker import Worker
     from hybridflow.megatron import parallel
     from hybridflow.megatron.checkpoint import load_role
-    from hybridflow.config.schema import LoRA
+    from hybridflow.config.model import LoRA
     from hybridflow.megatron.role import MegatronRole
     from hybridflow.workers.common import lora_settings, open_hf_folder
     from hybridflow.workers.export import save_hf_folder

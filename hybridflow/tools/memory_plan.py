@@ -68,7 +68,7 @@ from types import SimpleNamespace
 
 from hybridflow.config import ConfigError
 from hybridflow.plan import ParallelLayout, load_experiment, resolve
-from hybridflow.config.schema import LORA_TARGETS
+from hybridflow.config.model import LORA_TARGETS
 from hybridflow.plan.model_shape import (Shape, count_params, expert_params, kv_bytes_per_token,  # noqa: F401
                                          largest_layer_params, layer_params, lora_base_params,
                                          lora_expert_base_params, lora_expert_params, lora_params)

@@ -7,7 +7,7 @@ import os
 from hybridflow import rng
 from hybridflow.megatron import lr_schedule, parallel
 from hybridflow.megatron.checkpoint import load_role, save_role
-from hybridflow.config.schema import LORA_TARGETS
+from hybridflow.config.model import LORA_TARGETS
 from hybridflow.megatron.hf_weights import HFWeights
 from hybridflow.megatron.lora import LoRASettings
 from hybridflow.megatron.role import OffloadSettings, OptimSettings

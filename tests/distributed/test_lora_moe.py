@@ -23,7 +23,8 @@ IDS = ["tp1_ep1", "tp1_ep2", "tp2_sp_ep2"]
 
 
 def _settings():
-    from hybridflow.config.schema import LORA_TARGETS, Actor, Optim
+    from hybridflow.config.model import LORA_TARGETS
+    from hybridflow.config.schema import Actor, Optim
     from hybridflow.megatron.lora import LoRASettings
 
     return (Actor(optim=Optim(lr=1e-3), ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow.config.schema import LORA_TARGETS
+from hybridflow.config.model import LORA_TARGETS
 from hybridflow.plan.model_shape import Shape, lora_params
 from tests.integration.conftest import make_cfg
 from tests.integration.test_checkpoint_resume import assert_same_weights, comparable, fit, weights
