@@ -9,6 +9,12 @@ from hybridflow.config.checks import check_number
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron's linears an adapter can take
 LORA_INITS = ("xavier", "kaiming", "zero")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's max_lora_rank values (config/lora.py)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM takes that holds ``rank`` (verl's get_vllm_max_lora_rank)."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)  # LoRA.validate refuses a larger rank with merge false
 
 
 @dataclass
@@ -26,8 +32,9 @@ class LoRA:
     exclude_modules: list[str] = field(default_factory=list)  # with target_modules empty: every linear but these
     lora_A_init_method: str = "xavier"
     lora_B_init_method: str = "zero"
-    # true: the actor's weights reach vLLM merged (W + alpha/rank B A, resharded as full weights are). verl's
-    # default false loads the adapters into vLLM's LoRA instead, which is not supported here yet.
+    # true: the actor's weights reach vLLM merged (W + alpha/rank B A, resharded as full weights are; every model, and
+    # vLLM generates at the base model's speed). false (verl's default): the frozen base reaches vLLM once and the
+    # adapters alone at every sync, into vLLM's LoRA (dense models, colocated rollout; plan/rules.check_lora).
     merge: bool = True
     adapter_path: str | None = None  # a peft adapter folder (adapter_model.safetensors) to start from
 
@@ -42,12 +49,12 @@ class LoRA:
             raise ValueError(f"model.lora.target_modules: {unknown[0]!r} is none of {', '.join(LORA_TARGETS)}")
         if self.exclude_modules and self.target_modules:
             raise ValueError("model.lora.exclude_modules needs target_modules empty (every linear but the excluded)")
+        if not self.merge and self.rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"model.lora.rank {self.rank} with merge=false: vLLM's LoRA takes ranks up to "
+                             f"{VLLM_LORA_RANKS[-1]}; set model.lora.merge=true")
         for key in ("lora_A_init_method", "lora_B_init_method"):
             if getattr(self, key) not in LORA_INITS:
                 raise ValueError(f"model.lora.{key} must be one of {', '.join(LORA_INITS)}, not {getattr(self, key)!r}")
-        if not self.merge:
-            raise ValueError("model.lora.merge=false (adapters into vLLM's LoRA) is not supported yet: set "
-                             "model.lora.merge=true (merged weights reach vLLM)")
 
 
 @dataclass

@@ -289,7 +289,9 @@ DIFFERENCES = {
     "model.lora.alpha": ("actor_rollout_ref.model.lora_alpha", "32, the megatron section's (lora.alpha); the FSDP "
                                                                "name's 16 applies when a command line sets lora_rank"),
     "model.lora.merge": ("actor_rollout_ref.model.lora.merge", "true: merged weights reach vLLM through the resharding "
-                                                               "engine; adapter-only sync into vLLM's LoRA is not built"),
+                                                               "engine, for every model (MoE experts too) and with "
+                                                               "generation at the base model's speed; false is built "
+                                                               "(adapters into vLLM's LoRA) for dense models"),
     "data.val_batch_size": ("data.val_batch_size", "verl's null sends the whole validation set to one generate "
                                                    "call; 256 prompts per call bounds the driver's memory"),
     "actor.ppo_mini_batch_size": ("actor_rollout_ref.actor.ppo_mini_batch_size",

@@ -288,8 +288,8 @@ def disabled(module: torch.nn.Module):
 
 
 def merged(module: torch.nn.Module, sd: dict) -> dict:
-    """``sd`` (this rank's state dict) with each adapted weight merged, W + (alpha/r) B A, and the adapters' own
-    entries dropped: the weights vLLM, export and check-model see."""
+    """``sd`` (this rank's state dict) with each enabled adapter's weight merged, W + (alpha/r) B A, and the adapters'
+    own entries dropped: the weights vLLM, export and check-model see (the base under ``disabled``)."""
     found = adapters(module)
     if not found:
         return sd
@@ -297,7 +297,7 @@ def merged(module: torch.nn.Module, sd: dict) -> dict:
     with torch.no_grad():
         for name, adapter in found.items():
             key = f"{name}.weight"
-            if not out[key].untyped_storage().size():  # offloaded (megatron/offload.py): its shape only
+            if not adapter.enabled or not out[key].untyped_storage().size():  # off, or offloaded (its shape only)
                 continue
             out[key] = (out[key].float() + adapter.delta()).to(out[key].dtype)
     return out

@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from hybridflow import families
+from hybridflow import device, families
 from hybridflow.families.weights import Split
 from hybridflow.megatron import convert, lora
 from hybridflow.megatron.hf_weights import tp_chunk
@@ -85,6 +85,32 @@ def to_peft(full: dict, cfg, shard) -> dict:
                 stem = PREFIX + name.removesuffix(".weight")
                 out[f"{stem}.lora_A.weight"], out[f"{stem}.lora_B.weight"] = a, tensor
     return out
+
+
+def gathered(module: torch.nn.Module, cfg, shard) -> dict:
+    """The whole model's adapters in peft's format (``to_peft``) on every rank, for vLLM's LoRA: each split factor
+    all-gathered over TP (column B along its rows, row A along its columns), then every pipeline stage's tensors
+    gathered over PP (as host tensors). Data-parallel replicas hold the same adapters. Call on every rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    full = {}
+    tp_group = ps.get_tensor_model_parallel_group()
+    for name, p in module.named_parameters():
+        if not lora.is_adapter(name):
+            continue
+        if getattr(p, "tensor_model_parallel", False) and shard.tp_size > 1:
+            parts = [torch.empty_like(p) for _ in range(shard.tp_size)]
+            dist.all_gather(parts, p.detach().contiguous(), group=tp_group)
+            full[name] = torch.cat(parts, p.partition_dim)
+        else:
+            full[name] = p.detach()
+    stage = {k: device.to_host(v) for k, v in to_peft(full, cfg, shard).items()}
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return stage
+    stages = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, stage, group=ps.get_pipeline_model_parallel_group())
+    return {k: v for s in stages for k, v in s.items()}
 
 
 def _get(sd: dict, key: str) -> torch.Tensor:

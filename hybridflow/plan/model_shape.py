@@ -79,13 +79,19 @@ def lora_params(s: Shape, rank: int, targets, t: int = 1) -> float:
     a column-parallel linear's A [r, in] whole and B [out/t, r] split, a row-parallel one's A [r, in/t] split and B
     [out, r] whole), a MoE layer's shared expert included; the routed experts': ``lora_expert_params``. ``targets``:
     megatron's linear names (a wildcard pattern counts as its last name on every layer: an upper bound)."""
-    return _per_adapted_linear(s, targets, lambda fan_in, fan_out, column: rank * (
+    return _per_adapted_linear(s, targets, lambda fan_in, fan_out, column, _: rank * (
         fan_in + fan_out / t if column else fan_in / t + fan_out))
+
+
+def lora_peft_params(s: Shape, rank: int, targets) -> float:
+    """The same adapters in peft's format, whole (lora_peft.to_peft: one A per HF projection, the fused q/k/v's three
+    and gate/up's two equal): what an adapter-only sync hands vLLM's LoRA, whose slots hold them so."""
+    return _per_adapted_linear(s, targets, lambda fan_in, fan_out, _, parts: rank * (fan_in * parts + fan_out))
 
 
 def lora_base_params(s: Shape, targets) -> float:
     """The weights of the dense linears LoRA adapts (whole model): what merging W + BA rewrites."""
-    return _per_adapted_linear(s, targets, lambda fan_in, fan_out, column: fan_in * fan_out)
+    return _per_adapted_linear(s, targets, lambda fan_in, fan_out, *_: fan_in * fan_out)
 
 
 def lora_expert_params(s: Shape, rank: int, targets) -> float:
@@ -110,13 +116,14 @@ def _per_adapted_expert(s: Shape, targets, count) -> float:
 
 
 def _per_adapted_linear(s: Shape, targets, count) -> float:
-    """Sum of ``count(fan_in, fan_out, column_parallel)`` over the adapted dense linears of every layer."""
+    """Sum of ``count(fan_in, fan_out, column_parallel, HF projections)`` over the adapted dense linears of every
+    layer."""
     leaves = _lora_leaves(targets)
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
 
     def layer(inter: int) -> float:
-        sizes = {"linear_qkv": (s.hidden, q + 2 * kv, True), "linear_proj": (q, s.hidden, False),
-                 "linear_fc1": (s.hidden, 2 * inter, True), "linear_fc2": (inter, s.hidden, False)}
+        sizes = {"linear_qkv": (s.hidden, q + 2 * kv, True, 3), "linear_proj": (q, s.hidden, False, 1),
+                 "linear_fc1": (s.hidden, 2 * inter, True, 2), "linear_fc2": (inter, s.hidden, False, 1)}
         return sum(count(*size) for name, size in sizes.items() if name in leaves and size[0] and size[1])
 
     sparse = s.moe_layers

@@ -146,6 +146,21 @@ def check_schedule(cfg, on_gpu: bool) -> None:
                          "'naive' picks gloo on CPU")
 
 
+def check_lora(cfg, model) -> None:
+    """model.lora.merge false (the adapters into vLLM's LoRA; workers/generation.load_adapters) on what it is built for:
+    a dense model (vLLM-CPU has no MoE LoRA kernels: its fused_moe LoRA ops are Triton's), the colocated rollout (the
+    checkpoint engine streams merged weights)."""
+    lora = cfg.model.lora
+    if not lora.rank or lora.merge:
+        return
+    if model is not None and families.is_moe(model):
+        raise ValueError(f"model.lora.merge=false: {cfg.model.path} is a mixture-of-experts model, whose adapters reach "
+                         "vLLM merged here: set model.lora.merge=true")
+    if cfg.schedule.mode == "separate_async":
+        raise ValueError("model.lora.merge=false: the rollout pool of schedule.mode separate_async receives merged "
+                         "weights (the checkpoint engine): set model.lora.merge=true")
+
+
 def check_routing_replay(cfg, model) -> None:
     """actor.megatron.router_replay (megatron/routing.py) and rollout.enable_rollout_routing_replay: R3 replays what
     the rollout returns, R2 what the old-log-prob forward records (verl refuses both sources at once); neither on a

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from hybridflow import device, families
+from hybridflow.config.model import vllm_lora_rank
 from hybridflow.patches import vllm_engine
 from hybridflow.rollout.fused_experts import FusedExperts
 from hybridflow.util import environ
@@ -99,7 +100,11 @@ OWN_ENGINE_ARGS = {
     "disable_custom_all_reduce": None,
     # the trainer's log-probs are of the tempered policy (verl 0.9.1's rollout.logprobs_mode default)
     "logprobs_mode": "rollout.temperature",
+    # adapter-only LoRA sync (model.lora.merge false): one adapter, its rank rounded up to one vLLM allows
+    "enable_lora": "model.lora.merge", "max_lora_rank": "model.lora.rank", "max_loras": None,
 }
+
+LORA_ID = 1  # the actor's adapter: one per engine, replaced in place at every sync
 
 
 def check_engine_kwargs(engine_kwargs: dict | None) -> dict:
@@ -129,13 +134,15 @@ def check_engine_kwargs(engine_kwargs: dict | None) -> dict:
     return kwargs
 
 
-def _engine_kwargs(engine_kwargs: dict | None, sleep_mode: bool, **optional) -> dict:
+def _engine_kwargs(engine_kwargs: dict | None, sleep_mode: bool, lora_rank: int, **optional) -> dict:
     """The ``vllm.LLM`` arguments VLLMRollout does not fix: ``engine_kwargs`` (checked by
-    ``check_engine_kwargs``), sleep mode when it is on, and each of ``optional`` that is not None (None:
-    vLLM's default)."""
+    ``check_engine_kwargs``), sleep mode when it is on, vLLM's LoRA for one adapter of ``lora_rank`` (0: none), and
+    each of ``optional`` that is not None (None: vLLM's default)."""
     kwargs = check_engine_kwargs(engine_kwargs)
     if sleep_mode:
         kwargs["enable_sleep_mode"] = True
+    if lora_rank:
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(lora_rank))
     for key, value in optional.items():
         if value is not None:
             kwargs[key] = value
@@ -169,6 +176,9 @@ class VLLMRollout:
     model runner, which it then needs); on CPU, whose vLLM runs the V1 runner only, the routers' capture
     callbacks filed by request (patches/vllm_engine.py ``RouteCapture``), with prefix caching off.
 
+    ``lora_rank`` > 0 (model.lora.merge false): the engine runs vLLM's LoRA with one adapter of at most that rank;
+    ``load_adapter`` replaces it, and every request runs with it once loaded.
+
     The engine holds random weights until the first ``update_weights``."""
 
     def __init__(self, hf_dir: str, *, max_model_len: int, tensor_parallel_size: int = 1,
@@ -176,7 +186,7 @@ class VLLMRollout:
                  gpu_memory_utilization: float = 0.4, enforce_eager: bool = False, free_cache_engine: bool = True,
                  max_num_batched_tokens: int | None = None, generation_groups: list[tuple[int, ...]] | None = None,
                  max_num_seqs: int | None = None, enable_chunked_prefill: bool | None = None,
-                 engine_kwargs: dict | None = None, routed_experts: bool = False):
+                 engine_kwargs: dict | None = None, routed_experts: bool = False, lora_rank: int = 0):
         # In-process engine: starts in 3-5 s instead of 16-34 s on this machine.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
@@ -196,9 +206,10 @@ class VLLMRollout:
         # them as given, the experts are written there directly instead (experts_in_place).
         self.takes_shards = on_gpu and not _has_experts(hf_dir)
         self._asleep: set[str] = set()
-        kwargs = _engine_kwargs(engine_kwargs, self.sleep_mode, max_num_batched_tokens=max_num_batched_tokens,
-                                max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill)
+        kwargs = _engine_kwargs(engine_kwargs, self.sleep_mode, lora_rank, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill)
         self.routed_experts = routed_experts
+        self.lora_request = None  # set by the first load_adapter
         if routed_experts and on_gpu:  # its aux-output connector runs in the V2 runner only (config/vllm.py)
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             kwargs["enable_return_routed_experts"] = True
@@ -300,6 +311,32 @@ class VLLMRollout:
             vllm_engine.repack_cpu_experts(self._worker().model_runner.get_model())
         self.llm.reset_prefix_cache()
 
+    def load_adapter(self, tensors: dict, peft_config: dict) -> None:
+        """Replace the engine's LoRA adapter with peft-format ``tensors`` (whole, as ``lora_peft.to_peft`` names
+        them; each TP rank's LoRA layers take their slice, vLLM lora/layers ``slice_lora_a``/``slice_lora_b``) and
+        ``peft_config`` (adapter_config.json's keys), then drop cached prefixes computed with the old one.
+        vLLM loads adapters from a folder only (``WorkerLoRAManager._load_adapter``); this builds the same
+        ``LoRAModel`` from the tensors (``from_lora_tensors``, as verl's TensorLoRARequest does) and swaps it into
+        the worker's adapter cache under one id, as ``LRUCacheWorkerLoRAManager.add_adapter`` does for a request
+        with ``load_inplace``: the next step activates it into the LoRA slots (``set_lora``), and requests carrying
+        that id never reach the loader (vllm/lora/worker_manager.py, model_manager.py)."""
+        from vllm.lora.peft_helper import PEFTHelper
+        from vllm.lora.request import LoRARequest
+
+        manager = self._worker().model_runner.lora_manager
+        helper = PEFTHelper.from_dict(peft_config)
+        helper.validate_legal(manager.lora_config)
+        model = manager._lora_model_cls.from_lora_tensors(
+            # copies: vLLM scales lora_b in place (LoRALayerWeights.optimize, lora/lora_weights.py)
+            LORA_ID, {k: device.to_host(v).clone() for k, v in tensors.items()}, helper, device="cpu",
+            dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size)
+        cache = manager._adapter_manager
+        cache.remove_adapter(LORA_ID)
+        cache.add_adapter(model)
+        # never read: the adapter is in the cache under its id before any request carries it
+        self.lora_request = LoRARequest("hybridflow-actor", LORA_ID, lora_path="<in memory>")
+        self.llm.reset_prefix_cache()  # prefix blocks are keyed by the adapter's name, not its weights
+
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSettings) -> list[list[int]]:
         """Token ids of one response per prompt (EOS included when produced; repeat a prompt for more);
         weights and KV cache must be awake (``wake_up(["weights", "kv_cache"])``). Sampling draws from the
@@ -321,7 +358,7 @@ class VLLMRollout:
         for rid, (prompt, budget, seed) in requests.items():
             engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), SamplingParams(
                 temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=budget,
-                seed=seed, skip_special_tokens=False, logprobs=0, detokenize=False))
+                seed=seed, skip_special_tokens=False, logprobs=0, detokenize=False), lora_request=self.lora_request)
         latest, finished = {}, set()
         while engine.has_unfinished_requests() and not enough(finished):
             for out in engine.step():
@@ -379,7 +416,7 @@ class VLLMRollout:
             budgets = max_new_tokens or [sampling.max_new_tokens] * len(prompt_ids)
             params = [params_for(b, s) for b, s in zip(budgets, seeds or [None] * len(prompt_ids))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
-                                 use_tqdm=False)
+                                 use_tqdm=False, lora_request=self.lora_request)
         results = []
         for o in outs:
             ids = list(o.outputs[0].token_ids)

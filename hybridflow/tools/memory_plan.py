@@ -68,10 +68,11 @@ from types import SimpleNamespace
 
 from hybridflow.config import ConfigError
 from hybridflow.plan import ParallelLayout, load_experiment, resolve
-from hybridflow.config.model import LORA_TARGETS
+from hybridflow.config.model import LORA_TARGETS, vllm_lora_rank
 from hybridflow.plan.model_shape import (Shape, count_params, expert_params, kv_bytes_per_token,  # noqa: F401
                                          largest_layer_params, layer_params, lora_base_params,
-                                         lora_expert_base_params, lora_expert_params, lora_params)
+                                         lora_expert_base_params, lora_expert_params, lora_params,
+                                         lora_peft_params)
 
 GiB = 2 ** 30
 CONTEXT_BYTES = 2 * GiB
@@ -235,7 +236,11 @@ def _resharding_buffers(cfg, shape: Shape, P: int, t_g: int | None = None) -> li
         # its experts too at the first sync only (then in place: rollout/fused_experts.py)
         widest = max(shape.vocab, shape.heads * shape.head_dim, shape.moe_intermediate)
         buffers.append(("resharding: one piece staged for vLLM's loaders (MoE)", widest * shape.hidden * by_a))
-    if cfg.model.lora.rank:  # LoRA: the adapted weights merged (W + BA) for vLLM, a copy of this rank's shard of them
+    lora = cfg.model.lora
+    if lora.rank and not lora.merge:  # adapter-only: the base unmerged, then one stage's whole adapters (peft format)
+        whole = lora_peft_params(shape, lora.rank, lora.target_modules or LORA_TARGETS) / p
+        buffers.append(("resharding: adapters gathered whole (adapter-only LoRA)", whole * by_a))
+    elif lora.rank:  # LoRA: the adapted weights merged (W + BA) for vLLM, a copy of this rank's shard of them
         targets = cfg.model.lora.target_modules or LORA_TARGETS
         merged = (lora_base_params(shape, targets) / (t * p)
                   + lora_expert_base_params(shape, targets) / (mg_a.expert_model_parallel_size * p))
@@ -272,6 +277,9 @@ def plan(cfg, shape: Shape, gpu_mem_gib: float, *, rm_shape: Shape | None = None
     ro = cfg.rollout
     budget = ro.gpu_memory_utilization * gpu_mem_gib * GiB
     vllm_weights = P * BYTES[ro.dtype] / ro.tensor_model_parallel_size
+    if cfg.model.lora.rank and not cfg.model.lora.merge:  # vLLM's LoRA slots: one adapter at its max_lora_rank
+        vllm_weights += lora_peft_params(shape, vllm_lora_rank(cfg.model.lora.rank), cfg.model.lora.target_modules
+                                         or LORA_TARGETS) * BYTES[ro.dtype] / ro.tensor_model_parallel_size
     graphs = 0.0 if ro.enforce_eager else cuda_graph_gib * GiB  # held while vLLM sleeps
     ctx = [("CUDA context + NCCL buffers (fixed)", CONTEXT_BYTES)]
 

@@ -27,8 +27,8 @@ from hybridflow.workers.common import (init_megatron_worker, load_lora_adapter, 
                                        offload_settings, optim_settings, ref_offload_settings, save_role_checkpoint)
 from hybridflow.workers.export import save_hf_folder
 from hybridflow.workers.carry import CarriedGeneration
-from hybridflow.workers.generation import (build_agent_loop, build_vllm_rollout, generate_batch, load_generation_shard,
-                                           sampling_settings)
+from hybridflow.workers.generation import (build_agent_loop, build_vllm_rollout, generate_batch, load_adapters,
+                                           load_generation_shard, sampling_settings)
 
 
 class ActorRolloutRefWorker(Worker):
@@ -75,6 +75,7 @@ class ActorRolloutRefWorker(Worker):
         self.agent = (build_agent_loop(r.multi_turn, spec.max_response_length, spec.chat_template_kwargs, self.tokenizer)
                       if r.multi_turn.enable else None)
         self.version = 0  # the policy version the engine holds (the driver's count of updates)
+        self.base_synced = False  # LoRA with merge false: the frozen base reaches vLLM once
         self.carried = (CarriedGeneration(spec.max_response_length, spec.max_off_policy_threshold)
                         if spec.carry_unfinished else None)
 
@@ -89,18 +90,30 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def sync_weights(self, version: int = 0) -> dict:
         """Push the actor's current weights (policy ``version``) into this rank's vLLM engine through the
-        configured transition (streamed, one layer at a time for ``hybrid``); returns its accounting as metrics."""
+        configured transition (streamed, one layer at a time for ``hybrid``); returns its accounting as metrics.
+        With LoRA and ``merge`` false the frozen base goes through the transition once, the adapters alone into
+        vLLM's LoRA at every sync (``reshard/lora_sync_bytes``, the resharding's bytes 0 after the first): vLLM's sleep
+        (level 1) keeps the base on host, and its in-place reload resolves LoRA-wrapped layers' names to their base
+        layer (model_loader/reload/inplace.py get_parameter_for_reload), so the base's GPU shards load as they are."""
         self.version = version
         stats = TransitionStats(self.resharder.scheme)
         start = time.perf_counter()
         self.rollout.wake_up(["weights"])
+        adapters_only = self.spec.lora is not None and not self.spec.lora.merge
+        out = {}
         with torch.no_grad(), self.actor.resident():
-            me = self.hybrid_plan.ranks[self.rank]
-            load_generation_shard(self.rollout, self.resharder.stream(stats), self.actor.hf_config, me.gen_tp_rank,
-                                  self.hybrid_plan.t_g, stats)
+            if not (adapters_only and self.base_synced):
+                me = self.hybrid_plan.ranks[self.rank]
+                with lora.disabled(self.actor.module) if adapters_only else contextlib.nullcontext():
+                    load_generation_shard(self.rollout, self.resharder.stream(stats), self.actor.hf_config,
+                                          me.gen_tp_rank, self.hybrid_plan.t_g, stats)
+                self.base_synced = True
+            if adapters_only:
+                out["reshard/lora_sync_bytes"] = float(load_adapters(self.rollout, self.actor, self.spec.lora,
+                                                                     self.spec.process.model_path))
         stats.seconds = time.perf_counter() - start
-        out = {**stats.as_metrics(), **device.memory_stats("memory/reshard")}
-        if self.spec.lora is not None:  # the merged weights moved as full ones; the adapters alone would be this
+        out.update(stats.as_metrics(), **device.memory_stats("memory/reshard"))
+        if self.spec.lora is not None:  # this rank's adapters, next to the transition's bytes
             out["reshard/lora_adapter_bytes"] = float(lora.adapter_bytes(self.actor.module))
         return out
 

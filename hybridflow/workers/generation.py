@@ -106,7 +106,23 @@ def build_vllm_rollout(model_path: str, spec, seed: int, generation_groups) -> V
         free_cache_engine=r.free_cache_engine, max_num_batched_tokens=r.max_num_batched_tokens,
         max_num_seqs=r.max_num_seqs, enable_chunked_prefill=r.enable_chunked_prefill,
         engine_kwargs=r.engine_kwargs, seed=seed, generation_groups=generation_groups,
-        routed_experts=r.enable_rollout_routing_replay)
+        routed_experts=r.enable_rollout_routing_replay, lora_rank=adapter_rank(spec))
+
+
+def adapter_rank(spec) -> int:
+    """The rank of the LoRA adapter the engine takes (model.lora.merge false), else 0: merged weights or none."""
+    lora = getattr(spec, "lora", None)  # the rollout pool's spec has none: separate_async takes merged weights
+    return lora.rank if lora is not None and not lora.merge else 0
+
+
+def load_adapters(rollout: VLLMRollout, actor, lora, base_model: str) -> int:
+    """The actor's current adapters, gathered whole on every rank (lora_peft.gathered), into the engine's LoRA;
+    returns the bytes handed over."""
+    from hybridflow.megatron import lora_peft
+
+    tensors = lora_peft.gathered(actor.module, actor.hf_config, actor.shard)
+    rollout.load_adapter(tensors, lora_peft.adapter_config(tensors, lora.rank, lora.alpha, 0.0, base_model))
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def load_generation_shard(rollout: VLLMRollout, items, hf_config, k: int, t_g: int, stats) -> None:

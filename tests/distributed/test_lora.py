@@ -82,9 +82,9 @@ def _rank_fn(rank, world, root, tp, pp, recompute):
     role_ops.update_policy(actor, batch, actor_cfg, 1)
     grads = _gathered(actor, tp, grads=True)
     out["peft_grads"] = None if grads is None else lora_peft.to_peft(grads, cfg, actor.shard)
-    # the updated adapters in peft's format, and the trainer's log-probs under them
-    values = _gathered(actor, tp, grads=False)
-    out["peft_adapters"] = None if values is None else lora_peft.to_peft(values, cfg, actor.shard)
+    # the updated adapters in peft's format, whole on every rank (as vLLM's LoRA takes them), and the trainer's
+    # log-probs under them
+    out["peft_adapters"] = lora_peft.gathered(actor.module, cfg, actor.shard)
     out["updated_log_probs"] = role_ops.log_probs(actor, batch, 2)["log_probs"]
     optimized = {id(p) for group in actor.optimizer.param_groups for p in group["params"]}
     out["optimizer_params"] = len(optimized)
@@ -192,9 +192,10 @@ def test_lora_equals_peft_forward_gradients_and_merge(root, results, case):
     from hybridflow.megatron.lora_peft import adapter_config
     from hybridflow.workers.export import save_peft_folder
 
-    tensors = {}
-    for r in res:
-        tensors.update(r["peft_adapters"] or {})
+    tensors = res[0]["peft_adapters"]  # every stage's, gathered over TP and PP
+    for r in res[1:]:
+        assert r["peft_adapters"].keys() == tensors.keys()
+        assert all(torch.equal(r["peft_adapters"][k], v) for k, v in tensors.items()), f"{case}: ranks differ"
     folder = f"{root}/exported_{case}"
     save_peft_folder(folder, tensors, adapter_config(tensors, RANK, ALPHA, 0.0, f"{root}/base"))
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(f"{root}/base", dtype=torch.float32),

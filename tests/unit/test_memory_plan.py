@@ -337,6 +337,18 @@ def test_lora_counts_the_adapters_alone_as_trained_and_no_reference_copy(tiny):
     assert any(k.startswith("ref ") for k in rows(full, "training"))
 
 
+def test_adapter_only_lora_holds_the_whole_adapters_instead_of_merged_weights(tiny):
+    """model.lora.merge false: no merged copy; the sync gathers a stage's adapters whole in peft's format (one A per
+    HF projection), and vLLM's LoRA slots hold them at max_lora_rank (4 -> 8) beside its weights. By hand, per layer:
+    q, k, v 3 x 4 x 64 + 4 x 128, o 4 x (64 + 64), gate, up 2 x 4 x 64 + 4 x 256, down 4 x (128 + 64) = 4096."""
+    r = mp.plan(tiny("model.lora.rank=4", "model.lora.merge=false"), mp.Shape.from_hf(TINY), gpu_mem_gib=1)
+    transition = rows(r, "transition")
+    assert "resharding: LoRA-merged weights" not in transition
+    assert transition["resharding: adapters gathered whole (adapter-only LoRA)"] == 2 * 4096 * 2
+    merged = mp.plan(tiny("model.lora.rank=4"), mp.Shape.from_hf(TINY), gpu_mem_gib=1)
+    assert r["vllm_weights"] - merged["vllm_weights"] == 2 * 4096 * 2 * 2  # rank 8, bf16
+
+
 def test_lora_on_a_moe_model_counts_every_routed_experts_adapters_over_expert_parallelism():
     """Routed experts' adapters are whole per expert (expert TP 1) and split over EP: by hand for 2 MoE layers of 4
     experts (hidden 64, expert width 32), rank 4: fc1 4 x (64 + 64) + fc2 4 x (32 + 64) = 896 per expert."""
