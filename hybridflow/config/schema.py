@@ -52,10 +52,17 @@ class Megatron:
     # recompute_modules; a name TransformerConfig lacks is an error before start.
     override_transformer_config: dict = field(default_factory=dict)
     router_replay: RouterReplay = field(default_factory=RouterReplay)  # the actor's (and its reference's)
+    # Start from a megatron dist checkpoint at any layout (verl's converter_hf_to_mcore output, or a Megatron-LM save
+    # folder) instead of converting model.path's HF weights, which still give the config and tokenizer (verl's keys)
+    use_dist_checkpointing: bool = False
+    dist_checkpointing_path: str | None = None
+    dist_checkpointing_prefix: str = ""  # what the checkpoint's keys start with (megatron's sharded_state_dict prefix)
 
     def validate(self):
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
             raise ValueError("tensor_model_parallel_size and pipeline_model_parallel_size must be >= 1")
+        if self.use_dist_checkpointing and not self.dist_checkpointing_path:
+            raise ValueError("use_dist_checkpointing needs dist_checkpointing_path (the megatron checkpoint folder)")
         check_sizes(self, "expert_model_parallel_size", "expert_tensor_parallel_size")
         if self.expert_tensor_parallel_size is None and self.expert_model_parallel_size > 1:
             # verl 0.9.1 hands None to megatron (expert TP = TP); its MoE examples all set 1 explicitly

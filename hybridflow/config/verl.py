@@ -61,7 +61,8 @@ _OPTIM = ("lr", "weight_decay", "betas", "clip_grad", "lr_warmup_steps", "lr_war
           "lr_decay_style", "lr_decay_steps", "min_lr", "min_lr_ratio")
 _MEGATRON = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
              "use_distributed_optimizer", "dtype", "param_offload", "grad_offload", "optimizer_offload",
-             "expert_model_parallel_size", "expert_tensor_parallel_size")
+             "expert_model_parallel_size", "expert_tensor_parallel_size", "use_dist_checkpointing",
+             "dist_checkpointing_path", "dist_checkpointing_prefix")
 _OURS_PREFIX = {_A: "actor.", _R: "rollout.", "algorithm.kl_ctrl.": "algorithm.kl_ctrl.",
                 _R + "val_kwargs.": "rollout.val_kwargs.",
                 _R + "multi_turn.": "rollout.multi_turn.",
@@ -155,7 +156,8 @@ MUST_AGREE = {
     _R + "name": "rollout.name",
     **{f"{_REF}megatron.{k}": f"actor.megatron.{k}"  # the reference shares the actor's layout
        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
-                 "expert_model_parallel_size", "expert_tensor_parallel_size", "router_replay.mode")},
+                 "expert_model_parallel_size", "expert_tensor_parallel_size", "router_replay.mode",
+                 "use_dist_checkpointing", "dist_checkpointing_path", "dist_checkpointing_prefix")},  # ref starts as actor
     "trainer.max_critic_ckpt_to_keep": "trainer.max_checkpoints",  # one retention for the whole checkpoint
     _REF + "log_prob_use_dynamic_bsz": "actor.log_prob_use_dynamic_bsz",  # one setting for actor and ref forwards
     _REF + "log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",

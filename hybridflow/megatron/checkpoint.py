@@ -78,6 +78,32 @@ def load_role(role, path: str, *, with_optimizer: bool = True) -> None:
             _load_scheduler(role.scheduler, loaded[_SCHEDULER])
 
 
+def load_weights(role, path: str, prefix: str = "") -> None:
+    """The role's weights from a megatron dist checkpoint (``checkpoint_files.resolve_dist_checkpoint``) at any layout,
+    as verl's ``load_mcore_dist_weights`` loads one: megatron's own sharded keys, which the local spec maps to TE's
+    (its ``sharded_state_dict_keys_map``: the norms under linear_qkv/linear_fc1), so a checkpoint of either spec
+    loads into either. A critic's value head is not in a policy's checkpoint and keeps its initialization (verl drops
+    output_layer for a value model too); LoRA adapters keep theirs. Entries the role does not have (a Megatron-LM
+    checkpoint's optimizer state) are not read (StrictHandling.ASSUME_OK_UNEXPECTED, as verl). ``prefix``: what the
+    checkpoint's keys start with (verl's dist_checkpointing_prefix, megatron's sharded_state_dict prefix)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import StrictHandling
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with role.resident(training=False), megatron_core.cpu_scope():
+        template = {k: v for k, v in role.module.sharded_state_dict(prefix=prefix).items()
+                    if not lora.is_adapter(k) and not (role.value_head and k.startswith(prefix + "output_layer."))}
+        try:
+            loaded = dist_checkpointing.load(template, path, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+        except (Exception, CheckpointException) as e:  # see load_role
+            raise checkpoint_files.load_error(path, e) from e
+        loaded = {k.removeprefix(prefix): v for k, v in loaded.items()}
+        missing, _ = role.module.load_state_dict(loaded, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state") and not lora.is_adapter(k) and not (role.value_head and k.startswith("output_layer."))]
+        if missing:
+            raise checkpoint_files.DamagedCheckpoint(f"dist checkpoint {path}: no weights for {missing[:3]}")
+
+
 def _load_model(module, state: dict) -> None:
     """The loaded weights into ``module``: all of them, or with LoRA its adapters (every one, nothing else)."""
     if not lora.adapters(module):

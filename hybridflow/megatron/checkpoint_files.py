@@ -22,6 +22,9 @@ TORCH_METADATA = ".metadata"
 CONFIG_FILE = "metadata.json"
 
 
+MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's save folder names its newest iter_* here
+
+
 class DamagedCheckpoint(RuntimeError):
     """A checkpoint folder that cannot be loaded; the message names the folder and the file."""
 
@@ -84,3 +87,21 @@ def load_error(folder: str, error: BaseException) -> DamagedCheckpoint:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         damage = f"{type(error).__name__}: {lines[-1] if lines else 'no message'}"
     return DamagedCheckpoint(f"checkpoint {os.path.dirname(os.path.abspath(folder))} cannot be loaded: {damage}")
+
+
+def resolve_dist_checkpoint(path: str, key: str) -> str:
+    """The megatron dist checkpoint folder a role starts from (``<role>.megatron.dist_checkpointing_path``): the folder
+    itself (verl's scripts/converter_hf_to_mcore.py writes one), or a Megatron-LM save folder, whose
+    latest_checkpointed_iteration.txt names its iter_NNNNNNN (or release) folder. ValueError in one line naming
+    ``key`` when it is neither, or is not whole (a legacy torch.save checkpoint has no metadata.json)."""
+    folder = Path(path)
+    tracker = folder / MEGATRON_LM_TRACKER
+    if tracker.is_file():
+        iteration = tracker.read_text().strip()
+        if iteration != "release" and not iteration.isdigit():
+            raise ValueError(f"{key}: {tracker} names no iteration ({iteration[:40]!r})")
+        folder = folder / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
+    damage = find_damage(folder)
+    if damage:
+        raise ValueError(f"{key}: {folder} is not a whole megatron dist checkpoint ({damage})")
+    return str(folder)

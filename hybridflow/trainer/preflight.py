@@ -17,6 +17,7 @@ from hybridflow.config import ConfigError
 from hybridflow.config.schema import ExperimentConfig
 from hybridflow.device import DTYPES
 from hybridflow.megatron import lr_schedule
+from hybridflow.megatron.checkpoint_files import resolve_dist_checkpoint
 from hybridflow.megatron.model import check_rope_supported, check_transformer_config, check_transformer_overrides
 from hybridflow.plan import RunPlan, model_shape, resolve
 from hybridflow.resharding.vllm_layout import check_supported
@@ -147,6 +148,13 @@ def check_files(cfg: ExperimentConfig):
             if not os.path.exists(f):
                 raise ConfigError(f"{key}: file not found: {f}")
     model, tokenizer = check_model_folder(cfg)
+    for section in ("actor", "critic"):  # (the reference starts where the actor does)
+        m = getattr(cfg, section).megatron
+        if m.use_dist_checkpointing:
+            try:
+                resolve_dist_checkpoint(m.dist_checkpointing_path, f"{section}.megatron.dist_checkpointing_path")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     if cfg.reward_model.enable and not os.path.isdir(cfg.reward_model.path):
         raise ConfigError(f"reward_model.path: not a model folder: {cfg.reward_model.path}")
     check_output_dir(cfg.trainer.output_dir, save_hf=cfg.trainer.save_hf_at_end)

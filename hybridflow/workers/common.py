@@ -6,7 +6,8 @@ import os
 
 from hybridflow import rng
 from hybridflow.megatron import lr_schedule, parallel
-from hybridflow.megatron.checkpoint import load_role, save_role
+from hybridflow.megatron.checkpoint import load_role, load_weights, save_role
+from hybridflow.megatron.checkpoint_files import resolve_dist_checkpoint
 from hybridflow.config.model import LORA_TARGETS
 from hybridflow.megatron.hf_weights import HFWeights
 from hybridflow.megatron.lora import LoRASettings
@@ -92,12 +93,23 @@ def ref_offload_settings(actor_cfg):
 
 def init_megatron_worker(worker, megatron_cfg, seed: int, model_path: str, timeout_s: float) -> tuple:
     """Join the group's torch.distributed world, create megatron's groups for the role's layout, and
-    open the HF weights the role starts from: (HF config, ``HFWeights``, read lazily)."""
+    open the HF weights the role starts from: (HF config, ``HFWeights``, read lazily; None where the role starts from a
+    megatron dist checkpoint)."""
     worker.init_distributed(timeout_s=timeout_s)
     parallel.init_model_parallel(megatron_cfg.tensor_model_parallel_size, megatron_cfg.pipeline_model_parallel_size,
                                  seed=seed, timeout_s=timeout_s, ep=megatron_cfg.expert_model_parallel_size,
                                  etp=megatron_cfg.expert_tensor_parallel_size)
-    return open_hf_folder(model_path)
+    config, weights = open_hf_folder(model_path)
+    return config, None if megatron_cfg.use_dist_checkpointing else weights  # start_from_dist_checkpoint instead
+
+
+def start_from_dist_checkpoint(role, megatron_cfg, section: str) -> None:
+    """With ``<section>.megatron.use_dist_checkpointing``, the role's weights from that megatron dist checkpoint
+    (megatron/checkpoint.load_weights; it was built without HF weights: ``init_megatron_worker``)."""
+    m = megatron_cfg
+    if role is not None and m.use_dist_checkpointing:
+        path = resolve_dist_checkpoint(m.dist_checkpointing_path, f"{section}.megatron.dist_checkpointing_path")
+        load_weights(role, path, m.dist_checkpointing_prefix)
 
 
 def save_role_checkpoint(worker, role, name: str, path: str) -> None:

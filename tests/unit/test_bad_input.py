@@ -169,6 +169,10 @@ CASES = {
                                       "(and 2 more), which hybridflow's LlamaForCausalLM does not have"),
     "tokenizer missing": (lambda g, t: [f"model.path={_copy_model(g, t, ['tokenizer*'])}"],
                           "model.path: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)"),
+    "dist checkpoint missing": (lambda g, t: ["actor.megatron.use_dist_checkpointing=true",
+                                              f"actor.megatron.dist_checkpointing_path={t}/mcore"],
+                                "actor.megatron.dist_checkpointing_path: {t}/mcore is not a whole megatron dist "
+                                "checkpoint (mcore/ is missing)"),
     "context too long": (lambda g, t: ["data.max_response_length=10"],
                          "data.max_prompt_length + data.max_response_length (26) exceeds the model's max_position_embeddings (22)"),
     # output
