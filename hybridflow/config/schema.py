@@ -88,6 +88,10 @@ class Optim:
     lr_decay_steps: int | None = None
     min_lr: float = 0.0  # the decay's floor
     min_lr_ratio: float | None = None  # the floor as a fraction of lr (verl's FSDP name); replaces min_lr when set
+    # Fields of megatron-core's OptimizerConfig set as given (verl's override_optimizer_config), e.g. the distributed
+    # optimizer's CPU offload on GPUs: optimizer_cpu_offload, optimizer_offload_fraction (of the Adam state, to host),
+    # overlap_cpu_optimizer_d2h_h2d; use_precision_aware_optimizer (TE's FusedAdam). Checked before start.
+    override_optimizer_config: dict = field(default_factory=dict)
 
     def validate(self):
         check_numbers(self, lr=dict(gt=0, le=MAX_LR), weight_decay=dict(ge=0), clip_grad=dict(ge=0),

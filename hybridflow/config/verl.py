@@ -140,6 +140,8 @@ RENAMED = {
 _DICTS = {
     _A + "megatron.override_transformer_config.": "actor.megatron.override_transformer_config.",
     "critic.megatron.override_transformer_config.": "critic.megatron.override_transformer_config.",
+    _A + "optim.override_optimizer_config.": "actor.optim.override_optimizer_config.",
+    "critic.optim.override_optimizer_config.": "critic.optim.override_optimizer_config.",
     _R + "engine_kwargs.vllm.": "rollout.engine_kwargs.",
     "data.apply_chat_template_kwargs.": "data.apply_chat_template_kwargs.",
 }

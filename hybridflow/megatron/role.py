@@ -34,6 +34,7 @@ class OptimSettings:
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
     schedule: lr_schedule.LRSchedule | None = None  # None: a constant ``lr`` (lr_schedule.resolve builds one)
+    overrides: dict | None = None  # optim.override_optimizer_config (megatron/optimizer_config.py)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,9 @@ class MegatronRole:
     def _wrap_for_training(self, model, optim: OptimSettings, params_dtype):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        from hybridflow.megatron.optimizer_config import optimizer_config
 
         schedule = optim.schedule or lr_schedule.LRSchedule.constant(optim.lr)
         self.tf_config.finalize_model_grads_func = finalize_model_grads
@@ -141,12 +144,7 @@ class MegatronRole:
                     use_distributed_optimizer=optim.use_distributed_optimizer),
                 module=model)
             # 16-bit params get megatron's fp32 main params and grads in the optimizer.
-            opt = get_megatron_optimizer(OptimizerConfig(
-                optimizer="adam", lr=schedule.max_lr, min_lr=schedule.min_lr, weight_decay=optim.weight_decay,
-                adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
-                clip_grad=optim.clip_grad, use_distributed_optimizer=optim.use_distributed_optimizer,
-                params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
-                fp16=params_dtype == torch.float16), [ddp])
+            opt = get_megatron_optimizer(optimizer_config(optim, params_dtype, optim.overrides), [ddp])
         # The schedule scales each loss by the optimizer's loss scale (as Megatron-LM's training loop
         # wires it); without this fp16 gradients would be divided by a scale that was never applied.
         self.tf_config.grad_scale_func = opt.scale_loss

@@ -153,7 +153,7 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
         P = dense * tp + experts
     items["grads"] = per_gpu * 4
     sharded = ((P - experts) / tp / d + experts / etp / ed) if mg.use_distributed_optimizer else per_gpu
-    items["optimizer"] = sharded * (12 if by < 4 else 8)
+    items["optimizer"] = sharded * ((4 if by < 4 else 0) + 8 * (1 - offloaded_fraction(cfg_role.optim)))
     off |= {k for k, flag in (("grads", mg.grad_offload), ("optimizer", mg.optimizer_offload)) if flag}
     b, fb = cfg_role.ppo_micro_batch_size_per_gpu, cfg_role.log_prob_micro_batch_size_per_gpu
     in_flight = min(mg.pipeline_model_parallel_size, max(1, cfg_role.ppo_mini_batch_size // d // b))
@@ -161,6 +161,14 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
     fwd = activation_bytes(shape, fb, seq, mg, out_width, False)
     label = f"backward {b} x {seq} tokens" if train >= fwd else f"forward {fb} x {seq} tokens"
     return Role(name, items, off, max(train, fwd), label)
+
+
+def offloaded_fraction(optim) -> float:
+    """The share of Adam's state (exp_avg, exp_avg_sq: 8 bytes a parameter) megatron's HybridDeviceOptimizer keeps
+    and steps in host memory (optim.override_optimizer_config's optimizer_cpu_offload, optimizer_offload_fraction;
+    megatron/optimizer_config.py); the fp32 main parameters of a 16-bit model stay on the GPU."""
+    o = optim.override_optimizer_config
+    return float(o.get("optimizer_offload_fraction", 0.0)) if o.get("optimizer_cpu_offload") else 0.0
 
 
 def reward_model_role(rm, shape: Shape) -> Role:

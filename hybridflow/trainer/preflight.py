@@ -18,6 +18,7 @@ from hybridflow.config.schema import ExperimentConfig
 from hybridflow.device import DTYPES
 from hybridflow.megatron import lr_schedule
 from hybridflow.megatron.checkpoint_files import resolve_dist_checkpoint
+from hybridflow.megatron.optimizer_config import check_optimizer_overrides
 from hybridflow.megatron.model import check_rope_supported, check_transformer_config, check_transformer_overrides
 from hybridflow.plan import RunPlan, model_shape, resolve
 from hybridflow.resharding.vllm_layout import check_supported
@@ -80,8 +81,13 @@ def check_config(cfg: ExperimentConfig) -> RunPlan:
     plan = run_plan(cfg)
     try:
         for role in ("actor", "critic"):
-            check_transformer_overrides(getattr(cfg, role).megatron.override_transformer_config,
+            section = getattr(cfg, role)
+            check_transformer_overrides(section.megatron.override_transformer_config,
                                         f"{role}.megatron.override_transformer_config")
+            check_optimizer_overrides(section.optim.override_optimizer_config, f"{role}.optim.override_optimizer_config",
+                                      dtype=DTYPES[section.megatron.dtype],
+                                      use_distributed_optimizer=section.megatron.use_distributed_optimizer,
+                                      on_gpu=cfg.resources.gpus_per_worker > 0)
         check_engine_kwargs(cfg.rollout.engine_kwargs)
         check_multi_turn(cfg.rollout.multi_turn)
     except ValueError as e:

@@ -50,7 +50,7 @@ def optim_settings(optim, megatron_cfg, total_steps: int, key: str = "optim"):
     errors, e.g. ``actor.optim``)."""
     return OptimSettings(lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
                          clip_grad=optim.clip_grad, use_distributed_optimizer=megatron_cfg.use_distributed_optimizer,
-                         schedule=lr_schedule.resolve(optim, total_steps, key))
+                         schedule=lr_schedule.resolve(optim, total_steps, key), overrides=optim.override_optimizer_config)
 
 
 def lora_settings(lora_cfg, seed: int):

@@ -66,6 +66,12 @@ CASES.append(pytest.param("actor_tp2", "grpo", DYNAMIC_BSZ, id="actor_tp2-grpo-d
 # the reference is the actor with its adapters off; vLLM gets the merged weights
 LORA = ["model.lora.rank=8", "actor.optim.lr=1e-3"]
 CASES.append(pytest.param("actor_tp2", "grpo", LORA, id="actor_tp2-grpo-lora"))
+# adapter-only sync: the base once, then the adapters into vLLM's LoRA (punica's GPU kernels) at every sync
+CASES.append(pytest.param("actor_tp2", "grpo", [*LORA, "model.lora.merge=false"], id="actor_tp2-grpo-lora_adapters"))
+# megatron's HybridDeviceOptimizer: half the distributed optimizer's Adam state stepped in host memory
+OPTIMIZER_CPU_OFFLOAD = [f"actor.optim.override_optimizer_config.{k}" for k in (
+    "optimizer_cpu_offload=true", "optimizer_offload_fraction=0.5", "overlap_cpu_optimizer_d2h_h2d=true")]
+CASES.append(pytest.param("actor_tp2", "grpo", OPTIMIZER_CPU_OFFLOAD, id="actor_tp2-grpo-optimizer_cpu_offload"))
 ARCH_CASES = [  # (architecture, GPUs, overrides): GRPO with the KL loss, so the reference runs too
     pytest.param("qwen3", 1, [], id="qwen3-single-grpo"),
     pytest.param("qwen3_moe", 2, ["actor.megatron.expert_model_parallel_size=2", "actor.megatron.param_offload=true",
