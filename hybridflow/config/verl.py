@@ -174,6 +174,11 @@ MUST_AGREE = {
     _MODEL + "lora.dropout_position": "pre",
     _MODEL + "lora.a2a_experimental": False,
     _MODEL + "lora.dtype": None,  # the adapters take the model's dtype (fp32 main params in the optimizer)
+    # context parallelism (and Ulysses, which it stands for on megatron) and virtual pipeline stages are not built yet:
+    # a command line that sets them off resolves, one that turns them on is refused naming the key
+    **{f"{role}megatron.context_parallel_size": 1 for role in (_A, _REF, "critic.")},
+    **{f"{role}megatron.virtual_pipeline_model_parallel_size": None for role in (_A, _REF, "critic.")},
+    **{f"{role}ulysses_sequence_parallel_size": 1 for role in (_A, _REF, "critic.")},
 }
 _STRATEGY = "an FSDP run becomes megatron data parallelism with the distributed optimizer (this module's docstring)"
 _FSDP_ONLY = "FSDP's wrapping/sharding detail; megatron's distributed optimizer shards state here"

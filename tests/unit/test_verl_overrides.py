@@ -311,6 +311,13 @@ def test_hydra_config_name_with_a_space_and_engine_kwargs():
      "verl applies overlong shaping only in the dapo reward manager; add reward_model.reward_manager=dapo"),
     (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.type=dora"],
      "'actor_rollout_ref.model.lora.type=dora' must equal supported here ('lora')"),
+    # context parallelism (Ulysses on megatron) and virtual pipeline stages: off resolves, on is refused
+    (["actor_rollout_ref.actor.megatron.context_parallel_size=2"],
+     "'actor_rollout_ref.actor.megatron.context_parallel_size=2' must equal supported here (1)"),
+    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
+     "'actor_rollout_ref.actor.ulysses_sequence_parallel_size=2' must equal supported here (1)"),
+    (["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
+     "'actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2' must equal supported here (None)"),
     (["actor_rollout_ref.model.lora.rank=1024", "actor_rollout_ref.model.lora.merge=False"],
      "model.lora.rank 1024 with merge=false: vLLM's LoRA takes ranks up to 512; set model.lora.merge=true"),
     (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,lm_head]"],
@@ -398,3 +405,12 @@ def test_lora_keys_of_both_verl_engines():
     cfg = resolve(["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=64",
                    "actor_rollout_ref.model.target_modules=[q_proj,v_proj,down_proj]"])
     assert (cfg.model.lora.alpha, cfg.model.lora.target_modules) == (64, ["linear_qkv", "linear_fc2"])
+
+
+def test_context_parallel_and_virtual_stages_set_off_resolve():
+    """verl's megatron scripts often spell out the layouts they leave off (CP 1, no virtual stages, Ulysses 1)."""
+    off = [f"{role}.megatron.context_parallel_size=1" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",
+                                                                   "critic")]
+    off += ["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=null",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1", "critic.ulysses_sequence_parallel_size=1"]
+    assert resolve(off) == resolve([])
