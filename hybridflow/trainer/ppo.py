@@ -116,7 +116,7 @@ class PPODriver:
                     waited["async/wait_rollout_s"] += metrics.get("async/wait_rollout_s", 0.0)  # all of a step's
                     metrics.update(waited)
                 elif cfg.schedule.mode == "colocate_async":  # partial rollouts carried from step to step
-                    batch = self.actor_rollout.generate(self.carried_rows(prompts, step, more_prompts))
+                    batch = self.actor_rollout.generate(self.carried_rows(prompts, label, more_prompts))
                 else:
                     batch = self.actor_rollout.generate(self.prepare(prompts, label))
             metrics.update(batch.meta.pop("memory", {}))
@@ -141,9 +141,11 @@ class PPODriver:
             metrics.update(lag_metrics(batch, self.version, cfg.schedule.max_off_policy_threshold, step))
         return batch, metrics
 
-    def carried_rows(self, prompts: Batch, step: int, more_prompts: Iterator[Batch] | None) -> Batch:
-        """colocate_async: this step's new rows (at the first step, with num_warmup_batches more batches in flight)
-        and how many complete groups each generation replica returns: one batch's worth."""
+    def carried_rows(self, prompts: Batch, step, more_prompts: Iterator[Batch] | None) -> Batch:
+        """colocate_async: this generation's new rows (at the first step, with num_warmup_batches more batches in
+        flight) and how many complete groups each generation replica returns: one batch's worth. ``step``: the
+        generation's label (a step's further generation batches under dynamic sampling are ``<step>.<k>``), which
+        keeps their group ids apart from the groups still carried."""
         batches = [self.prepare(prompts, step)]
         if not self._warmed_up:  # the first step of this process (a resumed run starts with none in flight)
             stream = self._prompt_stream(more_prompts)

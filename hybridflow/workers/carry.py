@@ -58,6 +58,10 @@ class CarriedGeneration:
         ``rollout_log_probs``, ``token_policy_versions`` (-1 on padding) and ``stale_restarts``."""
         ids, mask = prompts.tensors["input_ids"], prompts.tensors["attention_mask"].bool()
         seeds = prompts.tensors.get("sample_seed")
+        clash = {str(u) for u in prompts.non_tensors["uid"]} & {s.group for s in self.samples}
+        if clash:  # a carried group would take the new rows in: responses of two prompts trained as one group
+            raise ValueError(f"colocate_async: group ids {sorted(clash)[:3]} are still carried; each generation "
+                             "batch needs group ids of its own")
         for i in range(len(prompts)):
             self.samples.append(Sample(prompts[i:i + 1], ids[i][mask[i]].tolist(), str(prompts.non_tensors["uid"][i]),
                                        None if seeds is None else int(seeds[i])))
