@@ -78,28 +78,32 @@ def load_role(role, path: str, *, with_optimizer: bool = True) -> None:
             _load_scheduler(role.scheduler, loaded[_SCHEDULER])
 
 
-def load_weights(role, path: str, prefix: str = "") -> None:
-    """The role's weights from a megatron dist checkpoint (``checkpoint_files.resolve_dist_checkpoint``) at any layout,
+def load_weights(module, path: str, prefix: str = "", value_head: bool = False) -> None:
+    """A role's weights (``module``: its GPTModel, resident, before the optimizer copies it: role.MegatronRole's
+    ``start_weights``) from a megatron dist checkpoint (``checkpoint_files.resolve_dist_checkpoint``) at any layout,
     as verl's ``load_mcore_dist_weights`` loads one: megatron's own sharded keys, which the local spec maps to TE's
     (its ``sharded_state_dict_keys_map``: the norms under linear_qkv/linear_fc1), so a checkpoint of either spec
-    loads into either. A critic's value head is not in a policy's checkpoint and keeps its initialization (verl drops
-    output_layer for a value model too); LoRA adapters keep theirs. Entries the role does not have (a Megatron-LM
-    checkpoint's optimizer state) are not read (StrictHandling.ASSUME_OK_UNEXPECTED, as verl). ``prefix``: what the
-    checkpoint's keys start with (verl's dist_checkpointing_prefix, megatron's sharded_state_dict prefix)."""
+    loads into either. A critic's value head (``value_head``) is not in a policy's checkpoint and keeps its
+    initialization (verl drops output_layer for a value model too); LoRA adapters keep theirs. Entries the role
+    does not have (a Megatron-LM checkpoint's optimizer state) are not read (StrictHandling.ASSUME_OK_UNEXPECTED,
+    as verl). ``prefix``: what the checkpoint's keys start with (verl's dist_checkpointing_prefix, megatron's
+    sharded_state_dict prefix)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import StrictHandling
     from torch.distributed.checkpoint.api import CheckpointException
 
-    with role.resident(training=False), megatron_core.cpu_scope():
-        template = {k: v for k, v in role.module.sharded_state_dict(prefix=prefix).items()
-                    if not lora.is_adapter(k) and not (role.value_head and k.startswith(prefix + "output_layer."))}
+    head = "output_layer."
+    with megatron_core.cpu_scope():
+        template = {k: v for k, v in module.sharded_state_dict(prefix=prefix).items()
+                    if not lora.is_adapter(k) and not (value_head and k.startswith(prefix + head))}
         try:
             loaded = dist_checkpointing.load(template, path, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
         except (Exception, CheckpointException) as e:  # see load_role
             raise checkpoint_files.load_error(path, e) from e
         loaded = {k.removeprefix(prefix): v for k, v in loaded.items()}
-        missing, _ = role.module.load_state_dict(loaded, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state") and not lora.is_adapter(k) and not (role.value_head and k.startswith("output_layer."))]
+        missing, _ = module.load_state_dict(loaded, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state") and not lora.is_adapter(k)
+                   and not (value_head and k.startswith(head))]
         if missing:
             raise checkpoint_files.DamagedCheckpoint(f"dist checkpoint {path}: no weights for {missing[:3]}")
 

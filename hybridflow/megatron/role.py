@@ -85,10 +85,13 @@ class MegatronRole:
                  optim: OptimSettings | None = None, dtype: torch.dtype = torch.float32,
                  sequence_parallel: bool = False, offload: OffloadSettings = OffloadSettings(),
                  transformer_overrides: dict | None = None, routing_replay: bool = False,
-                 lora_settings: lora.LoRASettings | None = None):
+                 lora_settings: lora.LoRASettings | None = None, start_weights: Callable | None = None):
         """``routing_replay``: the MoE routers can record and replay their top-k (megatron/routing.py): a
         micro-batch with ``routed_experts`` replays them. ``lora_settings``: the base weights are frozen and
-        adapters train (megatron/lora.py); the optimizer holds the adapters only."""
+        adapters train (megatron/lora.py); the optimizer holds the adapters only. ``start_weights(role)``: loads
+        weights that do not come from ``hf_state_dict`` (a megatron dist checkpoint, a peft adapter) into the built
+        model before the optimizer is made: a 16-bit model's fp32 main parameters are copies taken then, and the
+        first step would write them back over anything loaded later."""
         from megatron.core import parallel_state as ps
 
         self.hf_config = hf_config
@@ -106,7 +109,10 @@ class MegatronRole:
             convert.load_into(model, convert.hf_to_megatron(hf_state_dict, hf_config, self.shard, value_head=value_head))
         if lora_settings is not None:  # before DDP: gradient buffers and optimizer state for the adapters only
             lora.add_adapters(model, lora_settings, self.tf_config)
-        self.optimizer = self.scheduler = None
+        self.model, self.optimizer = model, None
+        if start_weights is not None:
+            start_weights(self)
+        self.scheduler = None
         if optim is None:
             model.requires_grad_(False)
             self.model = model.eval()
@@ -145,6 +151,14 @@ class MegatronRole:
                 module=model)
             # 16-bit params get megatron's fp32 main params and grads in the optimizer.
             opt = get_megatron_optimizer(optimizer_config(optim, params_dtype, optim.overrides), [ddp])
+        if (optim.overrides or {}).get("optimizer_cpu_offload"):
+            # the DistributedOptimizer replaces the HybridDeviceOptimizer it was first built with over the model's
+            # parameters (distrib_optimizer.py), whose fp32 and pinned copies only the cyclic collector frees
+            import gc
+
+            gc.collect()
+            if device.on_accelerator():
+                torch.cuda.empty_cache()
         # The schedule scales each loss by the optimizer's loss scale (as Megatron-LM's training loop
         # wires it); without this fp16 gradients would be divided by a scale that was never applied.
         self.tf_config.grad_scale_func = opt.scale_loss

@@ -307,6 +307,7 @@ class VLLMRollout:
         items = weights.items() if isinstance(weights, dict) else weights
         cast = ((name, device.to_device(t, dtype=self.dtype)) for name, t in items)
         self._worker().reload_weights(weights_iterator=cast, is_checkpoint_format=not shards)
+        self.lora_request = None  # a reload drops vLLM's adapters (reset_lora_state): load_adapter comes after it
         if not device.on_accelerator():  # vLLM-CPU skips its MoE prepack on reloads (patches/vllm_engine.py)
             vllm_engine.repack_cpu_experts(self._worker().model_runner.get_model())
         self.llm.reset_prefix_cache()

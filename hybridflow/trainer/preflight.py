@@ -367,6 +367,11 @@ def resume_checkpoint(cfg: ExperimentConfig, model, plan: RunPlan) -> Path | Non
             raise ConfigError(f"trainer.resume_from_path: checkpoint {t.resume_from_path} is damaged: {damage}")
     if path is not None:
         check_checkpoint_fits(cfg, model, plan, path)
+        for role in ("actor", "critic"):  # megatron-core 0.16's HybridDeviceOptimizer cannot load its state back
+            if getattr(cfg, role).optim.override_optimizer_config.get("optimizer_cpu_offload"):
+                raise ConfigError(f"{role}.optim.override_optimizer_config.optimizer_cpu_offload: resuming from {path} "
+                                  "is not supported with it (megatron-core 0.16's HybridDeviceOptimizer cannot load "
+                                  "its Adam state); resume without it")
     return path
 
 

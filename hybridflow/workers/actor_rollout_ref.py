@@ -23,9 +23,8 @@ from hybridflow.resharding.transition import Resharder, TransitionStats
 from hybridflow.resharding import checkpoint_engine
 from hybridflow.resharding.separate import SeparatePlan
 from hybridflow.workers import role_ops
-from hybridflow.workers.common import (init_megatron_worker, load_lora_adapter, load_role_checkpoint, lora_settings,
-                                       offload_settings, optim_settings, ref_offload_settings, save_role_checkpoint,
-                                       start_from_dist_checkpoint)
+from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoint, lora_settings, offload_settings,
+                                       optim_settings, ref_offload_settings, save_role_checkpoint, start_weights)
 from hybridflow.workers.export import save_hf_folder
 from hybridflow.workers.carry import CarriedGeneration
 from hybridflow.workers.generation import (build_agent_loop, build_vllm_rollout, generate_batch, load_adapters,
@@ -46,17 +45,15 @@ class ActorRolloutRefWorker(Worker):
                                                                          "actor.optim"),
                                   dtype=dtype, sequence_parallel=mp.sequence_parallel, offload=offload_settings(mp),
                                   transformer_overrides=mp.override_transformer_config,
-                                  routing_replay=self.replay != "disabled", lora_settings=lora_settings(spec.lora, p.seed))
-        start_from_dist_checkpoint(self.actor, mp, "actor")
-        if spec.lora is not None and spec.lora.adapter_path:
-            load_lora_adapter(self.actor, spec.lora.adapter_path)
+                                  routing_replay=self.replay != "disabled", lora_settings=lora_settings(spec.lora, p.seed),
+                                  start_weights=start_weights(mp, "actor", spec.lora and spec.lora.adapter_path))
         # The reference lives in the actor's processes, with the actor's layout and its own param offload; under
         # R3 it replays vLLM's routes too. With LoRA it is the actor with its adapters off: no second copy.
         self.ref = MegatronRole(hf_config, state, dtype=dtype, sequence_parallel=mp.sequence_parallel,
                                 offload=ref_offload_settings(spec.actor),
                                 transformer_overrides=mp.override_transformer_config,
-                                routing_replay=self.replay == "R3") if self.needs.reference and not spec.lora else None
-        start_from_dist_checkpoint(self.ref, mp, "actor")
+                                routing_replay=self.replay == "R3",
+                                start_weights=start_weights(mp, "actor")) if self.needs.reference and not spec.lora else None
         del state
         from transformers import AutoTokenizer
 

@@ -100,16 +100,25 @@ def init_megatron_worker(worker, megatron_cfg, seed: int, model_path: str, timeo
                                  seed=seed, timeout_s=timeout_s, ep=megatron_cfg.expert_model_parallel_size,
                                  etp=megatron_cfg.expert_tensor_parallel_size)
     config, weights = open_hf_folder(model_path)
-    return config, None if megatron_cfg.use_dist_checkpointing else weights  # start_from_dist_checkpoint instead
+    return config, None if megatron_cfg.use_dist_checkpointing else weights  # start_weights loads them instead
 
 
-def start_from_dist_checkpoint(role, megatron_cfg, section: str) -> None:
-    """With ``<section>.megatron.use_dist_checkpointing``, the role's weights from that megatron dist checkpoint
-    (megatron/checkpoint.load_weights; it was built without HF weights: ``init_megatron_worker``)."""
+def start_weights(megatron_cfg, section: str, adapter_path: str | None = None):
+    """MegatronRole's ``start_weights`` for a role (None when it starts from its HF weights alone): with
+    ``<section>.megatron.use_dist_checkpointing`` the weights of that megatron dist checkpoint (megatron/checkpoint.
+    load_weights; the role was built without HF weights: ``init_megatron_worker``), then the peft adapter at
+    ``adapter_path`` (model.lora.adapter_path)."""
     m = megatron_cfg
-    if role is not None and m.use_dist_checkpointing:
-        path = resolve_dist_checkpoint(m.dist_checkpointing_path, f"{section}.megatron.dist_checkpointing_path")
-        load_weights(role, path, m.dist_checkpointing_prefix)
+    if not m.use_dist_checkpointing and not adapter_path:
+        return None
+
+    def load(role) -> None:
+        if m.use_dist_checkpointing:
+            path = resolve_dist_checkpoint(m.dist_checkpointing_path, f"{section}.megatron.dist_checkpointing_path")
+            load_weights(role.module, path, m.dist_checkpointing_prefix, role.value_head)
+        if adapter_path:
+            load_lora_adapter(role, adapter_path)
+    return load
 
 
 def save_role_checkpoint(worker, role, name: str, path: str) -> None:

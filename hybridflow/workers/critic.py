@@ -9,7 +9,7 @@ from hybridflow.megatron.role import MegatronRole
 from hybridflow.protocol import Batch
 from hybridflow.workers import role_ops
 from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoint, offload_settings, optim_settings,
-                                       save_role_checkpoint, start_from_dist_checkpoint)
+                                       save_role_checkpoint, start_weights)
 
 
 class CriticWorker(Worker):
@@ -22,8 +22,8 @@ class CriticWorker(Worker):
         self.critic = MegatronRole(hf_config, state, value_head=True,
                                    optim=optim_settings(spec.critic.optim, mp, p.total_steps, "critic.optim"),
                                    dtype=device.torch_dtype(mp.dtype), sequence_parallel=mp.sequence_parallel,
-                                   offload=offload_settings(mp), transformer_overrides=mp.override_transformer_config)
-        start_from_dist_checkpoint(self.critic, mp, "critic")  # a policy's checkpoint: the value head as built
+                                   offload=offload_settings(mp), transformer_overrides=mp.override_transformer_config,
+                                   start_weights=start_weights(mp, "critic"))  # a policy's: the value head as built
 
     def dispatch_info(self, mesh: str = "train") -> dict:  # noqa: ARG002 (the critic has one mesh)
         return parallel.dispatch_info()
