@@ -27,7 +27,7 @@ run: $(STAMP)
 	$(PY) -m hybridflow.trainer.main --config configs/quickstart_cpu.yaml $(ARGS)
 
 test: $(STAMP)
-	bash tests/run_tiers.sh $(PY) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Side by side, one at a time (2 cores): TRL, the rollout engines, the controller's cost, start-up.
 bench: $(STAMP)
