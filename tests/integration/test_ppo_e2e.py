@@ -27,8 +27,6 @@ LAYOUTS = {  # name -> overrides: one process, and 2-process TP / PP actors feed
     "actor_dp2_rollout_tp2": ["rollout.tensor_model_parallel_size=2", "resources.n_workers=2", "resources.cpus_per_worker=1"],
     "actor_pp2_gather_all": ["actor.megatron.pipeline_model_parallel_size=2", "resources.n_workers=2",
                              "resources.cpus_per_worker=1", "rollout.resharding=gather_all"],
-    "grpo_kl_loss": ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "actor.use_kl_loss=true",
-                     "rollout.n=2", "data.batch_size=8", "actor.ppo_mini_batch_size=8"],  # critic-free: no critic worker
     "critic_separate_pool": ["critic.placement=separate", "resources.cpus_per_worker=1"],  # split placement
     "remax": ["algorithm.adv_estimator=remax", "algorithm.use_kl_in_reward=false", "rollout.n=2",
               "data.batch_size=8", "actor.ppo_mini_batch_size=8"],  # a greedy rollout per prompt gives the baseline
