@@ -38,6 +38,12 @@ class LoRA:
     merge: bool = True
     adapter_path: str | None = None  # a peft adapter folder (adapter_model.safetensors) to start from
 
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The linears adapters go on: target_modules, or every one (less exclude_modules) when it is empty (verl's
+        meaning)."""
+        return tuple(self.target_modules or LORA_TARGETS)
+
     def validate(self):
         check_number("model.lora.rank", self.rank, ge=0)
         if not self.rank:

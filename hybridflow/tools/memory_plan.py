@@ -68,7 +68,7 @@ from types import SimpleNamespace
 
 from hybridflow.config import ConfigError
 from hybridflow.plan import ParallelLayout, load_experiment, resolve
-from hybridflow.config.model import LORA_TARGETS, vllm_lora_rank
+from hybridflow.config.model import vllm_lora_rank
 from hybridflow.plan.model_shape import (Shape, count_params, expert_params, kv_bytes_per_token,  # noqa: F401
                                          largest_layer_params, layer_params, lora_base_params,
                                          lora_expert_base_params, lora_expert_params, lora_params,
@@ -145,7 +145,7 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
         act = activation_bytes(shape, cfg_role.log_prob_micro_batch_size_per_gpu, seq, mg, out_width, False)
         return Role(name, items, off, act, f"forward {cfg_role.log_prob_micro_batch_size_per_gpu} x {seq} tokens")
     if lora is not None:  # the base frozen: gradients and optimizer state for the adapters only
-        targets = lora.target_modules or LORA_TARGETS
+        targets = lora.targets
         dense = lora_params(shape, lora.rank, targets, layout.tp) / layout.pp  # per GPU
         experts = lora_expert_params(shape, lora.rank, targets)  # whole model, split over EP x PP (expert TP 1)
         per_gpu = dense + experts / etp
@@ -246,12 +246,11 @@ def _resharding_buffers(cfg, shape: Shape, P: int, t_g: int | None = None) -> li
         buffers.append(("resharding: one piece staged for vLLM's loaders (MoE)", widest * shape.hidden * by_a))
     lora = cfg.model.lora
     if lora.rank and not lora.merge:  # adapter-only: the base unmerged, then one stage's whole adapters (peft format)
-        whole = lora_peft_params(shape, lora.rank, lora.target_modules or LORA_TARGETS) / p
+        whole = lora_peft_params(shape, lora.rank, lora.targets) / p
         buffers.append(("resharding: adapters gathered whole (adapter-only LoRA)", whole * by_a))
     elif lora.rank:  # LoRA: the adapted weights merged (W + BA) for vLLM, a copy of this rank's shard of them
-        targets = cfg.model.lora.target_modules or LORA_TARGETS
-        merged = (lora_base_params(shape, targets) / (t * p)
-                  + lora_expert_base_params(shape, targets) / (mg_a.expert_model_parallel_size * p))
+        merged = (lora_base_params(shape, lora.targets) / (t * p)
+                  + lora_expert_base_params(shape, lora.targets) / (mg_a.expert_model_parallel_size * p))
         buffers.append(("resharding: LoRA-merged weights", merged * by_a))
     if shape.experts and (mg_a.expert_model_parallel_size > 1 or (mg_a.expert_tensor_parallel_size or t) != t):
         # the expert all-to-all (transition.Resharder._exchange_experts): every expert's 1/t_g slice of the stage
@@ -285,9 +284,10 @@ def plan(cfg, shape: Shape, gpu_mem_gib: float, *, rm_shape: Shape | None = None
     ro = cfg.rollout
     budget = ro.gpu_memory_utilization * gpu_mem_gib * GiB
     vllm_weights = P * BYTES[ro.dtype] / ro.tensor_model_parallel_size
-    if cfg.model.lora.rank and not cfg.model.lora.merge:  # vLLM's LoRA slots: one adapter at its max_lora_rank
-        vllm_weights += lora_peft_params(shape, vllm_lora_rank(cfg.model.lora.rank), cfg.model.lora.target_modules
-                                         or LORA_TARGETS) * BYTES[ro.dtype] / ro.tensor_model_parallel_size
+    lora = cfg.model.lora
+    if lora.rank and not lora.merge:  # vLLM's LoRA slots: one adapter at its max_lora_rank
+        vllm_weights += (lora_peft_params(shape, vllm_lora_rank(lora.rank), lora.targets) * BYTES[ro.dtype]
+                         / ro.tensor_model_parallel_size)
     graphs = 0.0 if ro.enforce_eager else cuda_graph_gib * GiB  # held while vLLM sleeps
     ctx = [("CUDA context + NCCL buffers (fixed)", CONTEXT_BYTES)]
 

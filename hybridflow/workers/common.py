@@ -8,7 +8,6 @@ from hybridflow import rng
 from hybridflow.megatron import lr_schedule, parallel
 from hybridflow.megatron.checkpoint import load_role, load_weights, save_role
 from hybridflow.megatron.checkpoint_files import resolve_dist_checkpoint
-from hybridflow.config.model import LORA_TARGETS
 from hybridflow.megatron.hf_weights import HFWeights
 from hybridflow.megatron.lora import LoRASettings
 from hybridflow.megatron.role import OffloadSettings, OptimSettings
@@ -60,7 +59,7 @@ def lora_settings(lora_cfg, seed: int):
         return None
     c = lora_cfg
     return LoRASettings(rank=c.rank, alpha=c.alpha, dropout=c.dropout,
-                        target_modules=tuple(c.target_modules or LORA_TARGETS), exclude_modules=tuple(c.exclude_modules),
+                        target_modules=c.targets, exclude_modules=tuple(c.exclude_modules),
                         a_init=c.lora_A_init_method, b_init=c.lora_B_init_method, seed=seed)
 
 
