@@ -334,6 +334,16 @@ class RayWorkerGroup:
         return WorkerGroupError(f"{summary}\n{_ANSI.sub('', str(e))}", rank, method, getattr(e, "cause", None) or e,
                                 summary, died)
 
+    def died(self, method: str, ranks: list[int]) -> WorkerGroupError:
+        """The error of ``ranks`` found dead (``dead_ranks``) after another group's call failed with them: a
+        receiver's death breaks the sender's collective, and the sender often reports first."""
+        self.failed = True
+        nodes = sorted({self.node_names[r] for r in ranks})
+        summary = (f"worker group {self.name!r} ({self.worker_cls.__name__}.{method}), rank(s) "
+                   f"{', '.join(map(str, ranks))} of {self.world_size} on node(s) {', '.join(nodes)}: "
+                   "its worker process died")
+        return WorkerGroupError(summary, ranks[0], method, None, summary, died=True)
+
     def _stuck(self, method: str, ranks: list[int], timeout: float) -> WorkerGroupError:
         self.failed = True
         nodes = sorted({self.node_names[r] for r in ranks})

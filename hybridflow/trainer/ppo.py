@@ -193,11 +193,13 @@ class PPODriver:
                 if rebuilt and self.ahead is not None:  # generated under the weights just pushed
                     self.ahead.reissue(self.rollout_pool)
                 return metrics
-            except WorkerGroupError as error:
-                # either side may report first: a receiver's death also breaks the sender's broadcast
-                if attempt == MAX_RECOVERIES or not self.rollout_pool.dead_ranks() or self.actor_rollout.dead_ranks():
+            except WorkerGroupError:
+                # either side may report first: a receiver's death also breaks the sender's broadcast, so the
+                # warning names the dead receiver, whichever error surfaced
+                dead = self.rollout_pool.dead_ranks()
+                if attempt == MAX_RECOVERIES or not dead or self.actor_rollout.dead_ranks():
                     raise
-                self.rebuild_rollout_pool(error, push=False)
+                self.rebuild_rollout_pool(self.rollout_pool.died("receive_weights", dead), push=False)
                 rebuilt = True
         raise AssertionError("unreachable")
 

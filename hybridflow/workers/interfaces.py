@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from hybridflow.controller import DispatchFuture
+from hybridflow.controller import DispatchFuture, WorkerGroupError
 from hybridflow.protocol import Batch
 
 
@@ -33,6 +33,8 @@ class WorkerGroupHandle(Protocol):
     def shutdown(self) -> None: ...
 
     def dead_ranks(self, wait_s: float = 2.0) -> list[int]: ...
+
+    def died(self, method: str, ranks: list[int]) -> WorkerGroupError: ...
 
 
 class ActorRolloutRefGroup(WorkerGroupHandle, Protocol):
