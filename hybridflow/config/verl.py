@@ -59,7 +59,7 @@ _SAME_LEAVES = {
 }
 _OPTIM = ("lr", "weight_decay", "betas", "clip_grad", "lr_warmup_steps", "lr_warmup_steps_ratio", "lr_warmup_init",
           "lr_decay_style", "lr_decay_steps", "min_lr", "min_lr_ratio")
-_MEGATRON = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
+_MEGATRON = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "sequence_parallel",
              "use_distributed_optimizer", "dtype", "param_offload", "grad_offload", "optimizer_offload",
              "expert_model_parallel_size", "expert_tensor_parallel_size", "use_dist_checkpointing",
              "dist_checkpointing_path", "dist_checkpointing_prefix")
@@ -84,6 +84,10 @@ RENAMED = {
     "data.seed": "trainer.seed",
     _MODEL + "path": "model.path",
     _A + "grad_clip": "actor.optim.clip_grad",
+    # FSDP's Ulysses sequence parallelism splits each sequence over ranks: on megatron that is context parallelism
+    # (a deliberate difference: K/V cross ranks, not heads; the same sizes and results)
+    _A + "ulysses_sequence_parallel_size": "actor.megatron.context_parallel_size",
+    "critic.ulysses_sequence_parallel_size": "critic.megatron.context_parallel_size",
     _A + "clip_ratio": ("actor.clip_ratio_low", "actor.clip_ratio_high"),
     _R + "log_prob_micro_batch_size_per_gpu": "actor.log_prob_micro_batch_size_per_gpu",
     _R + "log_prob_use_dynamic_bsz": "actor.log_prob_use_dynamic_bsz",
@@ -157,7 +161,8 @@ MUST_AGREE = {
     "critic.model.path": "model.path",  # the critic starts from the policy's weights here
     _R + "name": "rollout.name",
     **{f"{_REF}megatron.{k}": f"actor.megatron.{k}"  # the reference shares the actor's layout
-       for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
+       for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "sequence_parallel",
                  "expert_model_parallel_size", "expert_tensor_parallel_size", "router_replay.mode",
                  "use_dist_checkpointing", "dist_checkpointing_path", "dist_checkpointing_prefix")},  # ref starts as actor
     "trainer.max_critic_ckpt_to_keep": "trainer.max_checkpoints",  # one retention for the whole checkpoint
@@ -174,11 +179,11 @@ MUST_AGREE = {
     _MODEL + "lora.dropout_position": "pre",
     _MODEL + "lora.a2a_experimental": False,
     _MODEL + "lora.dtype": None,  # the adapters take the model's dtype (fp32 main params in the optimizer)
-    # context parallelism (and Ulysses, which it stands for on megatron) and virtual pipeline stages are not built yet:
-    # a command line that sets them off resolves, one that turns them on is refused naming the key
-    **{f"{role}megatron.context_parallel_size": 1 for role in (_A, _REF, "critic.")},
+    # the reference runs in the actor's processes: its Ulysses size (context parallelism here) is the actor's
+    _REF + "ulysses_sequence_parallel_size": "actor.megatron.context_parallel_size",
+    # virtual pipeline stages are not built yet: a command line that sets them off resolves, one that turns them
+    # on is refused naming the key
     **{f"{role}megatron.virtual_pipeline_model_parallel_size": None for role in (_A, _REF, "critic.")},
-    **{f"{role}ulysses_sequence_parallel_size": 1 for role in (_A, _REF, "critic.")},
 }
 _STRATEGY = "an FSDP run becomes megatron data parallelism with the distributed optimizer (this module's docstring)"
 _FSDP_ONLY = "FSDP's wrapping/sharding detail; megatron's distributed optimizer shards state here"

@@ -42,6 +42,8 @@ class Shard:
     ep_size: int = 1
     etp_rank: int | None = None
     etp_size: int | None = None
+    cp_rank: int = 0  # context parallel: the same weights on every CP rank, as on data-parallel ranks
+    cp_size: int = 1
 
     @property
     def expert_tp(self) -> tuple[int, int]:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from hybridflow import device
 from hybridflow import families
+from hybridflow.megatron import context_parallel
 from hybridflow.families import SUPPORTED_ARCHS, head_dim, is_moe, moe_layer_pattern, qk_layernorm, qkv_bias
 from hybridflow.patches import megatron_core
 from hybridflow.patches.transformers_rope import hf_inverse_frequencies
@@ -116,9 +117,9 @@ DECIDED_FIELDS = {
     "pipeline_model_parallel_size": "megatron.pipeline_model_parallel_size",
     "sequence_parallel": "megatron.sequence_parallel",
     **{name: "megatron.dtype" for name in ("params_dtype", "pipeline_dtype", "bf16", "fp16")},
+    "context_parallel_size": "megatron.context_parallel_size",
     # layouts hybridflow does not build
-    **{name: "hybridflow (not supported)" for name in (
-        "context_parallel_size", "virtual_pipeline_model_parallel_size")},
+    "virtual_pipeline_model_parallel_size": "hybridflow (not supported)",
     "expert_model_parallel_size": "megatron.expert_model_parallel_size",
     "expert_tensor_parallel_size": "megatron.expert_tensor_parallel_size",
     **{name: _FROM_MODEL for name in (
@@ -199,7 +200,7 @@ def check_transformer_config(hf_config, megatron_cfg, key: str) -> None:
 
 
 def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
-                               sequence_parallel: bool = False,
+                               cp: int = 1, sequence_parallel: bool = False,
                                params_dtype: torch.dtype = torch.float32, overrides: dict | None = None,
                                key: str = "megatron.override_transformer_config"):
     """The megatron TransformerConfig equivalent to a HF Qwen2/Llama config (no fused CUDA kernels on CPU),
@@ -229,6 +230,7 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -295,7 +297,10 @@ def layer_spec(config):
         megatron_core.allow_sequence_parallel_torch_norm()
     # The local spec's RMSNorm layer norms are WrappedTorchNorm with or without Apex
     # (backends.LocalSpecProvider.layer_norm(rms_norm=True)).
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
+    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
+    if config.context_parallel_size > 1:
+        spec.submodules.self_attention.submodules.core_attention = context_parallel.gathered_kv_attention()
+    return spec
 
 
 def final_norm():

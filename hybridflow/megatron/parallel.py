@@ -9,20 +9,23 @@ from hybridflow.patches import megatron_core
 
 
 def init_model_parallel(tp: int, pp: int, seed: int, timeout_s: float = 600, ep: int = 1,
-                        etp: int | None = None) -> None:
-    """Create TP/PP/DP groups (and the expert-parallel ones: EP x expert-TP over the same ranks) over the
+                        etp: int | None = None, cp: int = 1) -> None:
+    """Create TP/CP/PP/DP groups (and the expert-parallel ones: EP x expert-TP over the same ranks) over the
     already-initialized default group (gloo on CPU, nccl on GPU).
 
-    The world must divide by tp*pp; the data-parallel size is what remains. Experts are split over ep ranks
-    and their weights over etp (None: tp) ranks; megatron needs the world to divide by etp*ep*pp.
+    The world must divide by tp*cp*pp; the data-parallel size is what remains. The sequence is split over cp
+    ranks (megatron/context_parallel.py), which hold the same weights, as data-parallel ranks do. Experts are
+    split over ep ranks and their weights over etp (None: tp) ranks; megatron needs the world to divide by
+    etp*ep*pp.
     """
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialized before megatron's model parallel groups")
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")
+    if world % (tp * cp * pp):
+        raise ValueError(f"world size {world} is not divisible by tensor ({tp}) x context ({cp}) x pipeline ({pp}) "
+                         "parallel sizes")
     etp = etp or tp
     if world % (etp * ep * pp):
         raise ValueError(f"world size {world} is not divisible by expert tensor ({etp}) x expert ({ep}) x "
@@ -30,11 +33,12 @@ def init_model_parallel(tp: int, pp: int, seed: int, timeout_s: float = 600, ep:
     megatron_core.enable_cpu()
     if ps.model_parallel_is_initialized():
         if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_expert_model_parallel_world_size()) != (tp, pp, ep):
+                ps.get_expert_model_parallel_world_size(), ps.get_context_parallel_world_size()) != (tp, pp, ep, cp):
             raise ValueError("this process already has megatron groups of a different layout")
     else:
         with megatron_core.cpu_scope():
             ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                         context_parallel_size=cp,
                                          expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                          distributed_timeout_minutes=max(1, round(timeout_s / 60)))
     megatron_core.model_parallel_seed(seed)
@@ -48,15 +52,17 @@ def current_shard() -> Shard:
         pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
         ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
         etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
     )
 
 
 def dispatch_info() -> dict:
-    """For the controller's 3D dispatch: this rank's DP shard, and whether it returns results
-    (TP rank 0 on the last pipeline stage)."""
+    """For the controller's 3D dispatch: this rank's DP shard (the CP ranks of a DP rank share its rows), and
+    whether it returns results (TP and CP rank 0 on the last pipeline stage)."""
     from megatron.core import parallel_state as ps
 
     return dict(
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-        collect=ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage(),
+        collect=(ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+                 and ps.is_pipeline_last_stage()),
     )

@@ -99,7 +99,7 @@ class MegatronRole:
         self.shard = parallel.current_shard()
         self.device = device.current()
         self.tf_config = transformer_config_from_hf(  # overrides: megatron.override_transformer_config
-            hf_config, tp=self.shard.tp_size, pp=self.shard.pp_size, ep=self.shard.ep_size,
+            hf_config, tp=self.shard.tp_size, pp=self.shard.pp_size, ep=self.shard.ep_size, cp=self.shard.cp_size,
             etp=self.shard.expert_tp[1], sequence_parallel=sequence_parallel,
             params_dtype=dtype, overrides={**(transformer_overrides or {}),
                                            **({"moe_enable_routing_replay": True} if routing_replay else {})})

@@ -8,7 +8,8 @@ named states on the CPU generator; activation recompute saves and replays those,
 state, and re-runs its forwards inside that mode. All of it is inert when a GPU is visible.
 
 Everywhere: MoE's router GEMM without Transformer Engine (``define_missing_router_gemm``), grouped-GEMM
-experts without the grouped_gemm package (``torch_grouped_gemm``), a
+experts without the grouped_gemm package (``torch_grouped_gemm``), context-parallel attention without it
+(``gathered_kv_attention``), a
 sequence-parallel torch norm, HF's scaled-RoPE frequencies, rotary positions for packed rows, and an
 optimizer step that never applies a non-finite update.
 """
@@ -16,6 +17,8 @@ optimizer step that never applies a non-finite update.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import math
 import threading
 
@@ -100,6 +103,12 @@ GROUPED_GEMM = declare(
     "extension (fanshiqing/grouped_gemm) that CPUs and most GPU images lack; torch has the same grouped GEMM "
     "(torch.nn.functional.grouped_mm, bf16 on CPU; its autograd gives both gradients): used where the package is "
     "missing, untouched where it imports")
+LOCAL_ATTENTION = declare(
+    "megatron.context_parallel_local_attention", "megatron-core", MCORE,
+    "megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
+    "context parallelism without Transformer Engine: megatron's local attention asserts context_parallel_size == 1 "
+    "in __init__; a subclass built as CP 1 gathers K/V over the CP group and relies on forward taking sk != sq "
+    "with an explicit [b, 1, sq, sk] mask")
 GROUPED_MLP_EAGER = declare(
     "megatron.cpu_grouped_mlp_eager", "megatron-core", MCORE, "megatron.core.transformer.moe.experts:jit_fuser",
     "CPU: GroupedMLP wraps its GLU and probability scaling in jit_fuser (torch.compile), which on CPU builds C++ "
@@ -407,3 +416,51 @@ def optimizer_step(optimizer) -> tuple[bool, float]:
                 params, max_norm=part.config.clip_grad, total_norm=grad_norm,
                 use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
     return bool(optimizer.step_with_ready_grads()), grad_norm
+
+
+@functools.cache
+def gathered_kv_attention(cp_group):
+    """megatron's local ``DotProductAttention`` under context parallelism (hybridflow/megatron/context_parallel.py):
+    K and V [sk, b, g, d] are gathered over the CP group (``cp_group()``) before its own computation; the mask
+    (required: [.., sq, cp * sk], True = masked) says which of them each local query sees."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    LOCAL_ATTENTION.require()
+
+    class GatherSequence(torch.autograd.Function):
+        """[s, ...] on each CP rank -> [cp * s, ...] in rank order. Backward: every rank's queries used every
+        rank's keys, so the gradients are summed over the group, and each rank keeps its own part."""
+
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group, ctx.length = group, x.shape[0]
+            parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, x.contiguous(), group=group)
+            return torch.cat(parts)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.group)
+            rank = dist.get_rank(ctx.group)
+            return grad[rank * ctx.length:(rank + 1) * ctx.length], None
+
+    class GatheredKVAttention(DotProductAttention):
+        def __init__(self, config, *args, **kwargs):
+            # built as CP 1: the assertion is the only use of the CP size there
+            as_one = copy.copy(config)
+            as_one.context_parallel_size = 1
+            super().__init__(as_one, *args, **kwargs)
+            self.cp_group = cp_group()
+
+        def forward(self, query, key, value, attention_mask, *args, **kwargs):
+            if attention_mask is None:
+                raise ValueError("context parallel attention without Transformer Engine needs the mask of its "
+                                 "queries against the gathered keys (row_layout.split_for_context_parallel)")
+            key = GatherSequence.apply(key, self.cp_group)
+            value = GatherSequence.apply(value, self.cp_group)
+            return super().forward(query, key, value, attention_mask, *args, **kwargs)
+
+    return GatheredKVAttention

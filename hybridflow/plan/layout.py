@@ -1,4 +1,4 @@
-"""Process layouts: a megatron role's TP/PP/DP/EP/expert-TP over its pool, and the generation layout of the
+"""Process layouts: a megatron role's TP/CP/PP/DP/EP/expert-TP over its pool, and the generation layout of the
 rollout engines. One value object per role owns the arithmetic and its checks (as torchtitan's
 ``ParallelDims``); nothing else divides pool sizes."""
 
@@ -21,16 +21,24 @@ class ParallelLayout:
     pp: int = 1
     ep: int = 1
     etp: int = 1  # expert TP (resolved: the config's None is TP, or 1 when EP > 1)
+    cp: int = 1  # context parallel: ranks holding the same weights, each a part of every sequence
 
     @classmethod
     def of(cls, role: str, megatron, world: int, pool_key: str) -> ParallelLayout:
         mp = megatron
         return cls(role, world, pool_key, mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size,
-                   mp.expert_model_parallel_size, mp.expert_tensor_parallel_size or mp.tensor_model_parallel_size)
+                   mp.expert_model_parallel_size, mp.expert_tensor_parallel_size or mp.tensor_model_parallel_size,
+                   mp.context_parallel_size)
 
     @property
     def dp(self) -> int:
-        return self.world // (self.tp * self.pp)
+        return self.world // (self.tp * self.cp * self.pp)
+
+    @property
+    def weight_replicas(self) -> int:
+        """Ranks holding the same weights (data x context parallel): the resharding planner's d, as megatron
+        numbers ranks tp-cp-dp-pp (CP inside the data-parallel dimension)."""
+        return self.dp * self.cp
 
     @property
     def expert_dp(self) -> int:
@@ -42,10 +50,10 @@ class ParallelLayout:
         return self.ep > 1 or self.etp != self.tp
 
     def check(self) -> None:
-        """The pool splits into whole TP x PP groups and whole expert-TP x EP x PP groups."""
-        if self.world % (self.tp * self.pp):
-            raise ValueError(f"{self.pool_key} ({self.world}) is not divisible by {self.role} tensor x pipeline "
-                             f"parallel size ({self.tp * self.pp})")
+        """The pool splits into whole TP x CP x PP groups and whole expert-TP x EP x PP groups."""
+        if self.world % (self.tp * self.cp * self.pp):
+            raise ValueError(f"{self.pool_key} ({self.world}) is not divisible by {self.role} tensor x context x "
+                             f"pipeline parallel size ({self.tp * self.cp * self.pp})")
         if self.world % (self.etp * self.ep * self.pp):
             raise ValueError(f"{self.pool_key} ({self.world}) is not divisible by {self.role} expert tensor x expert "
                              f"x pipeline parallel size ({self.etp * self.ep * self.pp})")
@@ -99,10 +107,6 @@ class ParallelLayout:
             raise ValueError(f"{self.role}.ppo_mini_batch_size x rollout.n ({mini} sequences) must split into the "
                              f"{self.role}'s {self.dp} data-parallel ranks and then into micro-batches of "
                              f"{self.role}.ppo_micro_batch_size_per_gpu ({micro})")
-
-    def record(self) -> list[int]:
-        """What of the layout decides which rank draws which random numbers (checkpoint resume)."""
-        return [self.tp, self.pp]
 
 
 @dataclass(frozen=True)

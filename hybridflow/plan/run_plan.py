@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from hybridflow.plan.layout import GenerationLayout, ParallelLayout
 from hybridflow.plan.needs import Needs, run_needs
 from hybridflow.plan.pools import Pool, plan_pools, pool_of
-from hybridflow.plan.rules import (check_algorithm, check_lora, check_names, check_routing_replay, check_schedule,
-                                   check_token_budgets)
+from hybridflow.plan.rules import (check_algorithm, check_context_parallel, check_lora, check_names,
+                                   check_routing_replay, check_schedule, check_token_budgets)
 from hybridflow.plan.specs import ActorSpec, CriticSpec, RewardModelSpec, RolloutSpec, role_specs
 
 
@@ -80,6 +80,7 @@ def resolve(cfg, model=None, n_train: int | None = None, *, on_gpu: bool = False
     generation.check(actor.tp, cfg.trainer.seed, cfg.data.batch_size * n)
     check_algorithm(cfg, needs, generation.replicas)
     check_routing_replay(cfg, model)
+    check_context_parallel(cfg, on_gpu)
     check_lora(cfg, model)
     if model is not None:
         for layout in (actor, critic):

@@ -82,7 +82,9 @@ class Resharder:
                              "ranks; use 'hybrid'")
         self.ep_group = ps.get_expert_model_parallel_group() if self.expert_exchange else None
 
-        actual = (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+        # the plan's d counts context-parallel ranks too (same weights; megatron's order tp-cp-dp-pp)
+        actual = (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(with_context_parallel=True),
+                  ps.get_pipeline_model_parallel_rank())
         if train.coords(self.rank) != actual:  # the plan's groups are only right if they are megatron's
             raise RuntimeError(f"rank {self.rank}: the resharding plan places it at (tp, dp, pp) "
                                f"{train.coords(self.rank)} but megatron's groups at {actual}")

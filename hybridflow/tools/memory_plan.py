@@ -12,6 +12,8 @@ Assumptions (estimates meant to err on the high side, not exact accounting):
 - A role with TP t and PP p on n GPUs has d = n/(t*p). params P*bytes/(t*p); grads P*4/(t*p) (megatron
   DDP reduces grads in fp32); optimizer fp32 main params + Adam m, v = 12 B/param for 16-bit dtypes (8 for
   fp32, whose params are the main copy), /(t*p), and also /d with use_distributed_optimizer.
+- Context parallelism (megatron.context_parallel_size c): the ranks hold the same weights, n = d*t*c*p, and
+  the distributed optimizer shards over d*c; every sequence is split over them, so s below is s/c.
 - Training activations of one micro-batch (b = ppo_micro_batch_size_per_gpu rows of s = max_prompt_length +
   max_response_length tokens), Korthikanti et al. 2022, 16-bit, no recompute: s*b*h*34/t bytes per layer
   with sequence parallel, s*b*h*(10 + 24/t) without; the 5*a*s/h attention-score term is left out (flash
@@ -114,6 +116,9 @@ def moe_mlp_bytes_per_token(s: Shape) -> float:
 
 def activation_bytes(s: Shape, b: int, seq: int, mg, out_width: int, backward: bool, in_flight: int = 1) -> float:
     t, p = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
+    # context parallel: each rank computes (and holds the logits of) 1/cp of every sequence; TE's p2p ring holds
+    # one other rank's K/V chunk at a time on top, left out like the attention scores
+    seq = seq / mg.context_parallel_size
     sp = mg.sequence_parallel or t == 1
     dense = seq * b * s.hidden * (_KORTHIKANTI / t if sp else 10 + 24 / t)
     # megatron requires sequence parallel for MoE at TP > 1: each TP rank routes its 1/t of the tokens
@@ -136,7 +141,8 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
     mg = cfg_role.megatron
     layout = ParallelLayout.of(name, mg, n, "")
     tp, etp = layout.tp * layout.pp, layout.etp * layout.ep * layout.pp  # the groups each kind is split over
-    d, ed, by = max(1, layout.dp), max(1, layout.expert_dp), BYTES[mg.dtype]
+    # the distributed optimizer shards over the data x context ranks (megatron's intra_dp_cp group)
+    d, ed, by = max(1, layout.weight_replicas), max(1, layout.expert_dp), BYTES[mg.dtype]
     experts = expert_params(shape)
     per_gpu = (P - experts) / tp + experts / etp  # parameters on one GPU
     items = {"params": per_gpu * by}
@@ -156,7 +162,7 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
     items["optimizer"] = sharded * ((4 if by < 4 else 0) + 8 * (1 - offloaded_fraction(cfg_role.optim)))
     off |= {k for k, flag in (("grads", mg.grad_offload), ("optimizer", mg.optimizer_offload)) if flag}
     b, fb = cfg_role.ppo_micro_batch_size_per_gpu, cfg_role.log_prob_micro_batch_size_per_gpu
-    in_flight = min(mg.pipeline_model_parallel_size, max(1, cfg_role.ppo_mini_batch_size // d // b))
+    in_flight = min(mg.pipeline_model_parallel_size, max(1, cfg_role.ppo_mini_batch_size // max(1, layout.dp) // b))
     train = activation_bytes(shape, b, seq, mg, out_width, True, in_flight)
     fwd = activation_bytes(shape, fb, seq, mg, out_width, False)
     label = f"backward {b} x {seq} tokens" if train >= fwd else f"forward {fb} x {seq} tokens"
@@ -173,8 +179,8 @@ def offloaded_fraction(optim) -> float:
 
 def reward_model_role(rm, shape: Shape) -> Role:
     """The reward model: a HF model (one rank, no offload) scoring micro-batches forward-only."""
-    hf = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
-                         dtype=rm.dtype)
+    hf = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                         sequence_parallel=False, dtype=rm.dtype)
     act = activation_bytes(shape, rm.micro_batch_size, rm.max_length, hf, 1, False)
     return Role("reward model", {"params": count_params(shape, value_head=True) * BYTES[rm.dtype]}, set(), act,
                 f"forward {rm.micro_batch_size} x {rm.max_length} tokens")

@@ -344,8 +344,11 @@ def check_finite(metrics: dict, step: int, policy: str, last_checkpoint: Path | 
 
 def _layout(cfg: ExperimentConfig) -> dict:
     """What decides which rank draws which random numbers: equal layouts restore per-rank random streams."""
-    roles = {name: [getattr(cfg, name).megatron.tensor_model_parallel_size,
-                    getattr(cfg, name).megatron.pipeline_model_parallel_size] for name in ("actor", "critic")}
+    def of(m) -> list[int]:  # CP listed only when on: checkpoints written before it existed still compare equal
+        return [m.tensor_model_parallel_size, m.pipeline_model_parallel_size] + (
+            [m.context_parallel_size] if m.context_parallel_size > 1 else [])
+
+    roles = {name: of(getattr(cfg, name).megatron) for name in ("actor", "critic")}
     return {**roles, "n_workers": cfg.resources.n_workers, "critic_n_workers": cfg.resources.critic_n_workers,
             "rollout_tp": cfg.rollout.tensor_model_parallel_size}
 

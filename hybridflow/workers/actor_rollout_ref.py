@@ -58,7 +58,8 @@ class ActorRolloutRefWorker(Worker):
         from transformers import AutoTokenizer
 
         shard = self.actor.shard
-        train = Layout(shard.pp_size, shard.tp_size, parallel.dispatch_info()["dp_size"])
+        # CP ranks hold the same weights as data-parallel ones, numbered inside that dimension (tp-cp-dp-pp)
+        train = Layout(shard.pp_size, shard.tp_size, parallel.dispatch_info()["dp_size"] * shard.cp_size)
         r = spec.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(p.model_path)
         self.rollout = self.agent = self.feeds = None

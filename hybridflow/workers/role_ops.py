@@ -30,20 +30,32 @@ def _valid(x: torch.Tensor, mb: dict) -> torch.Tensor:
     return torch.where(mb["response_valid"].bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _picked_logits(logits: torch.Tensor, mb: dict, temperature: float) -> torch.Tensor:
-    """The logits [N, R, V/t] that predict each response token, divided by ``temperature``."""
-    z = _picked(logits, mb)
-    return z if temperature == 1.0 else z / temperature
+def _at_responses(per_position: torch.Tensor, mb: dict, fn) -> torch.Tensor:
+    """``fn(outputs, labels)`` at the positions predicting each response token: [N, R], 0 where there is none.
+    Under context parallelism each rank computes the tokens whose positions it holds (``cp_owned``,
+    row_layout.split_for_context_parallel) and the parts are summed over the CP group."""
+    if "cp_owned" not in mb:
+        return _valid(fn(_picked(per_position, mb), mb["response_labels"]), mb)
+    from hybridflow.megatron.context_parallel import sum_over_ranks
+
+    owned = mb["cp_owned"]
+    rows = mb["sample_row"][:, None].expand_as(owned)[owned]
+    y = fn(per_position[rows, mb["response_index"][owned]], mb["response_labels"][owned])
+    return sum_over_ranks(torch.zeros(owned.shape, dtype=y.dtype, device=y.device).masked_scatter(owned, y))
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def response_log_probs(logits: torch.Tensor, mb: dict, temperature: float = 1.0) -> torch.Tensor:
     """log p(response token) [N, R] from vocab-parallel logits [rows, s, V/t] at ``temperature``
     (differentiable)."""
-    return _valid(token_log_probs(_picked_logits(logits, mb, temperature), mb["response_labels"]), mb)
+    return _at_responses(logits, mb, lambda z, labels: token_log_probs(_tempered(z, temperature), labels))
 
 
 def response_entropy(logits: torch.Tensor, mb: dict, temperature: float = 1.0) -> torch.Tensor:
-    return _valid(vocab_parallel_entropy(_picked_logits(logits, mb, temperature)), mb)
+    return _at_responses(logits, mb, lambda z, _: vocab_parallel_entropy(_tempered(z, temperature)))
 
 
 def response_sum_pi_squared(logits: torch.Tensor, mb: dict, temperature: float = 1.0) -> torch.Tensor:
@@ -51,9 +63,13 @@ def response_sum_pi_squared(logits: torch.Tensor, mb: dict, temperature: float =
     the optimal token baselines' input), from vocab-parallel logits without gradient: S2 / S0^2 with
     S0 = sum exp(z - m), S2 = sum exp(2 (z - m)), both summed over the TP ranks (m the global max), as
     ``vocab_parallel_entropy`` sums its statistics."""
+    return _at_responses(logits.detach(), mb, lambda z, _: _sum_pi_squared(_tempered(z, temperature)))
+
+
+def _sum_pi_squared(z: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
-    z = _picked_logits(logits, mb, temperature).detach().float()
+    z = z.float()
     m = z.max(dim=-1, keepdim=True).values
     tp = ps.get_tensor_model_parallel_world_size() > 1
     if tp:
@@ -62,12 +78,12 @@ def response_sum_pi_squared(logits: torch.Tensor, mb: dict, temperature: float =
     stats = torch.stack([e.sum(-1), (e * e).sum(-1)])
     if tp:
         dist.all_reduce(stats, group=ps.get_tensor_model_parallel_group())
-    return _valid(stats[1] / stats[0] ** 2, mb)
+    return stats[1] / stats[0] ** 2
 
 
 def response_values(values: torch.Tensor, mb: dict) -> torch.Tensor:
     """Values [N, R] at the positions that predict each response token, from the value head's [rows, s, 1]."""
-    return _valid(_picked(values[..., 0].float(), mb), mb)
+    return _at_responses(values[..., 0].float(), mb, lambda v, _: v)
 
 
 def last_stage_batch(**tensors) -> Batch | None:
@@ -86,7 +102,18 @@ def _micro_batches(role: MegatronRole, batch: Batch, micro: int | TokenBudget,
                    extra_keys=()) -> tuple[list[dict], torch.Tensor | None]:
     """The role's micro-batches of ``micro`` rows, or packed by a token budget; and the batch row of each
     concatenated output row (None: the batch's own order)."""
-    seq_multiple = role.shard.tp_size if role.tf_config.sequence_parallel else 1
+    mbs, order = _laid_out(role, batch, micro, extra_keys)
+    cp = role.shard.cp_size
+    if cp > 1:  # each CP rank its part of every micro-batch; TE's attention takes causal rows, the local one a mask
+        mbs = [row_layout.split_for_context_parallel(mb, cp, role.shard.cp_rank, explicit_mask=not te_available())
+               for mb in mbs]
+    return mbs, order
+
+
+def _laid_out(role: MegatronRole, batch: Batch, micro: int | TokenBudget,
+              extra_keys=()) -> tuple[list[dict], torch.Tensor | None]:
+    seq_multiple = ((role.shard.tp_size if role.tf_config.sequence_parallel else 1)
+                    * row_layout.context_parallel_multiple(role.shard.cp_size))
     if isinstance(micro, TokenBudget):
         # GPU with TE: packed-sequence attention (causal per row, no shared prompts); else an explicit mask
         thd = device.has_gpu() and te_available()
@@ -224,7 +251,8 @@ def _train(role, batch, *, name, mini_batch_size, micro, epochs, keys, loss_fn, 
 
                 def scaled(mb, output, whole=whole, scale=scale):
                     loss, metrics = loss_fn(mb, output, whole)
-                    # clone: megatron's schedule divides the returned loss in place
+                    # clone: megatron's schedule divides the returned loss in place (and multiplies it by the
+                    # CP size: context_parallel.py)
                     return loss * scale, {k: (v * scale).detach().clone() if k.endswith("loss") else v
                                           for k, v in metrics.items()}
 

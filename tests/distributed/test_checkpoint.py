@@ -1,5 +1,5 @@
 """dist_checkpointing of a role (model + optimizer): a reload continues training bit-identically at the
-saved layout, and at another layout (TP2 -> TP1) within float tolerance."""
+saved layout, and at another layout (TP2 -> TP1, CP2 -> CP1) within float tolerance."""
 
 from __future__ import annotations
 
@@ -13,15 +13,16 @@ from tests.distributed.test_padding_free_and_offload import _settings, uneven_ba
 pytestmark = pytest.mark.distributed
 
 
-def _rank_fn(rank, world, hf_dir, critic_dir, ckpt_dir, dtype_name, save):
-    """save: two updates, checkpoint after the first; else: load the checkpoint, then the second update."""
+def _rank_fn(rank, world, hf_dir, critic_dir, ckpt_dir, dtype_name, save, cp=1):
+    """save: two updates, checkpoint after the first; else: load the checkpoint, then the second update. The
+    world is TP (x ``cp``: context parallel)."""
     from hybridflow.megatron import parallel
     from hybridflow.megatron.checkpoint import load_role, save_role
     from hybridflow.megatron.role import MegatronRole, OffloadSettings, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
 
-    parallel.init_model_parallel(world, 1, seed=1)
+    parallel.init_model_parallel(world // cp, 1, seed=1, cp=cp)
     dtype = getattr(torch, dtype_name)
     cfg, state = load_hf_folder(hf_dir)
     _, critic_state = load_hf_folder(critic_dir)
@@ -77,6 +78,15 @@ def test_resume_at_same_and_other_layout(models, dtype):
         assert_close(other["metrics"][key], straight["metrics"][key], what=f"TP2 -> TP1: {key}")
     for role in ("actor", "critic"):
         assert_close(other[role], straight[role], what=f"TP2 -> TP1: {role}")
+    # saved at context parallel 2 (each rank half of every row; the optimizer state sharded over both), resumed
+    # at one rank: the same run
+    cp_args = (*args[:2], str(models / "ckpt_cp2"), dtype)
+    run_ranks(_rank_fn, 2, *cp_args, True, 2)
+    from_cp = run_ranks(_rank_fn, 1, *cp_args, False)[0]
+    for key in ("actor/pg_loss", "critic/vf_loss"):
+        assert_close(from_cp["metrics"][key], straight["metrics"][key], what=f"CP2 -> CP1: {key}")
+    for role in ("actor", "critic"):
+        assert_close(from_cp[role], straight[role], what=f"CP2 -> CP1: {role}")
 
 
 # --- the learning-rate schedule resumes exactly -----------------------------------------------------------

@@ -51,7 +51,7 @@ def _critic_state(state, cfg):
     return {**state, "score.weight": torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(2)) * 0.5}
 
 
-def _rank_fn(rank, world, hf_dir, tp, pp):
+def _rank_fn(rank, world, hf_dir, tp, pp, cp=1):
     from megatron.core import parallel_state as ps
 
     from hybridflow.config.schema import Actor, Critic
@@ -61,12 +61,13 @@ def _rank_fn(rank, world, hf_dir, tp, pp):
     from hybridflow.workers import role_ops, row_layout
     from hybridflow.workers.common import load_hf_folder
 
-    parallel.init_model_parallel(tp, pp, seed=1)
+    parallel.init_model_parallel(tp, pp, seed=1, cp=cp)
     cfg, state = load_hf_folder(hf_dir)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     shard = grouped_batch().chunk(dp)[dp_rank]
     rows = len(shard) * dp
-    out = {"dp_rank": dp_rank, "last": ps.is_pipeline_last_stage(), "tp_rank": ps.get_tensor_model_parallel_rank()}
+    out = {"dp_rank": dp_rank, "last": ps.is_pipeline_last_stage(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+           "cp_rank": ps.get_context_parallel_rank()}
     for mode, (micro, shared) in MODES.items():
         dynamic = micro == BUDGET
         budget = row_layout.TokenBudget(BUDGET, "test") if dynamic else micro
@@ -154,44 +155,40 @@ def hf_dir(tmp_path_factory):
     return str(root)
 
 
-LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 1)]  # (tp, pp, dp)
-IDS = [f"tp{t}_pp{p}_dp{d}" for t, p, d in LAYOUTS]
+# (tp, pp, dp, cp): context parallel 2 also against the single rank (packed rows split over the CP ranks)
+LAYOUTS = [(1, 1, 1, 1), (1, 1, 2, 1), (2, 1, 1, 1), (2, 1, 2, 1), (1, 2, 1, 1), (1, 1, 1, 2)]
+IDS = [f"tp{t}_pp{p}_dp{d}" + (f"_cp{c}" if c > 1 else "") for t, p, d, c in LAYOUTS]
 ENTROPY_TP = [1, 2]
 
 
 @pytest.fixture(scope="module")
 def case_results(hf_dir, moe_dir):
-    cases = {i: (t * p * d, (_rank_fn, hf_dir, t, p)) for i, (t, p, d) in zip(IDS, LAYOUTS)}
+    cases = {i: (t * p * d * c, (_rank_fn, hf_dir, t, p, c)) for i, (t, p, d, c) in zip(IDS, LAYOUTS)}
     cases["moe_ep2"] = (2, (_moe_rank_fn, moe_dir))
     cases.update({f"entropy_tp{tp}": (tp, (_entropy_rank_fn, hf_dir, tp)) for tp in ENTROPY_TP})
     return batched_worlds(one_case, cases)
 
 
-@pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=IDS)
-def test_dynamic_bsz_equals_fixed_micro_batches(case_results, tp, pp, dp):
-    results = case_results(IDS[LAYOUTS.index((tp, pp, dp))])
+@pytest.mark.parametrize("tp,pp,dp,cp", LAYOUTS, ids=IDS)
+def test_dynamic_bsz_equals_fixed_micro_batches(case_results, tp, pp, dp, cp):
+    results = case_results(IDS[LAYOUTS.index((tp, pp, dp, cp))])
     counts, own = {}, {}
     for r in results:
         fixed = r["fixed"]
         for mode in ("dynamic", "dynamic_shared"):
-            got, where = r[mode], f"{mode} dp_rank {r['dp_rank']} tp_rank {r['tp_rank']}"
-            if r["last"]:
-                for key in ("log_probs", "entropy"):
-                    assert_close(got["lp"][key], fixed["lp"][key], what=f"{where}: {key}")
-                assert_close(got["values"], fixed["values"], what=f"{where}: values")
-                for key in ("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "critic/vf_loss"):
-                    assert_close(got["metrics"][key], fixed["metrics"][key], what=f"{where}: {key}")
+            got, where = r[mode], f"{mode} dp_rank {r['dp_rank']} tp_rank {r['tp_rank']} cp_rank {r['cp_rank']}"
             # another attention layout (packed rows) and summation order, within fp32 rounding: measured at
             # under 0.04 of this tolerance
-            assert_close(got["actor_grads"], fixed["actor_grads"], what=f"{where}: actor gradient")
-            assert_close(got["critic_grads"], fixed["critic_grads"], what=f"{where}: critic gradient")
+            _assert_same_run(got, fixed, where, outputs=r["last"])
             counts.setdefault(mode, set()).add(got["n_mbs"])
             own.setdefault(mode, set()).add(got["own"])
             m = got["metrics"]
             assert m["perf/actor_update/computed_tokens"] <= m["perf/actor_update/real_tokens"] + 2 * got["n_mbs"]
             if mode == "dynamic_shared":  # a group's prompt computed once
                 assert m["perf/actor_update/computed_tokens"] < m["perf/actor_update/real_tokens"]
-        assert fixed["metrics"]["perf/actor_update/computed_tokens"] > fixed["metrics"]["perf/actor_update/real_tokens"]
+        if cp == 1:  # under CP a rank computes its part of each row
+            m = fixed["metrics"]
+            assert m["perf/actor_update/computed_tokens"] > m["perf/actor_update/real_tokens"]
     assert max(max(c) for c in counts.values()) > 1  # the budget did split the rows
     for mode, c in counts.items():  # every rank ran the count of the rank that needed the most
         assert c == {max(own[mode])}, (mode, c, own[mode])
@@ -199,6 +196,28 @@ def test_dynamic_bsz_equals_fixed_micro_batches(case_results, tp, pp, dp):
         assert any(len(c) > 1 for c in own.values())
     g = results[0]["fixed"]["actor_grads"]
     assert max(v.abs().max().item() for v in g.values()) > 1e-4  # a real gradient was compared
+
+
+def test_context_parallel_equals_the_single_rank_in_every_batching(case_results):
+    """CP 2 (each rank two of four chunks of every (packed) row, attention over the gathered K/V) against CP 1:
+    the same log-probs, entropy, values, losses and (all-reduced) gradients, with fixed micro-batches and with
+    token-budget packing, prompts shared or not."""
+    one = case_results("tp1_pp1_dp1")[0]
+    for r in case_results("tp1_pp1_dp1_cp2"):
+        for mode in MODES:
+            _assert_same_run(r[mode], one[mode], f"{mode} cp_rank {r['cp_rank']}")
+
+
+def _assert_same_run(got: dict, ref: dict, where: str, outputs: bool = True) -> None:
+    """Log-probs, entropy, values and losses (where the rank has ``outputs``) and both gradients equal ``ref``'s."""
+    if outputs:
+        for key in ("log_probs", "entropy"):
+            assert_close(got["lp"][key], ref["lp"][key], what=f"{where}: {key}")
+        assert_close(got["values"], ref["values"], what=f"{where}: values")
+        for key in ("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss", "critic/vf_loss"):
+            assert_close(got["metrics"][key], ref["metrics"][key], what=f"{where}: {key}")
+    assert_close(got["actor_grads"], ref["actor_grads"], what=f"{where}: actor gradient")
+    assert_close(got["critic_grads"], ref["critic_grads"], what=f"{where}: critic gradient")
 
 
 def test_expert_parallel_ranks_agree_on_the_micro_batch_count(case_results):

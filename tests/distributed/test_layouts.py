@@ -19,8 +19,10 @@ from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2)]  # (t, p, d)
-IDS = [f"tp{t}_pp{p}_dp{d}" for t, p, d in LAYOUTS]
+# (t, p, d, c): context parallel (c) with TP, the mask of its CPU attention built from the causal one
+LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (2, 2, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1),
+           (1, 1, 1, 2), (2, 1, 1, 2)]
+IDS = [f"tp{t}_pp{p}_dp{d}" + (f"_cp{c}" if c > 1 else "") for t, p, d, c in LAYOUTS]
 P, R, B = 10, 5, 8  # prompt width, response width, rows
 
 
@@ -58,7 +60,7 @@ def _settings():
     return actor, critic
 
 
-def _rank_fn(rank, world, hf_dir, tp, pp):
+def _rank_fn(rank, world, hf_dir, tp, pp, cp=1):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import convert, parallel
@@ -67,7 +69,7 @@ def _rank_fn(rank, world, hf_dir, tp, pp):
     from hybridflow.workers.common import load_hf_folder
     from hybridflow.workers.export import save_hf_folder
 
-    parallel.init_model_parallel(tp, pp, seed=1)
+    parallel.init_model_parallel(tp, pp, seed=1, cp=cp)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     cfg, state = load_hf_folder(f"{hf_dir}/policy")
     _, critic_state = load_hf_folder(f"{hf_dir}/critic")
@@ -89,7 +91,7 @@ def _rank_fn(rank, world, hf_dir, tp, pp):
     critic_hf = {k: v.clone() for k, v in critic.hf_state_dict().items()}
 
     # Export to a HF folder and convert back into this rank's shard: must be bit-identical.
-    export_dir = f"{hf_dir}/export_{tp}{pp}{dp}"
+    export_dir = f"{hf_dir}/export_{tp}{pp}{dp}{cp}"
     if rank == 0:
         save_hf_folder(export_dir, cfg, actor_hf)
     torch.distributed.barrier()
@@ -130,7 +132,8 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def layout_results(hf_dir):
-    return batched_worlds(one_case, {i: (t * p * d, (_rank_fn, hf_dir, t, p)) for i, (t, p, d) in zip(IDS, LAYOUTS)})
+    return batched_worlds(one_case, {i: (t * p * d * c, (_rank_fn, hf_dir, t, p, c))
+                                     for i, (t, p, d, c) in zip(IDS, LAYOUTS)})
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +166,9 @@ def test_single_rank_matches_hf(hf_dir, single_rank, hf_log_probs):
     assert moved > 1e-4, "the PPO update did not change the actor"
 
 
-@pytest.mark.parametrize("t,p,d", LAYOUTS[1:], ids=IDS[1:])
-def test_layout_reproduces_single_rank(layout_results, single_rank, hf_log_probs, t, p, d):
-    got = _merged(layout_results(IDS[LAYOUTS.index((t, p, d))]), d)
+@pytest.mark.parametrize("t,p,d,c", LAYOUTS[1:], ids=IDS[1:])
+def test_layout_reproduces_single_rank(layout_results, single_rank, hf_log_probs, t, p, d, c):
+    got = _merged(layout_results(IDS[LAYOUTS.index((t, p, d, c))]), d)
     valid = rollout_batch().tensors["response_mask"].bool()
     assert_close(got["log_probs"][valid], hf_log_probs[valid], slack=10, what="log-probs vs HF")
     for key in ("log_probs", "entropy", "values"):

@@ -19,9 +19,11 @@ CASES = [((1, 2, 1), 1), ((1, 2, 2), 1), ((1, 4, 1), 2), ((2, 2, 1), 1), ((2, 2,
          ((1, 2, 2), 2),
          # t_g a multiple of t: sliced locally (2 KV heads at t_g = 4: vLLM replicates each on 2 ranks),
          # and with p = 2 after the pipeline gather
-         ((1, 1, 2), 2), ((1, 2, 2), 4), ((2, 1, 2), 2)]  # ((p, t, d), t_g)
+         ((1, 1, 2), 2), ((1, 2, 2), 4), ((2, 1, 2), 2),
+         # context parallel 2: its ranks hold the same weights, numbered inside the planner's d (= dp x cp)
+         ((1, 2, 2), 1, 2), ((2, 1, 2), 2, 2)]  # ((p, t, d), t_g[, cp])
 KV_HEADS = {((1, 2, 2), 4): 2}  # else 4
-IDS = [f"p{p}t{t}d{d}_to_tg{g}" for (p, t, d), g in CASES]
+IDS = ["p{}t{}d{}_to_tg{}".format(*c[0], c[1]) + (f"_cp{c[2]}" if len(c) > 2 else "") for c in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +48,12 @@ def hf_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def case_results(hf_dirs):
     """case id -> per-rank results; on first use of a world size, every case of that size in one world."""
-    return batched_worlds(_rank_fn, {i: (_world(c), (hf_dirs(KV_HEADS.get(c, 4)), c[0][0], c[0][1], c[1]))
+    return batched_worlds(_rank_fn, {i: (_world(c), (hf_dirs(KV_HEADS.get(c, 4)), c[0][0], c[0][1], *c[1:]))
                                      for i, c in zip(IDS, CASES)})
 
 
 def _world(case) -> int:
-    (p, t, d), _ = case
+    p, t, d = case[0]
     return p * t * d
 
 
@@ -76,12 +78,12 @@ class _TENamed:
         return self.module.named_modules()
 
 
-def _rank_fn(rank, world, hf_dir, p, t, t_g):
+def _rank_fn(rank, world, hf_dir, p, t, t_g, cp=1):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import parallel
 
-    parallel.init_model_parallel(t, p, seed=1)
+    parallel.init_model_parallel(t, p, seed=1, cp=cp)
     try:
         return _transition(rank, hf_dir, p, t, t_g)
     finally:
@@ -102,7 +104,7 @@ def _transition(rank, hf_dir, p, t, t_g):
 
     cfg, state = load_hf_folder(hf_dir)
     role = MegatronRole(cfg, state)
-    layout = Layout(p, t, ps.get_data_parallel_world_size())
+    layout = Layout(p, t, ps.get_data_parallel_world_size() * ps.get_context_parallel_world_size())
     out = {"rank": rank}
     for scheme in ("hybrid", "gather_all"):
         shard, stats = Resharder(role.model, cfg, HybridPlan(layout, 1, t_g), scheme).to_generation()
@@ -113,17 +115,18 @@ def _transition(rank, hf_dir, p, t, t_g):
     return out
 
 
-@pytest.mark.parametrize("layout,t_g", CASES, ids=IDS)
-def test_transition(hf_dirs, case_results, layout, t_g):
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_transition(hf_dirs, case_results, case):
     from hybridflow.megatron.convert import tp_split_dim
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.resharding.vllm_layout import hf_to_vllm_shard
     from hybridflow.workers.common import load_hf_folder
 
+    layout, t_g = case[:2]
     p, t, d = layout
-    hf_dir = hf_dirs(KV_HEADS.get((layout, t_g), 4))
+    hf_dir = hf_dirs(KV_HEADS.get(case, 4))
     cfg, hf = load_hf_folder(hf_dir)
-    results = case_results(IDS[CASES.index((layout, t_g))])
+    results = case_results(IDS[CASES.index(case)])
     plan = HybridPlan(Layout(p, t, d), 1, t_g)
     model_bytes = sum(v.numel() * v.element_size() for v in hf.values())
     for res in results:

@@ -48,6 +48,9 @@ LAYOUTS = {  # name -> (GPUs = resources.n_workers, overrides)
     "rollout_tp2": (2, [*TP2, "rollout.tensor_model_parallel_size=2"]),
     # generation TP above training TP: each engine's shard is cut from what its DP rank holds; nothing moves
     "rollout_tp2_from_dp2": (2, ["rollout.tensor_model_parallel_size=2"]),
+    # context parallel 2 (actor, reference, critic): Transformer Engine's CP attention (p2p ring) on causal rows;
+    # the CP ranks hold the same weights: d_g = 1 as at DP 2
+    "cp2": (2, [f"{role}.megatron.context_parallel_size=2" for role in ("actor", "critic")]),
 }
 ALGORITHMS = {
     "ppo": [],  # GAE with a critic; KL to the reference in the reward

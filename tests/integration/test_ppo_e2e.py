@@ -23,8 +23,10 @@ LAYOUTS = {  # name -> overrides: one process, and 2-process TP / PP actors feed
                          "resources.n_workers=2", "resources.cpus_per_worker=1", "rollout.resharding=hybrid"],
     "actor_tp2_rollout_tp2": ["actor.megatron.tensor_model_parallel_size=2", "rollout.tensor_model_parallel_size=2",
                               "resources.n_workers=2", "resources.cpus_per_worker=1"],  # one vLLM engine over 2 ranks
-    # generation TP above training TP: each vLLM shard is cut from what its rank already holds
-    "actor_dp2_rollout_tp2": ["rollout.tensor_model_parallel_size=2", "resources.n_workers=2", "resources.cpus_per_worker=1"],
+    # generation TP above training TP: each vLLM shard is cut from what its rank already holds. The actor and its
+    # reference at context parallel 2 (the same weights on both ranks, each half of every row), the critic at DP 2
+    "actor_cp2_rollout_tp2": ["actor.megatron.context_parallel_size=2", "rollout.tensor_model_parallel_size=2",
+                              "resources.n_workers=2", "resources.cpus_per_worker=1"],
     "actor_pp2_gather_all": ["actor.megatron.pipeline_model_parallel_size=2", "resources.n_workers=2",
                              "resources.cpus_per_worker=1", "rollout.resharding=gather_all"],
     "critic_separate_pool": ["critic.placement=separate", "resources.cpus_per_worker=1"],  # split placement
@@ -93,7 +95,7 @@ def test_ppo_steps_sync_vllm_with_actor(layout, assets, tmp_path, ray_cluster):
         state = actor.export_hf_state_dict()[0]
         # The driver's step ends by pushing the updated actor weights into vLLM (the real sync path).
         assert metrics["reshard/seconds"] > 0, "the update was not followed by a weight transition"
-        if layout == "actor_dp2_rollout_tp2":  # t_g a multiple of t at one pipeline stage: nothing moves
+        if layout == "actor_cp2_rollout_tp2":  # t_g a multiple of t at one pipeline stage: nothing moves
             assert metrics["reshard/bytes_received"] == 0 and metrics["reshard/bytes_sent"] == 0, metrics
         greedy = actor.generate(with_meta(probe, temperature=0.0))
         assert _vllm_tokens(greedy) == _hf_greedy(cfg, state, probe, cfg.data.max_response_length), \

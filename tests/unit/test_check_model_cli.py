@@ -58,10 +58,11 @@ def test_unreadable_safetensors_is_one_line_naming_the_file(tmp_path, capsys, da
 
 
 def test_a_layout_needing_more_ranks_than_visible_gpus_is_one_line():
-    with pytest.raises(ValueError, match=r"^--tp 2 x --pp 1 x --ep 8 needs 16 processes, one per GPU, but this "
-                                         r"host has 8 visible GPUs"):
+    with pytest.raises(ValueError, match=r"^--tp 2 x --pp 1 x --cp 1 x --ep 8 needs 16 processes, one per GPU, but "
+                                         r"this host has 8 visible GPUs"):
         check_ranks_fit(2, 1, 8, visible=8)
     assert check_ranks_fit(2, 1, 4, visible=8) == 8
+    assert check_ranks_fit(2, 1, 2, visible=8, cp=2) == 8
     assert check_ranks_fit(2, 1, 8, visible=0) == 16  # CPU processes: any number
 
 

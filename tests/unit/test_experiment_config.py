@@ -38,7 +38,7 @@ def test_overrides_are_typed():
     ("critic.placement=elsewhere", "key 'critic.placement' expects one of ['colocated', 'separate']"),
     ("algorithm.adv_estimator=gaee", "algorithm: unknown advantage estimator 'gaee'; known:"),
     ("actor.loss_agg_mode=mean", "actor: unknown loss aggregation mode 'mean'; known:"),
-    ("actor.megatron.tensor_model_parallel_size=2", "resources.n_workers (1) is not divisible by actor tensor x pipeline parallel size (2)"),
+    ("actor.megatron.tensor_model_parallel_size=2", "resources.n_workers (1) is not divisible by actor tensor x context x pipeline parallel size (2)"),
     ("reward.name=gsm9k", "reward: unknown reward scorer 'gsm9k'; known: arithmetic"),
     ("rollout.temperature=-1", "rollout: temperature must be >= 0, got -1"),
     ("actor.clip_ratio_c=1.0", "actor: clip_ratio_c must be > 1, got 1.0"),

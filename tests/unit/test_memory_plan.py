@@ -280,8 +280,8 @@ def test_moe_activations_count_every_token_top_k_times():
     replaced by top_k x (4h + 8f) + 4 x experts (router logits, fp32) = 4 x (256 + 256) + 32 = 2080."""
     from types import SimpleNamespace
 
-    mg = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
-                         dtype="bfloat16")
+    mg = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                         sequence_parallel=False, dtype="bfloat16")
     dense, sparse, logits = 34 * 8 * 2 * 64, 8 * 2 * (15 * 64 + 2080), 2 * 8 * 100 * 10
     assert sparse == 48_640
     shape = mp.Shape.from_hf(TINY_MOE)
@@ -292,6 +292,9 @@ def test_moe_activations_count_every_token_top_k_times():
     # routing skew 1.5: the busiest rank's experts compute 1.5 x its share of the top_k copies (4 x 512 of 2080)
     skewed = dataclasses.replace(shape, routing_skew=1.5)
     assert mp.activation_bytes(skewed, 2, 8, mg, 100, backward=False) == sparse + 8 * 2 * 0.5 * 4 * 512 + logits
+    # context parallel 2: each rank computes half of every sequence
+    cp2 = SimpleNamespace(**{**vars(mg), "context_parallel_size": 2})
+    assert mp.activation_bytes(shape, 2, 8, cp2, 100, backward=True) == (dense + sparse + logits) / 2
 
 
 def test_routing_skew_is_a_flag_and_at_least_balanced(capsys, monkeypatch, tmp_path):
@@ -359,3 +362,17 @@ def test_lora_on_a_moe_model_counts_every_routed_experts_adapters_over_expert_pa
     targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     assert lora_expert_params(shape, 4, targets) == 2 * 4 * 896
     assert lora_expert_params(shape, 4, ["linear_qkv"]) == 0
+
+
+def test_context_parallel_fits_the_32k_config():
+    """configs/longctx_qwen3_8b_grpo_cp4.yaml: at CP 4 one 32k-token row's activations are a quarter of CP 1's and
+    the optimizer state is sharded over the 4 CP ranks; it fits 80 GiB cards, at CP 1 (DP 4) it does not."""
+    path = os.path.join(REPO, "configs", "longctx_qwen3_8b_grpo_cp4.yaml")
+    with open(os.path.join(REPO, "configs", "models", "qwen3-8b.json")) as f:
+        shape = mp.Shape.from_hf(json.load(f))
+    cp4 = mp.plan(load_experiment([path], []), shape, gpu_mem_gib=80)
+    cp1 = mp.plan(load_experiment([path], ["actor.megatron.context_parallel_size=1"]), shape, gpu_mem_gib=80)
+    act = [next(v for k, v in rows(r, "training").items() if k.startswith("actor activations")) for r in (cp4, cp1)]
+    assert act[0] == pytest.approx(act[1] / 4)
+    assert rows(cp4, "training")["actor optimizer"] == pytest.approx(rows(cp1, "training")["actor optimizer"])
+    assert mp.peaks(cp4)["training"] <= 80 * 2**30 < mp.peaks(cp1)["training"]

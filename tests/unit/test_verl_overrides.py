@@ -311,11 +311,12 @@ def test_hydra_config_name_with_a_space_and_engine_kwargs():
      "verl applies overlong shaping only in the dapo reward manager; add reward_model.reward_manager=dapo"),
     (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.type=dora"],
      "'actor_rollout_ref.model.lora.type=dora' must equal supported here ('lora')"),
-    # context parallelism (Ulysses on megatron) and virtual pipeline stages: off resolves, on is refused
-    (["actor_rollout_ref.actor.megatron.context_parallel_size=2"],
-     "'actor_rollout_ref.actor.megatron.context_parallel_size=2' must equal supported here (1)"),
-    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
-     "'actor_rollout_ref.actor.ulysses_sequence_parallel_size=2' must equal supported here (1)"),
+    # the reference's context parallelism (Ulysses on megatron) is the actor's; virtual stages are refused
+    (["actor_rollout_ref.ref.megatron.context_parallel_size=2"],
+     "'actor_rollout_ref.ref.megatron.context_parallel_size=2' must equal actor.megatron.context_parallel_size (1)"),
+    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+      "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1"],
+     "'actor_rollout_ref.ref.ulysses_sequence_parallel_size=1' must equal actor.megatron.context_parallel_size (2)"),
     (["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
      "'actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2' must equal supported here (None)"),
     (["actor_rollout_ref.model.lora.rank=1024", "actor_rollout_ref.model.lora.merge=False"],
@@ -407,10 +408,18 @@ def test_lora_keys_of_both_verl_engines():
     assert (cfg.model.lora.alpha, cfg.model.lora.target_modules) == (64, ["linear_qkv", "linear_fc2"])
 
 
-def test_context_parallel_and_virtual_stages_set_off_resolve():
-    """verl's megatron scripts often spell out the layouts they leave off (CP 1, no virtual stages, Ulysses 1)."""
+def test_context_parallel_and_ulysses_become_context_parallel_and_virtual_stages_set_off_resolve():
+    """verl's megatron context_parallel_size, and its FSDP scripts' Ulysses size (context parallelism on megatron),
+    set each role's CP; its megatron scripts often spell out the layouts they leave off (no virtual stages)."""
     off = [f"{role}.megatron.context_parallel_size=1" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",
                                                                    "critic")]
     off += ["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=null",
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1", "critic.ulysses_sequence_parallel_size=1"]
     assert resolve(off) == resolve([])
+    cp = resolve(["actor_rollout_ref.actor.megatron.context_parallel_size=2", "critic.megatron.context_parallel_size=2",
+                  "actor_rollout_ref.ref.megatron.context_parallel_size=2", "trainer.n_gpus_per_node=2"])
+    assert (cp.actor.megatron.context_parallel_size, cp.critic.megatron.context_parallel_size) == (2, 2)
+    ulysses = resolve(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                       "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2",
+                       "critic.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2"])
+    assert ulysses == cp
