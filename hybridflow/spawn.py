@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
 from hybridflow import device
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hybridflow.util import free_port
 
 
 # On CPU the ranks fork from a server process that imported these once (multiprocessing's forkserver with
@@ -64,7 +58,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600, backend: str = "
     through NCCL, as megatron and vLLM expect there; gloo covers only some of them for CUDA tensors)."""
     ctx = _context()
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port("127.0.0.1")
     env = dict(os.environ)
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, backend, env))
              for r in range(world_size)]

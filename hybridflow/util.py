@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import socket
 from pathlib import Path
 from typing import Iterator
 
@@ -54,3 +56,30 @@ def write_atomically(path: str | os.PathLike, content: str | bytes) -> None:
             tmp.write_bytes(content)
         else:
             tmp.write_text(content)
+
+
+# Ray's worker processes listen on ports 10002-19999 by default (ray start --min/max-worker-port)
+_RENDEZVOUS_PORTS_FROM = 20000
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port free on this node now, for a rendezvous that a process binds seconds later (a worker's
+    torch.distributed store). Drawn below the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range)
+    and above Ray's worker ports: a port from bind(0) is ephemeral, and an outgoing connection opened before
+    the rendezvous binds (Ray, gloo, vLLM) may be given it: EADDRINUSE, seen in CI. bind(0) where no such range
+    is left."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_from = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_from = _RENDEZVOUS_PORTS_FROM
+    draw = random.SystemRandom()  # not the seeded global generator: processes seeded alike would collide
+    for _ in range(64):
+        port = draw.randrange(_RENDEZVOUS_PORTS_FROM, ephemeral_from) if ephemeral_from > _RENDEZVOUS_PORTS_FROM else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free TCP port in {_RENDEZVOUS_PORTS_FROM}-{ephemeral_from - 1}")

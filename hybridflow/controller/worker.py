@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import time
 from datetime import timedelta
 
 from hybridflow import device
+from hybridflow.util import free_port
 from hybridflow.controller.decorator import get_register_spec
 
 
@@ -112,7 +112,5 @@ class Worker:
 
     @staticmethod
     def find_free_port() -> int:
-        """A TCP port free on this node right now (the OS may reuse it later)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        """A TCP port free on this node now, outside the range outgoing connections take (util.free_port)."""
+        return free_port()

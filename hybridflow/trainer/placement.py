@@ -59,20 +59,40 @@ class WorkerGroups:
 def build_worker_groups(cfg, plan) -> WorkerGroups:
     """The worker groups in the run plan's pools (``plan.pools``: which groups share a pool, each taking an
     equal share of every bundle). Every call on a group gives up after ``trainer.stage_timeout_s``, naming
-    the ranks that did not finish."""
+    the ranks that did not finish. When one cannot be built, those already built are killed and the pools
+    removed before the error goes on: a caller's Ray cluster (a notebook, the next run in one process) is left
+    as it was, not holding the named pools a retry would clash with."""
     res = cfg.resources
     group = functools.partial(RayWorkerGroup, call_timeout_s=cfg.trainer.stage_timeout_s)
     bundle = dict(cpus_per_bundle=res.cpus_per_worker, gpus_per_bundle=res.gpus_per_worker)
     pools = {p.name: ResourcePool(p.name, p.size, **bundle) for p in plan.pools}
+    built: list | None = []  # the groups built so far (None once all are: a later rebuild is the run's own)
 
     def placed(name: str, worker_cls, *args, env=None):
         spec = plan.pool(name)
-        return group(pools[spec.name], worker_cls, *args, name_prefix=name, share=spec.share, env=env)
+        made = group(pools[spec.name], worker_cls, *args, name_prefix=name, share=spec.share, env=env)
+        if built is not None:
+            built.append(made)
+        return made
 
-    on_gpu = res.gpus_per_worker > 0
+    try:
+        groups = _build_groups(cfg, plan, placed, list(pools.values()))
+    except BaseException:
+        for made in built:
+            made.shutdown()
+        for pool in pools.values():
+            pool.remove()
+        raise
+    built = None
+    return groups
+
+
+def _build_groups(cfg, plan, placed, pools: list) -> WorkerGroups:
+    """``build_worker_groups``' groups, each made by ``placed(name, worker class, spec, env=...)``."""
+    on_gpu = cfg.resources.gpus_per_worker > 0
     actor_rollout = placed("actor_rollout_ref", ActorRolloutRefWorker, plan.actor_spec,
                            env=megatron_process_env(cfg.actor.megatron, on_gpu))
-    groups = WorkerGroups(cast(ActorRolloutRefGroup, actor_rollout), pools=list(pools.values()))
+    groups = WorkerGroups(cast(ActorRolloutRefGroup, actor_rollout), pools=pools)
     # On GPUs, wait until the actors (and their vLLM engines) are built: vLLM measures the free device
     # memory while it starts, and a colocated role allocating at the same time would skew or break that.
     # On CPUs its KV cache has a fixed size (rollout.kv_cache_gib), so the critic starts alongside.
