@@ -2,7 +2,8 @@
 
 The split is megatron's load-balanced one (Megatron-LM ``get_batch_on_this_cp_rank``, megatron-core
 ``rope_utils.get_pos_emb_on_this_cp_rank``): the sequence is cut into 2 x cp chunks and CP rank r holds chunks
-r and 2cp-1-r, so every rank does the same share of causal attention. The ranks hold the same weights (like
+r and 2cp-1-r, so every rank does the same share of causal attention; a packed-sequence (THD) row is cut so
+per sequence (Transformer Engine's ``thd_get_partitioned_indices``; row_layout.split_for_context_parallel). The ranks hold the same weights (like
 data-parallel ranks: megatron's DDP reduces gradients over the data x context group).
 
 Attention crosses ranks. On GPU Transformer Engine's attention does it (megatron's TE spec hands it the CP

@@ -19,7 +19,7 @@ from hybridflow import device
 from hybridflow.families import weights
 from hybridflow.megatron import convert, lora, lr_schedule, parallel, routing
 from hybridflow.megatron.routing import ModelRouting
-from hybridflow.megatron.model import build_gpt, moe_layer_pattern_of, transformer_config_from_hf
+from hybridflow.megatron.model import build_gpt, moe_layer_pattern_of, te_available, transformer_config_from_hf
 from hybridflow.megatron.offload import Offloader, optimizer_tensors
 from hybridflow.patches import megatron_core
 from hybridflow.util import mean_by_key
@@ -131,6 +131,10 @@ class MegatronRole:
         # on CPU, one pipeline stage. On GPU the attention kernels apply the causal mask only
         # (model.layer_spec), so rows keep the rotated causal layout there.
         self.shares_prompts = not device.has_gpu() and self.shard.pp_size == 1
+        # Token-budget micro-batches as packed sequences (THD, cu_seqlens) for TE's attention; else one packed row
+        # with a block mask. Under CP the local attention takes THD rows too, as a mask (row_layout
+        # .split_for_context_parallel), so the CPU tests run the GPU's CP partition of packed sequences.
+        self.packs_sequences = te_available()
         self._offload_idle()
 
     def _wrap_for_training(self, model, optim: OptimSettings, params_dtype):
@@ -476,7 +480,10 @@ def _packed_sequences(mb: dict) -> dict:
     """``packed_seq_params`` for a GPU token-budget micro-batch (row_layout.token_micro_batches with
     ``thd``): its rows end to end in one [1, T] row, split by ``cu_seqlens``. TE's attention takes them as
     THD (qkv_format) and megatron restarts rotary positions per sequence (rope_utils
-    ``_apply_rotary_pos_emb_thd``); no padding inside, so the padded boundaries are the same."""
+    ``_apply_rotary_pos_emb_thd``). A sequence's padding under CP (to 2 x CP chunks) follows its tokens and
+    belongs to it, so the padded boundaries are the real ones; under CP this rank holds its chunks of every
+    sequence (row_layout.split_for_context_parallel) and the boundaries stay the whole row's, which TE's CP
+    attention and megatron's THD rotary (``_get_thd_freqs_on_this_cp_rank``) divide by the CP size."""
     if "cu_seqlens" not in mb:
         return {}
     from megatron.core.packed_seq_params import PackedSeqParams

@@ -189,19 +189,10 @@ def check_routing_replay(cfg, model) -> None:
                          "activation recompute (override_transformer_config.recompute_granularity)")
 
 
-def check_context_parallel(cfg, on_gpu: bool) -> None:
-    """megatron.context_parallel_size (megatron/context_parallel.py) of the actor (and its reference) and the critic:
-    not with routing replay (its routes are laid out per whole sequence) and, on GPU, not with token budgets:
-    packed (THD) rows under Transformer Engine's CP need each sequence padded to 2 x CP chunks and split by TE's
-    partitioned indices, which the row layout does not do yet."""
-    for role in ("actor", "critic"):
-        section = getattr(cfg, role)
-        cp = section.megatron.context_parallel_size
-        if cp == 1:
-            continue
-        key = f"{role}.megatron.context_parallel_size"
-        if role == "actor" and section.megatron.router_replay.mode != "disabled":
-            raise ValueError(f"{key} {cp}: actor.megatron.router_replay is not supported with context parallelism")
-        if on_gpu and section.use_dynamic_bsz:
-            raise ValueError(f"{key} {cp} with {role}.use_dynamic_bsz on GPU: packed-sequence (THD) rows are not split "
-                             "over context-parallel ranks yet; set use_dynamic_bsz=false")
+def check_context_parallel(cfg) -> None:
+    """megatron.context_parallel_size (megatron/context_parallel.py) of the actor (and its reference): not with
+    routing replay, whose routes are laid out per whole sequence."""
+    cp = cfg.actor.megatron.context_parallel_size
+    if cp > 1 and cfg.actor.megatron.router_replay.mode != "disabled":
+        raise ValueError(f"actor.megatron.context_parallel_size {cp}: actor.megatron.router_replay is not supported "
+                         "with context parallelism")

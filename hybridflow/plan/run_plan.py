@@ -80,7 +80,7 @@ def resolve(cfg, model=None, n_train: int | None = None, *, on_gpu: bool = False
     generation.check(actor.tp, cfg.trainer.seed, cfg.data.batch_size * n)
     check_algorithm(cfg, needs, generation.replicas)
     check_routing_replay(cfg, model)
-    check_context_parallel(cfg, on_gpu)
+    check_context_parallel(cfg)
     check_lora(cfg, model)
     if model is not None:
         for layout in (actor, critic):

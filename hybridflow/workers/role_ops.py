@@ -116,11 +116,12 @@ def _laid_out(role: MegatronRole, batch: Batch, micro: int | TokenBudget,
                     * row_layout.context_parallel_multiple(role.shard.cp_size))
     if isinstance(micro, TokenBudget):
         # GPU with TE: packed-sequence attention (causal per row, no shared prompts); else an explicit mask
-        thd = device.has_gpu() and te_available()
+        thd = role.packs_sequences
         share = role.shares_prompts and not thd
         count = agreed_count(row_layout.micro_batch_count(batch, micro, share))
         return row_layout.token_micro_batches(batch, micro, extra_keys, seq_multiple, share_prompts=share, thd=thd,
-                                              count=count)
+                                              count=count,
+                                              unit_multiple=row_layout.context_parallel_multiple(role.shard.cp_size))
     return row_layout.micro_batches(batch, micro, extra_keys, seq_multiple, share_prompts=role.shares_prompts), None
 
 

@@ -12,6 +12,7 @@ value) lays its micro-batches out here, and reads its per-response-token outputs
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -69,8 +70,8 @@ def micro_batch_count(batch: Batch, budget: TokenBudget, share_prompts: bool = F
 
 
 def token_micro_batches(batch: Batch, budget: TokenBudget, extra_keys=(), seq_multiple: int = 1,
-                        share_prompts: bool = False, thd: bool = False, count: int | None = None
-                        ) -> tuple[list[dict], torch.Tensor]:
+                        share_prompts: bool = False, thd: bool = False, count: int | None = None,
+                        unit_multiple: int = 1) -> tuple[list[dict], torch.Tensor]:
     """Micro-batches of at most ``budget.max_tokens`` tokens each, every one a single packed row [1, S]: its
     rows' tokens end to end, no padding computed (but the < ``seq_multiple`` tokens sequence parallel needs
     at the end). Returns the micro-batches and ``order`` [b]: the batch row of each output
@@ -95,7 +96,9 @@ def token_micro_batches(batch: Batch, budget: TokenBudget, extra_keys=(), seq_mu
     (CPU: megatron's local attention asserts ``packed_seq_params is None`` and honours an explicit mask)
     through ``packed_mask`` and explicit ``position_ids`` (the role applies them with
     ``rope_at_positions``). The local attention computes the whole [S, S] score matrix, so on CPU the cost
-    of attention grows with the square of the budget.
+    of attention grows with the square of the budget. With ``thd`` each sequence ends in padding to
+    ``unit_multiple`` tokens (CP's 2 x CP chunks: up to 2 x CP - 1 tokens a row beyond the budget), after its
+    tokens, which causal attention keeps it out of.
     """
     if thd and share_prompts:
         raise ValueError("packed-sequence (THD) attention is causal per sequence: it cannot share prompts")
@@ -118,13 +121,10 @@ def token_micro_batches(batch: Batch, budget: TokenBudget, extra_keys=(), seq_mu
     out, order = [], []
     for part in parts:
         rows = [r for u in part for r in range(units[u][0], units[u][1])]
-        local, at = [], 0
-        for u in part:
-            n = units[u][1] - units[u][0]
-            local.append((at, at + n))
-            at += n
+        sizes = [units[u][1] - units[u][0] for u in part]  # each unit's rows, then where they are in ``rows``
+        local = [(end - n, end) for n, end in zip(sizes, itertools.accumulate(sizes))]
         mb = selected[rows]
-        d = _packed_rows(mb, P, [local], seq_multiple, cu_seqlens=thd)
+        d = _packed_rows(mb, P, [local], seq_multiple, cu_seqlens=thd, unit_multiple=unit_multiple)
         out.append({**d, **{k: mb.tensors[k] for k in extra_keys}})
         order.extend(rows)
     return out, torch.tensor(order, dtype=torch.long)
@@ -239,7 +239,7 @@ def shared_prompt_rows(mb: Batch, P: int, seq_multiple: int = 1) -> dict | None:
 
 
 def _packed_rows(mb: Batch, P: int, layout: list[list[tuple[int, int]]], seq_multiple: int,
-                 cu_seqlens: bool = False) -> dict:
+                 cu_seqlens: bool = False, unit_multiple: int = 1) -> dict:
     """Packed rows of ``mb``: ``layout[r]`` lists the units of packed row r, each a range of consecutive
     rows of ``mb`` sharing its first row's prompt, laid out [prompt, response, response, ...]. Tokens see
     earlier tokens of their own unit's prompt and their own response only (``packed_mask`` [rows, 1, S, S],
@@ -270,6 +270,12 @@ def _packed_rows(mb: Batch, P: int, layout: list[list[tuple[int, int]]], seq_mul
                 place[i, P:][mask[i, P:]] = at + torch.arange(len(resp))
                 sample_row[i] = r
                 at += len(resp)
+            pad = -(at - base) % unit_multiple  # trailing, seen by no real token (THD under CP)
+            if pad:
+                tokens.append(torch.zeros(pad, dtype=ids.dtype))
+                seg.append(torch.full((pad,), -1))
+                pos.append(at - base + torch.arange(pad))
+                at += pad
             unit.append(torch.full((at - base,), u))
             bounds.append(at)
         rows.append(torch.cat(tokens))
@@ -290,14 +296,20 @@ def _packed_rows(mb: Batch, P: int, layout: list[list[tuple[int, int]]], seq_mul
         d["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
         d["max_seqlen"] = max(b - a for a, b in zip(bounds, bounds[1:]))
         return d
-    unit, seg = pad(units, -1), pad(segments, -1)  # -1: padding
+    d["packed_mask"] = _unit_mask(pad(units, -1), pad(segments, -1))  # -1: padding
+    return d
+
+
+def _unit_mask(unit: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+    """[rows, 1, S, S], True = masked: a token sees earlier tokens of its unit's prompt (segment 0) and of its own
+    response (its segment); padding (-1) sees itself only, so no softmax row is empty."""
+    length = unit.shape[1]
     same_unit = (unit[:, :, None] == unit[:, None, :]) & (unit[:, :, None] >= 0)
     q, k = seg[:, :, None], seg[:, None, :]
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     allowed = causal & same_unit & ((k == 0) | (k == q))
-    allowed |= torch.eye(length, dtype=torch.bool)  # padding attends to itself: no empty softmax row
-    d["packed_mask"] = ~allowed[:, None]
-    return d
+    allowed |= torch.eye(length, dtype=torch.bool)
+    return ~allowed[:, None]
 
 
 def prompt_and_response_width(batch: Batch) -> tuple[int, int]:
@@ -307,25 +319,34 @@ def prompt_and_response_width(batch: Batch) -> tuple[int, int]:
 
 def split_for_context_parallel(mb: dict, size: int, rank: int, explicit_mask: bool) -> dict:
     """This CP rank's part of a laid-out micro-batch (megatron/context_parallel.py): its two chunks of
-    ``input_ids`` and ``position_ids`` (the length divides by 2 x ``size``: ``context_parallel_multiple``), and
-    where its response tokens are: ``response_index`` becomes the local position predicting each response token
-    this rank holds, ``cp_owned`` [N, R] marks those (the role_ops outputs sum the ranks' parts). With
-    ``explicit_mask`` (megatron's local attention: ``GatheredKVAttention``) ``packed_mask`` becomes the mask of
-    the local queries against every key in gathered order, from the micro-batch's own mask or the causal one;
-    without it (Transformer Engine's CP) the rows stay causal and megatron's rotary table is sliced per rank.
-    Packed-sequence (THD) micro-batches are not split here (``plan/rules`` refuses CP with them)."""
-    from hybridflow.megatron.context_parallel import chunk_positions, gathered_order
+    ``input_ids`` and ``position_ids``, and where its response tokens are: ``response_index`` becomes the local
+    position predicting each response token this rank holds, ``cp_owned`` [N, R] marks those (the role_ops
+    outputs sum the ranks' parts). A row is cut into 2 x ``size`` chunks (its length divides:
+    ``context_parallel_multiple``); a packed-sequence (THD) row each of its sequences (``cu_seqlens``, each padded
+    to 2 x ``size``: ``token_micro_batches``' ``unit_multiple``), as Transformer Engine's
+    ``thd_get_partitioned_indices`` and megatron's THD rotary (rope_utils ``_get_thd_freqs_on_this_cp_rank``)
+    expect. With ``explicit_mask`` (megatron's local attention: ``GatheredKVAttention``) ``packed_mask`` becomes
+    the mask of the local queries against every key in gathered order, from the micro-batch's own mask, its
+    sequences' (THD: the boundaries then leave the micro-batch) or the causal one; without it (TE's CP) the rows
+    stay causal (or THD with the whole row's ``cu_seqlens``) and megatron's rotary table is sliced per rank."""
+    from hybridflow.megatron.context_parallel import chunk_positions
 
-    if "cu_seqlens" in mb:
-        raise ValueError("context parallelism with packed-sequence (THD) micro-batches is not supported")
     s = mb["input_ids"].shape[1]
-    own = chunk_positions(s, size, rank)
+    bounds = mb["cu_seqlens"].tolist() if "cu_seqlens" in mb else [0, s]
+
+    def held(r: int) -> torch.Tensor:  # a rank's positions: its chunks of every sequence
+        return torch.cat([a + chunk_positions(b - a, size, r) for a, b in zip(bounds, bounds[1:])])
+
+    own = held(rank)
     d = dict(mb, input_ids=mb["input_ids"][:, own], position_ids=mb["position_ids"][:, own])
     if explicit_mask:
         mask = mb.get("packed_mask")
         if mask is None:
-            mask = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
-        d["packed_mask"] = mask[:, :, own][..., gathered_order(s, size)]
+            sequence = torch.bucketize(torch.arange(s), torch.tensor(bounds[1:]), right=True)
+            mask = (torch.ones(s, s, dtype=torch.bool).triu(1) | (sequence[:, None] != sequence[None, :]))[None, None]
+        d["packed_mask"] = mask[:, :, own][..., torch.cat([held(r) for r in range(size)])]
+        d.pop("cu_seqlens", None)
+        d.pop("max_seqlen", None)
     if "response_index" in mb:  # laid out by this module (not a bare prompt batch: tools/check_model)
         local = torch.full((s,), -1, dtype=torch.long)
         local[own] = torch.arange(len(own))

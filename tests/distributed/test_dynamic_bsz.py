@@ -4,7 +4,8 @@ log-probs, entropy, values, losses and gradients of the fixed micro-batch run, a
 parallel) and PP 2, with data-parallel ranks whose rows alone need different numbers of micro-batches
 running the largest (agreed by an all-reduce, as verl's same_micro_num_in_dp): so does a Qwen3-MoE at expert
 parallelism 2, whose token all-to-all needs both ranks in every micro-batch. And the entropy bonus: its
-gradient through the whole model equals Hugging Face's in float64.
+gradient through the whole model equals Hugging Face's in float64. Context parallel 2 gives all of it too, in
+the GPU's packed-sequence layout as well.
 
 All cases of one world size (layouts and entropy checks) run in one spawned world, one after another
 (tests/distributed/batched.py), each torn down by test_layouts.one_case."""
@@ -24,7 +25,10 @@ GROUP = 2
 PROMPT_LENS = [4, 9, 2, 6, 3, 8, 1, 5]  # one per group of GROUP rows
 RESPONSE_LENS = [6, 1, 3, 0, 2, 6, 5, 5, 1, 4, 6, 2, 6, 6, 3, 1]
 BUDGET = 24  # tokens per micro-batch: rows are 1 to 15 tokens, a rank's 8 rows ~70
-MODES = {"fixed": (2, False), "dynamic": (BUDGET, False), "dynamic_shared": (BUDGET, True)}
+# (micro, shared prompts, packed sequences): "dynamic_thd" is the GPU's token-budget layout (THD rows, each sequence
+# padded to 2 x CP), which megatron's local attention takes under CP only (as a mask: context parallel cases)
+MODES = {"fixed": (2, False, False), "dynamic": (BUDGET, False, False), "dynamic_shared": (BUDGET, True, False),
+         "dynamic_thd": (BUDGET, False, True)}
 
 
 def grouped_batch():
@@ -68,7 +72,9 @@ def _rank_fn(rank, world, hf_dir, tp, pp, cp=1):
     rows = len(shard) * dp
     out = {"dp_rank": dp_rank, "last": ps.is_pipeline_last_stage(), "tp_rank": ps.get_tensor_model_parallel_rank(),
            "cp_rank": ps.get_context_parallel_rank()}
-    for mode, (micro, shared) in MODES.items():
+    for mode, (micro, shared, thd) in MODES.items():
+        if thd and cp == 1:
+            continue
         dynamic = micro == BUDGET
         budget = row_layout.TokenBudget(BUDGET, "test") if dynamic else micro
         kw = dict(sequence_parallel=tp > 1)
@@ -76,6 +82,7 @@ def _rank_fn(rank, world, hf_dir, tp, pp, cp=1):
         policy = MegatronRole(cfg, state, optim=optim, **kw)
         critic = MegatronRole(cfg, _critic_state(state, cfg), value_head=True, optim=optim, **kw)
         policy.shares_prompts = critic.shares_prompts = shared
+        policy.packs_sequences = critic.packs_sequences = thd
         lp = role_ops.log_probs(policy, shard, budget, with_entropy=True)
         values = role_ops.values(critic, shard, budget)
         # the fixed run's log-probs off by +-0.3 are every mode's old ones: ratios on both sides of the clip
@@ -175,7 +182,7 @@ def test_dynamic_bsz_equals_fixed_micro_batches(case_results, tp, pp, dp, cp):
     counts, own = {}, {}
     for r in results:
         fixed = r["fixed"]
-        for mode in ("dynamic", "dynamic_shared"):
+        for mode in ("dynamic", "dynamic_shared", "dynamic_thd")[:3 if cp > 1 else 2]:
             got, where = r[mode], f"{mode} dp_rank {r['dp_rank']} tp_rank {r['tp_rank']} cp_rank {r['cp_rank']}"
             # another attention layout (packed rows) and summation order, within fp32 rounding: measured at
             # under 0.04 of this tolerance
@@ -201,11 +208,12 @@ def test_dynamic_bsz_equals_fixed_micro_batches(case_results, tp, pp, dp, cp):
 def test_context_parallel_equals_the_single_rank_in_every_batching(case_results):
     """CP 2 (each rank two of four chunks of every (packed) row, attention over the gathered K/V) against CP 1:
     the same log-probs, entropy, values, losses and (all-reduced) gradients, with fixed micro-batches and with
-    token-budget packing, prompts shared or not."""
+    token-budget packing, prompts shared or not, and in the GPU's packed-sequence (THD) layout: each sequence
+    split into its own chunks, as Transformer Engine partitions it."""
     one = case_results("tp1_pp1_dp1")[0]
     for r in case_results("tp1_pp1_dp1_cp2"):
-        for mode in MODES:
-            _assert_same_run(r[mode], one[mode], f"{mode} cp_rank {r['cp_rank']}")
+        for mode in MODES:  # the THD layout too
+            _assert_same_run(r[mode], one.get(mode, one["fixed"]), f"{mode} cp_rank {r['cp_rank']}")
 
 
 def _assert_same_run(got: dict, ref: dict, where: str, outputs: bool = True) -> None:

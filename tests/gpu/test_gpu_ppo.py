@@ -65,6 +65,8 @@ CASES.insert(2, pytest.param("single", "ppo", OFFLOAD, id="single-ppo-offload"))
 DYNAMIC_BSZ = ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096", "critic.ppo_max_token_len_per_gpu=4096"]
 CASES.append(pytest.param("single", "ppo", DYNAMIC_BSZ, id="single-ppo-dynamic_bsz"))
 CASES.append(pytest.param("actor_tp2", "grpo", DYNAMIC_BSZ, id="actor_tp2-grpo-dynamic_bsz"))
+# THD rows under TE's CP: each sequence padded to 2 x CP and split into its own chunks (TE's partition)
+CASES.append(pytest.param("cp2", "grpo", DYNAMIC_BSZ, id="cp2-grpo-dynamic_bsz"))
 # LoRA on TE's LayerNorm-linears with sequence parallelism (megatron/lora.py: the norm's output taken per rank);
 # the reference is the actor with its adapters off; vLLM gets the merged weights
 LORA = ["model.lora.rank=8", "actor.optim.lr=1e-3"]

@@ -70,23 +70,51 @@ def test_each_rank_holds_its_chunks_and_the_ranks_together_every_response_token(
 
 
 def test_the_plan_counts_context_parallel_ranks():
-    plan = resolve(load_experiment([QUICKSTART], [*MICRO, *SEPARATE, "actor.ppo_mini_batch_size=32", "resources.n_workers=4", "actor.megatron.context_parallel_size=2",
-                                                  "critic.megatron.context_parallel_size=2"]), DENSE)
+    overrides = [*MICRO, *SEPARATE, "actor.ppo_mini_batch_size=32", "resources.n_workers=4",
+                 "actor.megatron.context_parallel_size=2", "critic.megatron.context_parallel_size=2"]
+    plan = resolve(load_experiment([QUICKSTART], overrides), DENSE)
     assert (plan.actor.dp, plan.actor.cp) == (2, 2)
     # the checkpoint engine's planner (separate_async) counts data x context ranks as its d
     assert plan.rollout_spec.train_layout == (1, 1, 4)
 
 
-@pytest.mark.parametrize("config,overrides,on_gpu,message", [
+@pytest.mark.parametrize("config,overrides,message", [
     (QUICKSTART, ["resources.n_workers=2", "actor.megatron.context_parallel_size=2",
-                  "actor.megatron.tensor_model_parallel_size=2"], False,
+                  "actor.megatron.tensor_model_parallel_size=2"],
      r"resources.n_workers \(2\) is not divisible by actor tensor x context x pipeline parallel size \(4\)"),
-    (MOE, ["actor.megatron.context_parallel_size=2"], False,
+    (MOE, ["actor.megatron.context_parallel_size=2"],
      "actor.megatron.context_parallel_size 2: actor.megatron.router_replay is not supported"),
-    (QUICKSTART, [*MICRO, "resources.n_workers=2", "critic.megatron.context_parallel_size=2", "critic.use_dynamic_bsz=true"],
-     True, "critic.megatron.context_parallel_size 2 with critic.use_dynamic_bsz on GPU"),
 ])
-def test_context_parallel_refusals_are_one_line(config, overrides, on_gpu, message):
+def test_context_parallel_refusals_are_one_line(config, overrides, message):
     with pytest.raises(ValueError, match=message) as err:
-        resolve(load_experiment([config], overrides), None, on_gpu=on_gpu)
+        resolve(load_experiment([config], overrides))
     assert "\n" not in str(err.value)
+
+
+def test_packed_sequences_split_per_sequence_as_transformer_engine_does():
+    """Token-budget THD rows (the GPU layout): each sequence padded at its end to 2 x CP tokens, and each CP rank
+    holding chunks r and 2cp-1-r of every sequence (TE's thd_get_partitioned_indices) with the row's boundaries
+    kept for TE; for megatron's local attention the boundaries become a block-causal mask instead."""
+    cp = 2
+    batch = _rows(False)
+    (mb,), _ = row_layout.token_micro_batches(batch, row_layout.TokenBudget(64, "test"), thd=True,
+                                              unit_multiple=row_layout.context_parallel_multiple(cp))
+    bounds = mb["cu_seqlens"].tolist()
+    lengths = batch.tensors["attention_mask"].sum(1).tolist()
+    assert [b - a for a, b in zip(bounds, bounds[1:])] == [n + -n % 4 for n in lengths]
+    parts = [row_layout.split_for_context_parallel(mb, cp, r, explicit_mask=False) for r in range(cp)]
+    for r, part in enumerate(parts):
+        assert torch.equal(part["cu_seqlens"], mb["cu_seqlens"])  # TE divides the whole row's boundaries
+        assert torch.equal(part["input_ids"], mb["input_ids"][:, parts_positions(bounds, cp, r)])
+    assert torch.equal(parts[0]["cp_owned"] | parts[1]["cp_owned"], mb["response_valid"].bool())
+    masked = row_layout.split_for_context_parallel(mb, cp, 0, explicit_mask=True)
+    assert "cu_seqlens" not in masked
+    own, keys = parts_positions(bounds, cp, 0), torch.cat([parts_positions(bounds, cp, r) for r in range(cp)])
+    seq = torch.bucketize(torch.arange(bounds[-1]), torch.tensor(bounds[1:]), right=True)
+    sees = ~masked["packed_mask"][0, 0]
+    assert torch.equal(sees, (keys[None] <= own[:, None]) & (seq[keys][None] == seq[own][:, None]))
+
+
+def parts_positions(bounds: list[int], cp: int, rank: int) -> torch.Tensor:
+    """Chunks rank and 2cp-1-rank of each sequence between ``bounds``."""
+    return torch.cat([a + chunk_positions(b - a, cp, rank) for a, b in zip(bounds, bounds[1:])])
