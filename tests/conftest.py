@@ -3,26 +3,83 @@
 from __future__ import annotations
 
 import os
+import time
+import warnings
 
 import pytest
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One embedded 2-CPU Ray cluster per test module, in its own temp dir.
+class SharedRay:
+    """The embedded 2-CPU Ray cluster that consecutive test modules asking for ``ray_cluster`` share: starting
+    and stopping one per module cost about 7 s a module. It is stopped before a module that does not ask for
+    it (test_python_api's Trainer starts its own; CLI runs start theirs; the unit tier asserts Ray is off) and
+    after the last test. A module that leaves something holding the cluster's CPUs or a placement group behind
+    gets the cluster replaced after it (what every module had before), with a warning naming it.
 
-    Never `ray stop` (it kills every Ray cluster on the host): teardown stops
-    only this cluster and checks by PID that its processes are gone.
-    """
-    from hybridflow.controller import start_ray
+    Never `ray stop` (it kills every Ray cluster on the host): stopping ends only this cluster and checks by PID
+    that its processes are gone."""
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    handle = start_ray(num_cpus=2, object_store_memory=256 * 1024**2)
-    pids = handle.pids
-    assert pids, "embedded Ray started no processes?"
-    try:
-        yield handle
-    finally:
+    def __init__(self):
+        self.handle = None
+
+    def get(self):
+        from hybridflow.controller import start_ray
+
+        if self.handle is None:
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+            self.handle = start_ray(num_cpus=2, object_store_memory=256 * 1024**2)
+            assert self.handle.pids, "embedded Ray started no processes?"
+        return self.handle
+
+    def stop(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle is None:
+            return
         handle.shutdown()
         assert handle.alive_pids() == [], f"Ray processes left running: {handle.alive_pids()}"
         assert not os.path.exists(handle.temp_dir), f"temp dir left behind: {handle.temp_dir}"
+
+    def left_behind(self, wait_s: float = 10.0) -> str | None:
+        """What still holds the cluster after a module (resources come back asynchronously: waited for)."""
+        import ray
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            free, total = ray.available_resources().get("CPU", 0.0), ray.cluster_resources().get("CPU", 0.0)
+            groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+            if free == total and not groups:
+                return None
+            if time.monotonic() > deadline:
+                return f"{total - free:g} of {total:g} CPUs and {len(groups)} placement group(s)"
+            time.sleep(0.2)
+
+
+_SHARED = SharedRay()
+_RAY_MODULES: set = set()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """The embedded Ray cluster this module shares with its neighbours (``SharedRay``)."""
+    return _SHARED.get()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    _RAY_MODULES.update(item.path for item in items if "ray_cluster" in item.fixturenames)
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the module's own fixtures (worker groups, trainers) are torn down first
+    if _SHARED.handle is None or (nextitem is not None and nextitem.path == item.path):
+        return
+    if nextitem is None or nextitem.path not in _RAY_MODULES:
+        _SHARED.stop()
+        return
+    try:
+        leak = _SHARED.left_behind()
+    except Exception as e:  # noqa: BLE001 - a cluster a module broke is replaced as well
+        leak = f"a cluster that no longer answers ({type(e).__name__})"
+    if leak:
+        warnings.warn(f"{item.path.name} left {leak} held in the shared Ray cluster: it is replaced")
+        _SHARED.stop()
