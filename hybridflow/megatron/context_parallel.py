@@ -37,9 +37,15 @@ def chunk_positions(seq_len: int, size: int, rank: int) -> torch.Tensor:
                       torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk)])
 
 
-def gathered_order(seq_len: int, size: int) -> torch.Tensor:
-    """The sequence positions of an all-gather over the CP group of each rank's positions, in rank order."""
-    return torch.cat([chunk_positions(seq_len, size, r) for r in range(size)])
+def positions_held(bounds: list[int], size: int, rank: int) -> torch.Tensor:
+    """The positions CP rank ``rank`` holds of a row whose sequences lie between ``bounds`` ([0, s] for a row of
+    one): its chunks of each sequence (a packed THD row is split per sequence, as TE partitions it)."""
+    return torch.cat([a + chunk_positions(b - a, size, rank) for a, b in zip(bounds, bounds[1:])])
+
+
+def gathered_order(bounds: list[int], size: int) -> torch.Tensor:
+    """The row positions of an all-gather over the CP group of each rank's positions, in rank order."""
+    return torch.cat([positions_held(bounds, size, r) for r in range(size)])
 
 
 def _group():

@@ -198,7 +198,7 @@ def _whole_sequence(every: list[dict], part, cp: int) -> torch.Tensor:
     if cp == 1:
         return parts[0]
     whole = torch.cat([parts[c] for c in range(cp)], dim=1)
-    return whole[:, torch.argsort(context_parallel.gathered_order(whole.shape[1], cp))]
+    return whole[:, torch.argsort(context_parallel.gathered_order([0, whole.shape[1]], cp))]
 
 
 def _vllm_leg(rank, module, cfg, model_dir, tp, pp, rollout_tp, ids) -> dict:
@@ -286,10 +286,11 @@ def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int
     cfg = _read_folder(model_dir)
     check_supported(cfg, rollout_tp)
     for name, size, n in (("--tp", tp, cfg.num_attention_heads), ("--pp", pp, cfg.num_hidden_layers),
-                          ("--ep", ep, families.num_experts(cfg) or ep), ("--cp", cp, PROMPT_LEN // 2)):
+                          ("--ep", ep, families.num_experts(cfg) or ep)):
         if size < 1 or n % size:
-            raise ValueError(f"{name} {size} does not divide the model's {n}" if name != "--cp" else
-                             f"--cp {cp}: the {PROMPT_LEN}-token prompts do not split into {2 * cp} equal chunks")
+            raise ValueError(f"{name} {size} does not divide the model's {n}")
+    if cp < 1 or PROMPT_LEN % (2 * cp):
+        raise ValueError(f"--cp {cp}: the {PROMPT_LEN}-token prompts do not split into {2 * cp} equal chunks")
     on_gpu = device.has_gpu()
     world = check_ranks_fit(tp, pp, ep, device.accelerator_count(), cp)
     if rollout_tp > world:

@@ -329,22 +329,18 @@ def split_for_context_parallel(mb: dict, size: int, rank: int, explicit_mask: bo
     the mask of the local queries against every key in gathered order, from the micro-batch's own mask, its
     sequences' (THD: the boundaries then leave the micro-batch) or the causal one; without it (TE's CP) the rows
     stay causal (or THD with the whole row's ``cu_seqlens``) and megatron's rotary table is sliced per rank."""
-    from hybridflow.megatron.context_parallel import chunk_positions
+    from hybridflow.megatron.context_parallel import gathered_order, positions_held
 
     s = mb["input_ids"].shape[1]
     bounds = mb["cu_seqlens"].tolist() if "cu_seqlens" in mb else [0, s]
-
-    def held(r: int) -> torch.Tensor:  # a rank's positions: its chunks of every sequence
-        return torch.cat([a + chunk_positions(b - a, size, r) for a, b in zip(bounds, bounds[1:])])
-
-    own = held(rank)
+    own = positions_held(bounds, size, rank)
     d = dict(mb, input_ids=mb["input_ids"][:, own], position_ids=mb["position_ids"][:, own])
     if explicit_mask:
         mask = mb.get("packed_mask")
         if mask is None:
             sequence = torch.bucketize(torch.arange(s), torch.tensor(bounds[1:]), right=True)
             mask = (torch.ones(s, s, dtype=torch.bool).triu(1) | (sequence[:, None] != sequence[None, :]))[None, None]
-        d["packed_mask"] = mask[:, :, own][..., torch.cat([held(r) for r in range(size)])]
+        d["packed_mask"] = mask[:, :, own][..., gathered_order(bounds, size)]
         d.pop("cu_seqlens", None)
         d.pop("max_seqlen", None)
     if "response_index" in mb:  # laid out by this module (not a bare prompt batch: tools/check_model)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.megatron.context_parallel import chunk_positions, gathered_order
+from hybridflow.megatron.context_parallel import chunk_positions, gathered_order, positions_held
 from hybridflow.plan import load_experiment, resolve
 from hybridflow.protocol import Batch
 from hybridflow.workers import row_layout
@@ -21,7 +21,7 @@ def test_megatrons_load_balanced_chunks():
     # 16 tokens over CP 2: 4 chunks of 4, rank 0 the first and last, rank 1 the middle two
     assert chunk_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert chunk_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
-    assert sorted(gathered_order(24, 3).tolist()) == list(range(24))
+    assert sorted(gathered_order([0, 24], 3).tolist()) == list(range(24))
     with pytest.raises(ValueError, match="does not split into 4 equal chunks"):
         chunk_positions(10, 2, 0)
 
@@ -56,7 +56,7 @@ def test_each_rank_holds_its_chunks_and_the_ranks_together_every_response_token(
         assert torch.equal(part["input_ids"], mb["input_ids"][:, own])
         # the local queries' rows of the whole mask, over keys in gathered order
         back = torch.empty_like(part["packed_mask"])
-        back[..., gathered_order(s, cp)] = part["packed_mask"]
+        back[..., gathered_order([0, s], cp)] = part["packed_mask"]
         assert torch.equal(back, full_mask[:, :, own].expand_as(back))
         # each response token a rank holds is predicted at the local position of its global one
         held = part["cp_owned"]
@@ -105,16 +105,12 @@ def test_packed_sequences_split_per_sequence_as_transformer_engine_does():
     parts = [row_layout.split_for_context_parallel(mb, cp, r, explicit_mask=False) for r in range(cp)]
     for r, part in enumerate(parts):
         assert torch.equal(part["cu_seqlens"], mb["cu_seqlens"])  # TE divides the whole row's boundaries
-        assert torch.equal(part["input_ids"], mb["input_ids"][:, parts_positions(bounds, cp, r)])
+        assert torch.equal(part["input_ids"], mb["input_ids"][:, positions_held(bounds, cp, r)])
     assert torch.equal(parts[0]["cp_owned"] | parts[1]["cp_owned"], mb["response_valid"].bool())
     masked = row_layout.split_for_context_parallel(mb, cp, 0, explicit_mask=True)
     assert "cu_seqlens" not in masked
-    own, keys = parts_positions(bounds, cp, 0), torch.cat([parts_positions(bounds, cp, r) for r in range(cp)])
+    own, keys = positions_held(bounds, cp, 0), gathered_order(bounds, cp)
     seq = torch.bucketize(torch.arange(bounds[-1]), torch.tensor(bounds[1:]), right=True)
     sees = ~masked["packed_mask"][0, 0]
     assert torch.equal(sees, (keys[None] <= own[:, None]) & (seq[keys][None] == seq[own][:, None]))
 
-
-def parts_positions(bounds: list[int], cp: int, rank: int) -> torch.Tensor:
-    """Chunks rank and 2cp-1-rank of each sequence between ``bounds``."""
-    return torch.cat([a + chunk_positions(b - a, cp, rank) for a, b in zip(bounds, bounds[1:])])
