@@ -41,6 +41,7 @@ class Trajectory:
     # MoE routing replay (R3): the experts of every token but the last, from the latest turn's request, which routed
     # the whole context again (an engine with ``routed_experts``)
     routes: object = None
+    turn_start: int = 0  # where the assistant turn in progress begins in response_ids
 
     @property
     def context(self) -> list[int]:
@@ -94,25 +95,36 @@ class AgentLoop:
                     t.routes = turn_routes[0]
                 t.append(list(ids), True, list(lps) if lps is not None else None)
                 t.assistant_turns += 1
-                if self._finished(t, ids):
-                    t.done = True
-                    continue
-                calls = self.parser.parse(self.tokenizer.decode(ids, skip_special_tokens=False))
-                if not calls:
-                    t.done = True  # an answer
-                    continue
-                calling.append((t, calls[: s.max_parallel_calls]))
-            self._run_tools(calling)
+                calls = self.calls_of_turn(t, ids)
+                if calls:
+                    calling.append((t, calls))
+                else:
+                    t.done = True  # an answer, or a limit reached
+            self.run_tools(calling)
         return trajectories
 
-    def _finished(self, t: Trajectory, turn: list[int]) -> bool:
+    def calls_of_turn(self, t: Trajectory, turn: list[int]) -> list[ToolCall]:
+        """The tool calls to run after ``t``'s assistant turn ``turn`` (appended and counted already); none when
+        the turn ends the trajectory: an answer that calls no tool, or a limit reached."""
+        if self._limit_reached(len(t.response_ids), t.assistant_turns, t.user_turns, turn):
+            return []
+        return self.parser.parse(self.tokenizer.decode(turn, skip_special_tokens=False))[: self.settings.max_parallel_calls]
+
+    def turn_would_end(self, t: Trajectory, turn: list[int]) -> bool:
+        """Whether ``t`` would end with the assistant turn ``turn`` (not yet appended): for a caller that stops
+        generating once enough trajectories have ended (workers/carry.py)."""
+        new = len(turn) - (len(t.response_ids) - t.turn_start)  # a resumed turn: its earlier part is appended
+        return (self._limit_reached(len(t.response_ids) + new, t.assistant_turns + 1, t.user_turns, turn)
+                or not self.parser.parse(self.tokenizer.decode(turn, skip_special_tokens=False)))
+
+    def _limit_reached(self, length: int, assistant_turns: int, user_turns: int, turn: list[int]) -> bool:
         s = self.settings
-        return (len(t.response_ids) >= s.max_response_length
-                or (s.max_assistant_turns is not None and t.assistant_turns >= s.max_assistant_turns)
-                or (s.max_user_turns is not None and t.user_turns >= s.max_user_turns)
+        return (length >= s.max_response_length
+                or (s.max_assistant_turns is not None and assistant_turns >= s.max_assistant_turns)
+                or (s.max_user_turns is not None and user_turns >= s.max_user_turns)
                 or not turn or turn[-1] not in self.chat.stop_token_ids)  # cut by the budget mid-turn
 
-    def _run_tools(self, calling: list[tuple[Trajectory, list[ToolCall]]]) -> None:
+    def run_tools(self, calling: list[tuple[Trajectory, list[ToolCall]]]) -> None:
         """Every call of this turn at once; each response is the tool's text or an error message."""
         jobs = [(t, i, self._pool.submit(self._call, call)) for t, calls in calling for i, call in enumerate(calls)]
         # a tool over its own timeout (a hung user tool: threads cannot be killed) is left behind, answered as such
@@ -139,6 +151,7 @@ class AgentLoop:
                 continue
             t.append(ids, False)
             t.user_turns += 1
+            t.turn_start = len(t.response_ids)
 
     def _timeout(self, call: ToolCall) -> float:
         tool = self.tools.get(call.name)

@@ -122,16 +122,12 @@ def check_rollout_correction(rc, loss_mode: str, temperature: float) -> None:
 
 def check_schedule(cfg, on_gpu: bool) -> None:
     """schedule.mode's needs: separate_async a rollout pool of its own and verl's rule between data.batch_size,
-    parameter_sync_step and ppo_mini_batch_size; colocate_async carries single-turn responses only (no multi-turn
-    agent)."""
+    parameter_sync_step and ppo_mini_batch_size."""
     sc, res = cfg.schedule, cfg.resources
     if sc.mode != "separate_async":
         if res.rollout_n_workers:
             raise ValueError(f"resources.rollout_n_workers ({res.rollout_n_workers}) sizes the rollout pool of "
                              f"schedule.mode separate_async; {sc.mode} rolls out on the actor's workers: set it to 0")
-        if sc.mode == "colocate_async" and cfg.rollout.multi_turn.enable:
-            raise ValueError("schedule.mode 'colocate_async' does not yet take rollout.multi_turn.enable (a "
-                             "trajectory's tool state is not carried across an update)")
         return
     if res.rollout_n_workers < 1:
         raise ValueError("schedule.mode 'separate_async' needs a rollout pool: resources.rollout_n_workers >= 1 (verl: "

@@ -87,12 +87,6 @@ def carry_threshold(schedule) -> int | None:
     return max(1, t - depth)
 
 
-def partial_rollout(cfg) -> bool:
-    """Whether the rollout pool carries unfinished responses across pushes: schedule.partial_rollout, for
-    single-turn rows (a multi-turn trajectory finishes under the weights it started with)."""
-    return cfg.schedule.partial_rollout and not cfg.rollout.multi_turn.enable
-
-
 def role_specs(cfg, needs: Needs, total_steps: int | None, actor_layout, generation) -> tuple[
         ActorSpec, CriticSpec | None, RewardModelSpec | None, RolloutSpec | None]:
     process = ProcessSpec(cfg.model.path, cfg.trainer.seed, cfg.trainer.dist_timeout_s, total_steps)
@@ -103,7 +97,7 @@ def role_specs(cfg, needs: Needs, total_steps: int | None, actor_layout, generat
                       generation.world if separate else 0, cfg.schedule.mode == "colocate_async",
                       cfg.schedule.max_off_policy_threshold, cfg.model.lora if cfg.model.lora.rank else None)
     rollout = (RolloutSpec(process, r, d.max_prompt_length, d.max_response_length, d.apply_chat_template_kwargs,
-                           (actor_layout.pp, actor_layout.tp, actor_layout.weight_replicas), partial_rollout(cfg),
+                           (actor_layout.pp, actor_layout.tp, actor_layout.weight_replicas), cfg.schedule.partial_rollout,
                            carry_threshold(cfg.schedule)) if separate else None)
     critic = CriticSpec(process, cfg.critic, r.n) if needs.critic else None
     reward_model = RewardModelSpec(cfg.reward_model, cfg.model.path) if cfg.reward_model.enable else None

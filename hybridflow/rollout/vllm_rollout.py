@@ -345,13 +345,15 @@ class VLLMRollout:
         return [ids for ids, _ in self.generate_with_log_probs(prompt_ids, sampling, log_probs=False)]
 
     def generate_until(self, requests: dict[str, tuple[list[int], int, int | None]], sampling: SamplingSettings,
-                       enough) -> dict[str, tuple]:
-        """Sample until ``enough(finished ids)`` holds or every request is done, then abort the rest, keeping what
+                       enough, stop_token_ids: list[int] | None = None) -> dict[str, tuple]:
+        """Sample until ``enough(finished)`` holds or every request is done, then abort the rest, keeping what
         they sampled: {id: (token ids, vLLM's log-prob of each, finished)}, and with ``routed_experts`` a fourth,
-        the finished request's routes (``generate_with_log_probs``; None for an aborted one). ``requests``: {id: (prompt ids, token
-        budget, seed)}, ids unique in the engine's life. Steps vLLM's engine directly (``LLMEngine.add_request``,
-        ``step``, ``abort_request``, v1/engine/llm_engine.py), as ``LLM.generate`` does, but able to stop early;
-        every rank of a TP group makes the same calls on the same outputs, so they stay in step."""
+        the finished request's routes (``generate_with_log_probs``; None for an aborted one). ``requests``: {id:
+        (prompt ids, token budget, seed)}, ids unique in the engine's life; ``finished``: {id: its token ids} of
+        the requests finished so far; ``stop_token_ids``: tokens that end a request besides EOS (an agent's
+        turn end, kept in the output). Steps vLLM's engine directly (``LLMEngine.add_request``, ``step``,
+        ``abort_request``, v1/engine/llm_engine.py), as ``LLM.generate`` does, but able to stop early; every rank
+        of a TP group makes the same calls on the same outputs, so they stay in step."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -359,13 +361,14 @@ class VLLMRollout:
         for rid, (prompt, budget, seed) in requests.items():
             engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), SamplingParams(
                 temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=budget,
-                seed=seed, skip_special_tokens=False, logprobs=0, detokenize=False), lora_request=self.lora_request)
-        latest, finished = {}, set()
+                seed=seed, skip_special_tokens=False, logprobs=0, detokenize=False,
+                stop_token_ids=list(stop_token_ids or [])), lora_request=self.lora_request)
+        latest, finished = {}, {}
         while engine.has_unfinished_requests() and not enough(finished):
             for out in engine.step():
                 latest[out.request_id] = out
                 if out.finished:
-                    finished.add(out.request_id)
+                    finished[out.request_id] = list(out.outputs[0].token_ids)
         unfinished = [rid for rid in requests if rid not in finished]
         if unfinished:
             engine.abort_request(unfinished)

@@ -77,7 +77,7 @@ class ActorRolloutRefWorker(Worker):
                       if r.multi_turn.enable else None)
         self.version = 0  # the policy version the engine holds (the driver's count of updates)
         self.base_synced = False  # LoRA with merge false: the frozen base reaches vLLM once
-        self.carried = (CarriedGeneration(spec.max_response_length, spec.max_off_policy_threshold)
+        self.carried = (CarriedGeneration(spec.max_response_length, spec.max_off_policy_threshold, self.agent)
                         if spec.carry_unfinished else None)
 
     def dispatch_info(self, mesh: str = "train") -> dict:

@@ -40,10 +40,10 @@ class RolloutWorker(Worker):
         # the ranks of one vLLM TP group sample identically: seeded per replica
         self.rollout = build_vllm_rollout(p.model_path, spec, seed=p.seed + self.rank // self.plan.t_g,
                                           generation_groups=self.plan.replicas)
-        # multi-turn trajectories (tools) run against this engine; they finish under the weights they started with
+        # multi-turn trajectories (tools) run against this engine; with partial rollouts carried across pushes too
         self.agent = (build_agent_loop(r.multi_turn, spec.max_response_length, spec.chat_template_kwargs, self.tokenizer)
                       if r.multi_turn.enable else None)
-        self.carried = (CarriedGeneration(spec.max_response_length, spec.carry_threshold) if spec.partial_rollout
+        self.carried = (CarriedGeneration(spec.max_response_length, spec.carry_threshold, self.agent) if spec.partial_rollout
                         else None)
         self.feed: checkpoint_engine.FeedGroup | None = None
         self.version = NO_WEIGHTS
