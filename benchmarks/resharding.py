@@ -52,7 +52,7 @@ def _rank(rank, world, hf_dir, p, t, t_g, repeats):
     layout = Layout(p, t, ps.get_data_parallel_world_size())
     out = {}
     for scheme in ("gather_all", "hybrid"):
-        resharder = Resharder(role.model, cfg, HybridPlan(layout, 1, t_g), scheme)
+        resharder = Resharder(role.module, cfg, HybridPlan(layout, 1, t_g), scheme)
         runs = []
         for _ in range(repeats + 1):  # first run warms up
             dist.barrier()

@@ -44,6 +44,7 @@ class Shard:
     etp_size: int | None = None
     cp_rank: int = 0  # context parallel: the same weights on every CP rank, as on data-parallel ranks
     cp_size: int = 1
+    vpp_size: int = 1  # virtual pipeline stages: the stage's layers in that many chunks (megatron/virtual_stages.py)
 
     @property
     def expert_tp(self) -> tuple[int, int]:
@@ -56,9 +57,9 @@ class Shard:
         per_rank = num_experts // self.ep_size
         return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
 
-    def layer_range(self, num_layers: int) -> range:
-        per_stage = num_layers // self.pp_size
-        return range(self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage)
+    def layers(self, num_layers: int) -> list[int]:
+        """The global index of each of this stage's layers, in local order (``decoder.layers.{local}``)."""
+        return stage_layers(num_layers, self.pp_rank, self.pp_size, self.vpp_size)
 
     @property
     def first_stage(self) -> bool:
@@ -67,6 +68,14 @@ class Shard:
     @property
     def last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int, vpp_size: int = 1) -> list[int]:
+    """The layers of pipeline stage ``pp_rank`` in local order: with virtual stages, chunk c of the stage holds
+    the (c * pp_size + pp_rank)-th block of num_layers / (pp_size * vpp_size) layers (megatron's interleaved
+    assignment, transformer_layer.get_transformer_layer_offset), the chunks' layers numbered one after another."""
+    per_chunk = num_layers // (pp_size * vpp_size)
+    return [(c * pp_size + pp_rank) * per_chunk + j for c in range(vpp_size) for j in range(per_chunk)]
 
 
 def _heads(cfg):
@@ -142,7 +151,7 @@ def hf_to_megatron(hf_sd: Mapping, cfg, shard: Shard = Shard(), *, value_head: b
     if shard.first_stage:
         out[weights.EMBEDDING.megatron] = part(weights.EMBEDDING.hf[0], 0)
     held = list(enumerate(shard.expert_range(family.num_experts(cfg))))
-    for local, layer in enumerate(shard.layer_range(cfg.num_hidden_layers)):
+    for local, layer in enumerate(shard.layers(cfg.num_hidden_layers)):
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
         for w in family.layer_weights(cfg, layer):
             out[dst + w.megatron] = weight_to_megatron(w, src, part, cfg, shard.tp_size)
@@ -289,7 +298,7 @@ def megatron_to_hf(full_sd: dict, cfg, shard: Shard, *, value_head: bool = False
     """
     family = families.of(cfg)
     out, used = {}, set()
-    for local, layer in enumerate(shard.layer_range(cfg.num_hidden_layers)):
+    for local, layer in enumerate(shard.layers(cfg.num_hidden_layers)):
         src, dst = f"decoder.layers.{local}.", f"model.layers.{layer}."
         for w, tp in ([(w, shard.tp_size) for w in family.layer_weights(cfg, layer)]
                       + [(w, shard.expert_tp[1]) for w in family.layer_experts(cfg, layer)]):

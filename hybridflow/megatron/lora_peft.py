@@ -36,7 +36,7 @@ def peft_names(sd: dict) -> dict:
 def _adapted(cfg, shard, layer: int, targets: set[str]):
     """(local prefix, family weight, TP size, TP rank) of each adapted linear of a layer held on ``shard``: the
     dense ones split over TP, the routed experts held here (their local index; expert TP 1) whole."""
-    local = layer - shard.layer_range(cfg.num_hidden_layers).start
+    local = shard.layers(cfg.num_hidden_layers).index(layer)
     family = families.of(cfg)
     held = list(enumerate(shard.expert_range(family.num_experts(cfg))))
     weights = [(w, shard.tp_size, shard.tp_rank) for w in family.layer_weights(cfg, layer)]
@@ -52,7 +52,7 @@ def from_peft(peft_sd: dict, cfg, shard, targets: set[str]) -> dict:
     names, megatron/lora.adapters) from a peft state dict. A fused linear needs one A for its projections."""
     sd = peft_names(peft_sd)
     out = {}
-    for layer in shard.layer_range(cfg.num_hidden_layers):
+    for layer in shard.layers(cfg.num_hidden_layers):
         for prefix, w, tp, tp_rank in _adapted(cfg, shard, layer, targets):
             src = f"model.layers.{layer}."
             a = [_get(sd, f"{PREFIX}{src}{h.removesuffix('.weight')}.lora_A.weight") for h in w.hf]
@@ -76,7 +76,7 @@ def to_peft(full: dict, cfg, shard) -> dict:
     (peft's per-expert names, ``mlp.experts.{e}.gate_proj``, as vLLM's and transformers 4's checkpoints name them)."""
     targets = {k.rsplit(".adapter.", 1)[0] for k in full}
     out = {}
-    for layer in shard.layer_range(cfg.num_hidden_layers):
+    for layer in shard.layers(cfg.num_hidden_layers):
         for prefix, w, tp, _ in _adapted(cfg, shard, layer, targets):
             dst = f"model.layers.{layer}."
             a, b = full[f"{prefix}.adapter.lora_a"], full[f"{prefix}.adapter.lora_b"]

@@ -118,8 +118,7 @@ DECIDED_FIELDS = {
     "sequence_parallel": "megatron.sequence_parallel",
     **{name: "megatron.dtype" for name in ("params_dtype", "pipeline_dtype", "bf16", "fp16")},
     "context_parallel_size": "megatron.context_parallel_size",
-    # layouts hybridflow does not build
-    "virtual_pipeline_model_parallel_size": "hybridflow (not supported)",
+    "virtual_pipeline_model_parallel_size": "megatron.virtual_pipeline_model_parallel_size",
     "expert_model_parallel_size": "megatron.expert_model_parallel_size",
     "expert_tensor_parallel_size": "megatron.expert_tensor_parallel_size",
     **{name: _FROM_MODEL for name in (
@@ -200,7 +199,7 @@ def check_transformer_config(hf_config, megatron_cfg, key: str) -> None:
 
 
 def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
-                               cp: int = 1, sequence_parallel: bool = False,
+                               cp: int = 1, vpp: int = 1, sequence_parallel: bool = False,
                                params_dtype: torch.dtype = torch.float32, overrides: dict | None = None,
                                key: str = "megatron.override_transformer_config"):
     """The megatron TransformerConfig equivalent to a HF Qwen2/Llama config (no fused CUDA kernels on CPU),
@@ -230,6 +229,7 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         context_parallel_size=cp,
         sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=params_dtype,
@@ -317,13 +317,13 @@ def final_norm():
     return WrappedTorchNorm
 
 
-def block_spec(config):
-    """This pipeline stage's decoder layers and final norm, as megatron's get_gpt_decoder_block_spec
-    builds them (layers evenly split over stages) but with ``final_norm``."""
+def block_spec(config, vp_stage: int | None = None):
+    """This pipeline stage's (virtual stage ``vp_stage``'s) decoder layers and final norm, as megatron's
+    get_gpt_decoder_block_spec builds them (layers evenly split over stages) but with ``final_norm``."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    n, offset = get_num_layers_to_build(config), get_transformer_layer_offset(config)
+    n, offset = get_num_layers_to_build(config, vp_stage), get_transformer_layer_offset(config, vp_stage)
     if not config.num_moe_experts:
         return TransformerBlockSubmodules(layer_specs=[layer_spec(config)] * n, layer_norm=final_norm())
     # Dense layers of a MoE model (Qwen-MoE's mlp_only_layers / decoder_sparse_step) get the dense spec.
@@ -357,8 +357,9 @@ class ValueHead(torch.nn.Linear):
 
 
 def build_gpt(hf_config, tf_config, *, value_head: bool = False, pre_process: bool = True,
-              post_process: bool = True, device: torch.device | None = None):
-    """A GPTModel for this rank's pipeline stage (a policy with vocab logits, or a value model), on
+              post_process: bool = True, device: torch.device | None = None, vp_stage: int | None = None):
+    """A GPTModel for this rank's pipeline stage (its virtual stage ``vp_stage``: a chunk of its layers) (a
+    policy with vocab logits, or a value model), on
     ``device``: megatron-core never moves a module to the GPU by itself (Megatron-LM's get_model and verl
     call ``model.cuda()`` after building), and with CPU initialization nothing would reach it otherwise."""
     from megatron.core.models.gpt import GPTModel
@@ -367,7 +368,7 @@ def build_gpt(hf_config, tf_config, *, value_head: bool = False, pre_process: bo
     with megatron_core.cpu_scope():
         model = GPTModel(
             config=tf_config,
-            transformer_layer_spec=block_spec(tf_config),
+            transformer_layer_spec=block_spec(tf_config, vp_stage),
             vocab_size=hf_config.vocab_size,
             max_sequence_length=hf_config.max_position_embeddings,
             pre_process=pre_process,
@@ -376,6 +377,7 @@ def build_gpt(hf_config, tf_config, *, value_head: bool = False, pre_process: bo
             position_embedding_type="rope",
             rotary_base=_rope_theta(hf_config),
             parallel_output=True,
+            vp_stage=vp_stage,
         )
     _use_hf_rope_frequencies(model.rotary_pos_emb, hf_config)
     if value_head and post_process:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hybridflow import device
 from hybridflow.families import weights
-from hybridflow.megatron import convert, lora, lr_schedule, parallel, routing
+from hybridflow.megatron import convert, lora, lr_schedule, parallel, routing, virtual_stages
 from hybridflow.megatron.routing import ModelRouting
 from hybridflow.megatron.model import build_gpt, moe_layer_pattern_of, te_available, transformer_config_from_hf
 from hybridflow.megatron.offload import Offloader, optimizer_tensors
@@ -92,32 +92,33 @@ class MegatronRole:
         weights that do not come from ``hf_state_dict`` (a megatron dist checkpoint, a peft adapter) into the built
         model before the optimizer is made: a 16-bit model's fp32 main parameters are copies taken then, and the
         first step would write them back over anything loaded later."""
-        from megatron.core import parallel_state as ps
-
         self.hf_config = hf_config
         self.value_head = value_head
         self.shard = parallel.current_shard()
         self.device = device.current()
         self.tf_config = transformer_config_from_hf(  # overrides: megatron.override_transformer_config
             hf_config, tp=self.shard.tp_size, pp=self.shard.pp_size, ep=self.shard.ep_size, cp=self.shard.cp_size,
-            etp=self.shard.expert_tp[1], sequence_parallel=sequence_parallel,
+            vpp=self.shard.vpp_size, etp=self.shard.expert_tp[1], sequence_parallel=sequence_parallel,
             params_dtype=dtype, overrides={**(transformer_overrides or {}),
                                            **({"moe_enable_routing_replay": True} if routing_replay else {})})
-        model = build_gpt(hf_config, self.tf_config, value_head=value_head, device=self.device,
-                          pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+        chunks = virtual_stages.build_chunks(partial(build_gpt, hf_config, self.tf_config, value_head=value_head,
+                                                     device=self.device), self.shard.vpp_size)
+        # the stage as one module by name (conversion, resharding, checkpoints, export); the schedule runs the chunks
+        self.module = virtual_stages.as_one_module(chunks)
         if hf_state_dict is not None:  # None: weights come from a checkpoint (megatron.checkpoint.load_role)
-            convert.load_into(model, convert.hf_to_megatron(hf_state_dict, hf_config, self.shard, value_head=value_head))
+            convert.load_into(self.module, convert.hf_to_megatron(hf_state_dict, hf_config, self.shard,
+                                                                  value_head=value_head))
         if lora_settings is not None:  # before DDP: gradient buffers and optimizer state for the adapters only
-            lora.add_adapters(model, lora_settings, self.tf_config)
-        self.model, self.optimizer = model, None
+            lora.add_adapters(self.module, lora_settings, self.tf_config)
+        self.chunks, self.optimizer = chunks, None
         if start_weights is not None:
             start_weights(self)
         self.scheduler = None
         if optim is None:
-            model.requires_grad_(False)
-            self.model = model.eval()
+            for chunk in chunks:
+                chunk.requires_grad_(False).eval()
         else:
-            self.model, self.optimizer = self._wrap_for_training(model, optim, dtype)
+            self.chunks, self.optimizer = self._wrap_for_training(chunks, optim, dtype)
         params = lambda: list(self.module.parameters())  # noqa: E731
         self._offloaders = {
             "params": Offloader(params),
@@ -137,7 +138,7 @@ class MegatronRole:
         self.packs_sequences = te_available()
         self._offload_idle()
 
-    def _wrap_for_training(self, model, optim: OptimSettings, params_dtype):
+    def _wrap_for_training(self, chunks: list, optim: OptimSettings, params_dtype):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import get_megatron_optimizer
@@ -146,15 +147,14 @@ class MegatronRole:
 
         schedule = optim.schedule or lr_schedule.LRSchedule.constant(optim.lr)
         self.tf_config.finalize_model_grads_func = finalize_model_grads
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=optim.use_distributed_optimizer)
         with megatron_core.cpu_scope():
-            ddp = DistributedDataParallel(
-                config=self.tf_config,
-                ddp_config=DistributedDataParallelConfig(
-                    grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                    use_distributed_optimizer=optim.use_distributed_optimizer),
-                module=model)
+            # one DDP per chunk, buckets for the first only (as Megatron-LM's get_model wraps virtual stages)
+            ddp = [DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=chunk,
+                                           disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
             # 16-bit params get megatron's fp32 main params and grads in the optimizer.
-            opt = get_megatron_optimizer(optimizer_config(optim, params_dtype, optim.overrides), [ddp])
+            opt = get_megatron_optimizer(optimizer_config(optim, params_dtype, optim.overrides), ddp)
         if (optim.overrides or {}).get("optimizer_cpu_offload"):
             # the DistributedOptimizer replaces the HybridDeviceOptimizer it was first built with over the model's
             # parameters (distrib_optimizer.py), whose fp32 and pinned copies only the cyclic collector frees
@@ -180,7 +180,8 @@ class MegatronRole:
         if s.grads and self.optimizer is not None:
             # Freed, not copied: every step zeroes the grads first, and restore_grad_buffers gives them
             # back zeroed (megatron-core 0.16.1, distributed_data_parallel.py).
-            self.model.offload_grad_buffers(synchronize=self.device.type == "cuda", empty_cache=False)
+            for chunk in self.chunks:
+                chunk.offload_grad_buffers(synchronize=self.device.type == "cuda", empty_cache=False)
         if self.device.type == "cuda":
             # Cached blocks (this role's activations, what was just offloaded) back to the driver, or vLLM
             # and the colocated roles could not use them while this role idles.
@@ -195,7 +196,8 @@ class MegatronRole:
         if training:
             self._offloaders["optimizer"].reload()
             if self.offload_settings.grads and self.optimizer is not None:
-                self.model.restore_grad_buffers(synchronize=False)
+                for chunk in self.chunks:
+                    chunk.restore_grad_buffers(synchronize=False)
         try:
             yield self
         finally:
@@ -228,16 +230,22 @@ class MegatronRole:
             mb = device.to_device(next(data_iter))
             self._route(mb)
             packed = mb.get("packed_mask")  # shared-prompt or token-budget rows on CPU (row_layout)
-            with megatron_core.rope_at_positions(self.module, mb["position_ids"]) if packed is not None else contextlib.nullcontext():
+            bare = model.module if hasattr(model, "module") else model  # under DDP
+            with megatron_core.rope_at_positions(bare, mb["position_ids"]) if packed is not None else contextlib.nullcontext():
                 out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=packed,
                             **_packed_sequences(mb))
             if self._routed is not None:  # this stage's routing of the micro-batch, before the next one's
                 self._routed.append(device.to_host(self.routing_outputs(mb)))
             return out, partial(loss_fn, mb)
 
+        data = iter(micro_batches)
+        if len(self.chunks) > 1:  # the interleaved schedule: each chunk takes every micro-batch, in order
+            data = [iter(micro_batches) for _ in self.chunks]
+            self.tf_config.microbatch_group_size_per_vp_stage = virtual_stages.microbatch_group_size(
+                len(micro_batches), self.shard.pp_size)
         with megatron_core.cpu_scope():
             return get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
+                forward_step_func=forward_step, data_iterator=data, model=list(self.chunks),
                 num_microbatches=len(micro_batches), seq_length=micro_batches[0]["input_ids"].shape[1],
                 micro_batch_size=micro_batches[0]["input_ids"].shape[0], forward_only=forward_only)
 
@@ -251,7 +259,8 @@ class MegatronRole:
             with torch.no_grad():
                 return torch.zeros((), device=output.device), device.to_host(output_fn(mb, output))
 
-        self.model.eval()
+        for chunk in self.chunks:
+            chunk.eval()
         self._recording = record_routes and self.routing is not None
         self._routed = [] if self.routing is not None else None
         try:
@@ -318,7 +327,8 @@ class MegatronRole:
         all inside one residency: params, grads and optimizer state come to the device once per call,
         however many mini-batches and epochs it runs (as verl loads them once per update). The learning-rate
         schedule then advances one step: once per update call, as verl's (megatron/lr_schedule.py)."""
-        self.model.train()
+        for chunk in self.chunks:
+            chunk.train()
         with self.resident(training=True):
             metrics = [self._train_step(mbs, loss_fn) for mbs, loss_fn in steps]
         self.scheduler.step(1)
@@ -330,7 +340,8 @@ class MegatronRole:
         return lr_schedule.current_lr(self.optimizer)
 
     def _train_step(self, micro_batches: list[dict], loss_fn: Callable) -> dict:
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run_schedule(micro_batches, loss_fn, forward_only=False)
         with megatron_core.cpu_scope():
@@ -362,11 +373,6 @@ class MegatronRole:
         return out
 
     # --- export -----------------------------------------------------------------------------------
-
-    @property
-    def module(self) -> torch.nn.Module:
-        """The GPTModel itself (unwrapped from megatron's DDP when training)."""
-        return self.model.module if hasattr(self.model, "module") else self.model
 
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, host tensor) of the whole model, yielded on global rank 0 only, one layer at a time.

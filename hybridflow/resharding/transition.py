@@ -89,6 +89,7 @@ class Resharder:
             raise RuntimeError(f"rank {self.rank}: the resharding plan places it at (tp, dp, pp) "
                                f"{train.coords(self.rank)} but megatron's groups at {actual}")
         self.tie = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1  # which layers each stage holds
         # Two group sets, created by all ranks in the same order (new_group is collective): the
         # micro-DP groups exchange TP-split tensors; inside them, "stage slices" (members at the same
         # TP offset, one per stage) exchange the tensors megatron replicates across TP (norms), which
@@ -239,7 +240,6 @@ class Resharder:
         """vLLM shard k from the members' megatron shards (keyed by member rank), one layer at a time."""
         tr, block = self.plan.train, self.plan.tp_block
         by_pos = {tr.coords(r)[0] % block + block * tr.coords(r)[2]: s for r, s in shards.items()}
-        per_stage = self.cfg.num_hidden_layers // tr.p
         base, transient = stats.peak_extra_bytes, 0
         for s in range(tr.p):
             members = [by_pos[j + block * s] for j in range(block)]  # consecutive TP shards of stage s
@@ -248,10 +248,10 @@ class Resharder:
             pieces = []
             if s == 0:
                 pieces.append(vllm_layout.from_megatron_shards([weights.EMBEDDING], members, self.cfg, tr.t))
-            for local in range(per_stage):
+            for local, index in enumerate(convert.stage_layers(self.cfg.num_hidden_layers, s, tr.p, self.vpp)):
                 pre = f"decoder.layers.{local}."
                 layer = [{k[len(pre):]: v for k, v in m.items() if k.startswith(pre)} for m in members]
-                pieces.append(vllm_layout.layer_from_megatron_shards(layer, s * per_stage + local, self.cfg, tr.t))
+                pieces.append(vllm_layout.layer_from_megatron_shards(layer, index, self.cfg, tr.t))
             if s == tr.p - 1:
                 last = [weights.FINAL_NORM] + ([] if self.tie else [weights.LM_HEAD])
                 pieces.append(vllm_layout.from_megatron_shards(last, members, self.cfg, tr.t))
@@ -305,7 +305,7 @@ class Resharder:
                         stats.bytes_received += _nbytes(t)
                 biggest = max(biggest, _nbytes(t))
                 full_stage[name] = t
-            hf = convert.megatron_to_hf(full_stage, self.cfg, convert.Shard(0, tr.t, stage, tr.p))
+            hf = convert.megatron_to_hf(full_stage, self.cfg, convert.Shard(0, tr.t, stage, tr.p, vpp_size=self.vpp))
             for name, tensor in vllm_layout.hf_to_vllm_shard(hf, self.cfg, k_gen, t_g).items():
                 out[name] = tensor.clone()  # vLLM keeps its own slice; the full tensors are dropped
                 kept += _nbytes(out[name])

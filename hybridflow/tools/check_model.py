@@ -162,9 +162,8 @@ def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm, grouped=
             hidden[index] = out.detach().transpose(0, 1).to("cpu", torch.float32, copy=True)  # [b, s, h], host
         return hook
 
-    first = role.shard.layer_range(cfg.num_hidden_layers).start
-    for i, layer in enumerate(module.decoder.layers):
-        layer.register_forward_hook(keep(first + i))
+    for index, layer in zip(role.shard.layers(cfg.num_hidden_layers), module.decoder.layers):
+        layer.register_forward_hook(keep(index))
     mb = dict(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(PROMPT_LEN).expand(N_PROMPTS, -1))
     if cp > 1:  # this rank's chunks of every prompt (TE's CP takes causal rows, megatron's local attention a mask)
         mb = row_layout.split_for_context_parallel(mb, cp, role.shard.cp_rank, explicit_mask=not te_available())

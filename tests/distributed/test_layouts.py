@@ -96,7 +96,7 @@ def _rank_fn(rank, world, hf_dir, tp, pp, cp=1):
         save_hf_folder(export_dir, cfg, actor_hf)
     torch.distributed.barrier()
     _, reloaded = load_hf_folder(export_dir)
-    local = {k: v for k, v in actor.model.module.state_dict().items() if not k.endswith("_extra_state")}
+    local = {k: v for k, v in actor.module.state_dict().items() if not k.endswith("_extra_state")}
     again = convert.hf_to_megatron(reloaded, cfg, actor.shard)
     out["reimport_identical"] = set(again) <= set(local) and all(torch.equal(again[k], local[k]) for k in again)
     if rank == 0:

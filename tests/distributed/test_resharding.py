@@ -107,10 +107,10 @@ def _transition(rank, hf_dir, p, t, t_g):
     layout = Layout(p, t, ps.get_data_parallel_world_size() * ps.get_context_parallel_world_size())
     out = {"rank": rank}
     for scheme in ("hybrid", "gather_all"):
-        shard, stats = Resharder(role.model, cfg, HybridPlan(layout, 1, t_g), scheme).to_generation()
+        shard, stats = Resharder(role.module, cfg, HybridPlan(layout, 1, t_g), scheme).to_generation()
         out[scheme] = (shard, stats)
-    out["hybrid_te"] = Resharder(_TENamed(role.model), cfg, HybridPlan(layout, 1, t_g), "hybrid").to_generation()
-    local = {k: v.clone() for k, v in role.model.state_dict().items() if not k.endswith("_extra_state")}
+    out["hybrid_te"] = Resharder(_TENamed(role.module), cfg, HybridPlan(layout, 1, t_g), "hybrid").to_generation()
+    local = {k: v.clone() for k, v in role.module.state_dict().items() if not k.endswith("_extra_state")}
     out["local"] = local
     return out
 
