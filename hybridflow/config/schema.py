@@ -35,6 +35,9 @@ class Megatron:
     # CP: splits each sequence over ranks (megatron's load-balanced chunks; attention gathers K/V across them)
     # that hold the same weights, like data-parallel ranks: the pool divides by tp x cp x pp
     context_parallel_size: int = 1
+    # VPP: each pipeline stage holds its layers in this many chunks (megatron's interleaved schedule: a smaller
+    # bubble); null or 1 = none. Layers must divide by pp x vpp; needs pp > 1
+    virtual_pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool = True  # shard activations along the sequence inside TP regions (only when TP > 1)
     # MoE models: EP splits the experts over ranks of the data-parallel dimension (world % (etp*ep*pp) == 0);
     # each expert's weights are split over expert_tensor_parallel_size ranks (None: 1 when EP > 1, as verl's
@@ -64,7 +67,10 @@ class Megatron:
     def validate(self):
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
             raise ValueError("tensor_model_parallel_size and pipeline_model_parallel_size must be >= 1")
-        check_sizes(self, "context_parallel_size")
+        check_sizes(self, "context_parallel_size", "virtual_pipeline_model_parallel_size")
+        if (self.virtual_pipeline_model_parallel_size or 1) > 1 and self.pipeline_model_parallel_size < 2:
+            raise ValueError(f"virtual_pipeline_model_parallel_size {self.virtual_pipeline_model_parallel_size} needs "
+                             "pipeline_model_parallel_size > 1 (virtual stages interleave the pipeline's stages)")
         if self.use_dist_checkpointing and not self.dist_checkpointing_path:
             raise ValueError("use_dist_checkpointing needs dist_checkpointing_path (the megatron checkpoint folder)")
         check_sizes(self, "expert_model_parallel_size", "expert_tensor_parallel_size")

@@ -59,7 +59,8 @@ _SAME_LEAVES = {
 }
 _OPTIM = ("lr", "weight_decay", "betas", "clip_grad", "lr_warmup_steps", "lr_warmup_steps_ratio", "lr_warmup_init",
           "lr_decay_style", "lr_decay_steps", "min_lr", "min_lr_ratio")
-_MEGATRON = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "sequence_parallel",
+_MEGATRON = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+             "virtual_pipeline_model_parallel_size", "sequence_parallel",
              "use_distributed_optimizer", "dtype", "param_offload", "grad_offload", "optimizer_offload",
              "expert_model_parallel_size", "expert_tensor_parallel_size", "use_dist_checkpointing",
              "dist_checkpointing_path", "dist_checkpointing_prefix")
@@ -162,7 +163,7 @@ MUST_AGREE = {
     _R + "name": "rollout.name",
     **{f"{_REF}megatron.{k}": f"actor.megatron.{k}"  # the reference shares the actor's layout
        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "sequence_parallel",
+                 "virtual_pipeline_model_parallel_size", "sequence_parallel",
                  "expert_model_parallel_size", "expert_tensor_parallel_size", "router_replay.mode",
                  "use_dist_checkpointing", "dist_checkpointing_path", "dist_checkpointing_prefix")},  # ref starts as actor
     "trainer.max_critic_ckpt_to_keep": "trainer.max_checkpoints",  # one retention for the whole checkpoint
@@ -181,9 +182,6 @@ MUST_AGREE = {
     _MODEL + "lora.dtype": None,  # the adapters take the model's dtype (fp32 main params in the optimizer)
     # the reference runs in the actor's processes: its Ulysses size (context parallelism here) is the actor's
     _REF + "ulysses_sequence_parallel_size": "actor.megatron.context_parallel_size",
-    # virtual pipeline stages are not built yet: a command line that sets them off resolves, one that turns them
-    # on is refused naming the key
-    **{f"{role}megatron.virtual_pipeline_model_parallel_size": None for role in (_A, _REF, "critic.")},
 }
 _STRATEGY = "an FSDP run becomes megatron data parallelism with the distributed optimizer (this module's docstring)"
 _FSDP_ONLY = "FSDP's wrapping/sharding detail; megatron's distributed optimizer shards state here"

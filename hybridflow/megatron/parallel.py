@@ -9,14 +9,15 @@ from hybridflow.patches import megatron_core
 
 
 def init_model_parallel(tp: int, pp: int, seed: int, timeout_s: float = 600, ep: int = 1,
-                        etp: int | None = None, cp: int = 1) -> None:
+                        etp: int | None = None, cp: int = 1, vpp: int = 1) -> None:
     """Create TP/CP/PP/DP groups (and the expert-parallel ones: EP x expert-TP over the same ranks) over the
     already-initialized default group (gloo on CPU, nccl on GPU).
 
     The world must divide by tp*cp*pp; the data-parallel size is what remains. The sequence is split over cp
     ranks (megatron/context_parallel.py), which hold the same weights, as data-parallel ranks do. Experts are
     split over ep ranks and their weights over etp (None: tp) ranks; megatron needs the world to divide by
-    etp*ep*pp.
+    etp*ep*pp. ``vpp``: virtual pipeline stages per stage (megatron's interleaved schedule), no groups of their
+    own.
     """
     from megatron.core import parallel_state as ps
 
@@ -33,14 +34,18 @@ def init_model_parallel(tp: int, pp: int, seed: int, timeout_s: float = 600, ep:
     megatron_core.enable_cpu()
     if ps.model_parallel_is_initialized():
         if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_expert_model_parallel_world_size(), ps.get_context_parallel_world_size()) != (tp, pp, ep, cp):
+                ps.get_expert_model_parallel_world_size(), ps.get_context_parallel_world_size(),
+                ps.get_virtual_pipeline_model_parallel_world_size() or 1) != (tp, pp, ep, cp, vpp):
             raise ValueError("this process already has megatron groups of a different layout")
     else:
         with megatron_core.cpu_scope():
             ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                          context_parallel_size=cp,
+                                         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                          expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                          distributed_timeout_minutes=max(1, round(timeout_s / 60)))
+    if vpp > 1:  # the interleaved schedule's two-way exchanges (megatron's shape order crosses them at pp 2)
+        megatron_core.fix_shape_exchange_order()
     megatron_core.model_parallel_seed(seed)
 
 
@@ -53,6 +58,7 @@ def current_shard() -> Shard:
         ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
         etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
         cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
+        vpp_size=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
     )
 
 

@@ -113,9 +113,57 @@ GROUPED_MLP_EAGER = declare(
     "megatron.cpu_grouped_mlp_eager", "megatron-core", MCORE, "megatron.core.transformer.moe.experts:jit_fuser",
     "CPU: GroupedMLP wraps its GLU and probability scaling in jit_fuser (torch.compile), which on CPU builds C++ "
     "with inductor in every process (a compiler, seconds, code per vector ISA); eager computes the same")
+SHAPE_EXCHANGE = declare(
+    "megatron.p2p_shape_exchange_order", "megatron-core", MCORE,
+    "megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator._communicate_shapes",
+    "with variable_seq_lengths, the interleaved schedule's two-way exchange at pipeline size 2 (previous rank == "
+    "next rank) crosses the shapes: every rank posts send_prev before send_next and recv_prev before recv_next, so "
+    "a rank's first send to its peer (its grad's shape) meets the peer's first receive (an activation's); the "
+    "buffers get the wrong sizes (NVIDIA/Megatron-LM#5271, #1485). Posting send_next before send_prev pairs them; "
+    "at other sizes each op has a peer of its own and the order changes nothing")
 
 _lock = threading.Lock()
 _cpu_enabled = False
+_shape_exchange_fixed = False
+
+
+def fix_shape_exchange_order() -> None:
+    """Install the pipeline's shape exchange that pairs a two-way exchange between two ranks (``SHAPE_EXCHANGE``):
+    sends to the next rank before sends to the previous one, receives from the previous rank before the next,
+    so one rank's k-th send to its peer is the peer's k-th receive from it. Same ops as megatron's otherwise."""
+    global _shape_exchange_fixed
+    with _lock:
+        if _shape_exchange_fixed:
+            return
+        SHAPE_EXCHANGE.require()
+        SHAPE_EXCHANGE.replace(_communicate_shapes_paired)
+        _shape_exchange_fixed = True
+
+
+def _communicate_shapes_paired(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+    import torch
+    import torch.distributed as dist
+
+    def shape_of(t):
+        return torch.tensor(t.size(), device=torch.cuda.current_device(), dtype=torch.int64)
+
+    recv_prev_shape = torch.empty((3,), device=torch.cuda.current_device(), dtype=torch.int64) if recv_prev else None
+    recv_next_shape = torch.empty((3,), device=torch.cuda.current_device(), dtype=torch.int64) if recv_next else None
+    ops = []
+    if tensor_send_next is not None:
+        ops.append(dist.P2POp(dist.isend, shape_of(tensor_send_next), self.next_rank, self.pp_group))
+    if recv_prev_shape is not None:
+        ops.append(dist.P2POp(dist.irecv, recv_prev_shape, self.prev_rank, self.pp_group))
+    if tensor_send_prev is not None:
+        ops.append(dist.P2POp(dist.isend, shape_of(tensor_send_prev), self.prev_rank, self.pp_group))
+    if recv_next_shape is not None:
+        ops.append(dist.P2POp(dist.irecv, recv_next_shape, self.next_rank, self.pp_group))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        torch.cuda.synchronize()  # as megatron: batch_isend_irecv's race (p2p_communication.py)
+    return (recv_prev_shape.tolist() if recv_prev_shape is not None else [0, 0, 0],
+            recv_next_shape.tolist() if recv_next_shape is not None else [0, 0, 0])
 
 
 # --- without CUDA -----------------------------------------------------------------------------------

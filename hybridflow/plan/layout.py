@@ -22,13 +22,14 @@ class ParallelLayout:
     ep: int = 1
     etp: int = 1  # expert TP (resolved: the config's None is TP, or 1 when EP > 1)
     cp: int = 1  # context parallel: ranks holding the same weights, each a part of every sequence
+    vpp: int = 1  # virtual pipeline stages: each stage's layers in that many chunks
 
     @classmethod
     def of(cls, role: str, megatron, world: int, pool_key: str) -> ParallelLayout:
         mp = megatron
         return cls(role, world, pool_key, mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size,
                    mp.expert_model_parallel_size, mp.expert_tensor_parallel_size or mp.tensor_model_parallel_size,
-                   mp.context_parallel_size)
+                   mp.context_parallel_size, mp.virtual_pipeline_model_parallel_size or 1)
 
     @property
     def dp(self) -> int:
@@ -69,6 +70,9 @@ class ParallelLayout:
         if model.num_hidden_layers % self.pp:
             raise ValueError(f"{key}.pipeline_model_parallel_size ({self.pp}) does not divide the model's "
                              f"{model.num_hidden_layers} layers in {path}")
+        if model.num_hidden_layers % (self.pp * self.vpp):
+            raise ValueError(f"{key}.virtual_pipeline_model_parallel_size ({self.vpp}) x pipeline_model_parallel_size "
+                             f"({self.pp}) does not divide the model's {model.num_hidden_layers} layers in {path}")
         self.check_experts(model, path, on_gpu)
 
     def check_experts(self, model, path: str, on_gpu: bool) -> None:

@@ -185,6 +185,20 @@ def check_routing_replay(cfg, model) -> None:
                          "activation recompute (override_transformer_config.recompute_granularity)")
 
 
+def check_virtual_stages(cfg) -> None:
+    """megatron.virtual_pipeline_model_parallel_size (megatron/virtual_stages.py): not with what reads a stage's
+    layers as one contiguous block, MoE routing replay (routes recorded per stage) and LoRA (untested there)."""
+    for role in ("actor", "critic"):
+        vpp = getattr(cfg, role).megatron.virtual_pipeline_model_parallel_size or 1
+        if vpp == 1:
+            continue
+        key = f"{role}.megatron.virtual_pipeline_model_parallel_size {vpp}"
+        if role == "actor" and cfg.actor.megatron.router_replay.mode != "disabled":
+            raise ValueError(f"{key}: actor.megatron.router_replay is not supported with virtual pipeline stages")
+        if role == "actor" and cfg.model.lora.rank:
+            raise ValueError(f"{key}: model.lora is not supported with virtual pipeline stages")
+
+
 def check_context_parallel(cfg) -> None:
     """megatron.context_parallel_size (megatron/context_parallel.py) of the actor (and its reference): not with
     routing replay, whose routes are laid out per whole sequence."""

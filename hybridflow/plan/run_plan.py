@@ -11,7 +11,7 @@ from hybridflow.plan.layout import GenerationLayout, ParallelLayout
 from hybridflow.plan.needs import Needs, run_needs
 from hybridflow.plan.pools import Pool, plan_pools, pool_of
 from hybridflow.plan.rules import (check_algorithm, check_context_parallel, check_lora, check_names,
-                                   check_routing_replay, check_schedule, check_token_budgets)
+                                   check_routing_replay, check_schedule, check_token_budgets, check_virtual_stages)
 from hybridflow.plan.specs import ActorSpec, CriticSpec, RewardModelSpec, RolloutSpec, role_specs
 
 
@@ -81,6 +81,7 @@ def resolve(cfg, model=None, n_train: int | None = None, *, on_gpu: bool = False
     check_algorithm(cfg, needs, generation.replicas)
     check_routing_replay(cfg, model)
     check_context_parallel(cfg)
+    check_virtual_stages(cfg)
     check_lora(cfg, model)
     if model is not None:
         for layout in (actor, critic):

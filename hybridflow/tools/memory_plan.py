@@ -19,7 +19,8 @@ Assumptions (estimates meant to err on the high side, not exact accounting):
   with sequence parallel, s*b*h*(10 + 24/t) without; the 5*a*s/h attention-score term is left out (flash
   attention). A MoE layer's MLP share (19 of the 34) is its routed copies instead: every token through
   top_k experts (moe_mlp_bytes_per_token); mlp_only_layers / decoder_sparse_step layers stay dense. 1F1B
-  keeps min(p, micro-batches per step) in flight on the first stage, each holding layers/p layers. Plus
+  keeps min(p, micro-batches per step) in flight on the first stage, each holding layers/p layers; with
+  virtual stages v, the interleaved schedule min(m*v, 2(p-1) + (v-1)p + 1) chunks of layers/(p*v). Plus
   the logits, b*s*vocab/t*(bytes + 4*2): the model's output and two fp32 vocab-sized buffers
   (megatron/role.py: the fp32 copy the cross entropy turns into its softmax in place and keeps for
   backward, and its gradient or the entropy's temporaries), counted on every stage although only the last
@@ -114,7 +115,7 @@ def moe_mlp_bytes_per_token(s: Shape) -> float:
     return s.routing_skew * s.top_k * (4 * h + 8 * f) + 4 * s.experts + (2 * h + 8 * fs if fs else 0)
 
 
-def activation_bytes(s: Shape, b: int, seq: int, mg, out_width: int, backward: bool, in_flight: int = 1) -> float:
+def activation_bytes(s: Shape, b: int, seq: int, mg, out_width: int, backward: bool, in_flight: float = 1) -> float:
     t, p = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
     # context parallel: each rank computes (and holds the logits of) 1/cp of every sequence; TE's p2p ring holds
     # one other rank's K/V chunk at a time on top, left out like the attention scores
@@ -130,6 +131,16 @@ def activation_bytes(s: Shape, b: int, seq: int, mg, out_width: int, backward: b
     stage = math.ceil(s.layers / p)  # a stage's layers; the sparse ones first (the stage holding the most)
     n_sparse = min(stage, s.moe_layers)
     return (sparse * n_sparse + dense * (stage - n_sparse)) * in_flight + logits
+
+
+def stages_in_flight(mg, micro_batches: int) -> float:
+    """The first pipeline stage's micro-batches whose activations are held at once, in whole stages: 1F1B's pp;
+    megatron's interleaved schedule (virtual stages v) warms up 2(pp - 1) + (v - 1) pp chunk forwards before its
+    first backward (schedules.get_pp_rank_microbatches), each chunk 1/v of the stage."""
+    p, v = mg.pipeline_model_parallel_size, mg.virtual_pipeline_model_parallel_size or 1
+    if v == 1:
+        return min(p, micro_batches)
+    return min(micro_batches * v, 2 * (p - 1) + (v - 1) * p + 1) / v
 
 
 def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width: int, trainable=True,
@@ -162,7 +173,7 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
     items["optimizer"] = sharded * ((4 if by < 4 else 0) + 8 * (1 - offloaded_fraction(cfg_role.optim)))
     off |= {k for k, flag in (("grads", mg.grad_offload), ("optimizer", mg.optimizer_offload)) if flag}
     b, fb = cfg_role.ppo_micro_batch_size_per_gpu, cfg_role.log_prob_micro_batch_size_per_gpu
-    in_flight = min(mg.pipeline_model_parallel_size, max(1, cfg_role.ppo_mini_batch_size // max(1, layout.dp) // b))
+    in_flight = stages_in_flight(mg, max(1, cfg_role.ppo_mini_batch_size // max(1, layout.dp) // b))
     train = activation_bytes(shape, b, seq, mg, out_width, True, in_flight)
     fwd = activation_bytes(shape, fb, seq, mg, out_width, False)
     label = f"backward {b} x {seq} tokens" if train >= fwd else f"forward {fb} x {seq} tokens"

@@ -97,7 +97,8 @@ def init_megatron_worker(worker, megatron_cfg, seed: int, model_path: str, timeo
     worker.init_distributed(timeout_s=timeout_s)
     parallel.init_model_parallel(megatron_cfg.tensor_model_parallel_size, megatron_cfg.pipeline_model_parallel_size,
                                  seed=seed, timeout_s=timeout_s, ep=megatron_cfg.expert_model_parallel_size,
-                                 etp=megatron_cfg.expert_tensor_parallel_size, cp=megatron_cfg.context_parallel_size)
+                                 etp=megatron_cfg.expert_tensor_parallel_size, cp=megatron_cfg.context_parallel_size,
+                                 vpp=megatron_cfg.virtual_pipeline_model_parallel_size or 1)
     config, weights = open_hf_folder(model_path)
     return config, None if megatron_cfg.use_dist_checkpointing else weights  # start_weights loads them instead
 

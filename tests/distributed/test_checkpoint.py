@@ -1,5 +1,6 @@
 """dist_checkpointing of a role (model + optimizer): a reload continues training bit-identically at the
-saved layout, and at another layout (TP2 -> TP1, CP2 -> CP1) within float tolerance."""
+saved layout, and at another layout (TP2 -> TP1, CP2 -> CP1, PP2 with virtual stages -> one rank) within float
+tolerance."""
 
 from __future__ import annotations
 
@@ -13,16 +14,19 @@ from tests.distributed.test_padding_free_and_offload import _settings, uneven_ba
 pytestmark = pytest.mark.distributed
 
 
-def _rank_fn(rank, world, hf_dir, critic_dir, ckpt_dir, dtype_name, save, cp=1):
+def _rank_fn(rank, world, hf_dir, critic_dir, ckpt_dir, dtype_name, save, cp=1, vpp=1):
     """save: two updates, checkpoint after the first; else: load the checkpoint, then the second update. The
-    world is TP (x ``cp``: context parallel)."""
+    world is TP (x ``cp``: context parallel), or with ``vpp`` pipeline stages of that many virtual stages each."""
     from hybridflow.megatron import parallel
     from hybridflow.megatron.checkpoint import load_role, save_role
     from hybridflow.megatron.role import MegatronRole, OffloadSettings, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
 
-    parallel.init_model_parallel(world // cp, 1, seed=1, cp=cp)
+    if vpp > 1:
+        parallel.init_model_parallel(1, world, seed=1, vpp=vpp)
+    else:
+        parallel.init_model_parallel(world // cp, 1, seed=1, cp=cp)
     dtype = getattr(torch, dtype_name)
     cfg, state = load_hf_folder(hf_dir)
     _, critic_state = load_hf_folder(critic_dir)
@@ -87,6 +91,20 @@ def test_resume_at_same_and_other_layout(models, dtype):
         assert_close(from_cp["metrics"][key], straight["metrics"][key], what=f"CP2 -> CP1: {key}")
     for role in ("actor", "critic"):
         assert_close(from_cp[role], straight[role], what=f"CP2 -> CP1: {role}")
+
+
+def test_saved_with_virtual_pipeline_stages_resumes_at_one_rank(tmp_path):
+    """Two stages of two virtual stages each (4 layers, chunk c of stage s holding layer 2c + s), saved after one
+    update, resumed at one rank: the second update equals the run that never stopped."""
+    models = write_policy_and_critic(tmp_path, num_layers=4)
+    args = (str(models / "policy"), str(models / "critic"), str(tmp_path / "ckpt_vpp"), "float32")
+    straight = run_ranks(_rank_fn, 1, *args[:2], str(tmp_path / "ckpt_one"), "float32", True)[0]
+    run_ranks(_rank_fn, 2, *args, True, 1, 2)
+    resumed = run_ranks(_rank_fn, 1, *args, False)[0]
+    for key in ("actor/pg_loss", "critic/vf_loss"):
+        assert_close(resumed["metrics"][key], straight["metrics"][key], what=f"PP2 x VPP2 -> 1: {key}")
+    for role in ("actor", "critic"):
+        assert_close(resumed[role], straight[role], what=f"PP2 x VPP2 -> 1: {role}")
 
 
 # --- the learning-rate schedule resumes exactly -----------------------------------------------------------

@@ -19,10 +19,11 @@ from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
 
-# (t, p, d, c): context parallel (c) with TP, the mask of its CPU attention built from the causal one
-LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (2, 2, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1),
-           (1, 1, 1, 2), (2, 1, 1, 2)]
-IDS = [f"tp{t}_pp{p}_dp{d}" + (f"_cp{c}" if c > 1 else "") for t, p, d, c in LAYOUTS]
+# (t, p, d, c, v): context parallel (c) with TP, the mask of its CPU attention built from the causal one; virtual
+# pipeline stages (v: megatron's interleaved schedule, 4 layers as chunks of one on 2 stages)
+LAYOUTS = [(1, 1, 1, 1, 1), (2, 1, 1, 1, 1), (1, 2, 1, 1, 1), (1, 1, 2, 1, 1), (2, 2, 1, 1, 1), (2, 1, 2, 1, 1),
+           (1, 2, 2, 1, 1), (1, 1, 1, 2, 1), (2, 1, 1, 2, 1), (1, 2, 1, 1, 2), (1, 2, 2, 1, 2)]
+IDS = [f"tp{t}_pp{p}_dp{d}" + (f"_cp{c}" if c > 1 else "") + (f"_vpp{v}" if v > 1 else "") for t, p, d, c, v in LAYOUTS]
 P, R, B = 10, 5, 8  # prompt width, response width, rows
 
 
@@ -60,7 +61,7 @@ def _settings():
     return actor, critic
 
 
-def _rank_fn(rank, world, hf_dir, tp, pp, cp=1):
+def _rank_fn(rank, world, hf_dir, tp, pp, cp=1, vpp=1):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import convert, parallel
@@ -69,7 +70,7 @@ def _rank_fn(rank, world, hf_dir, tp, pp, cp=1):
     from hybridflow.workers.common import load_hf_folder
     from hybridflow.workers.export import save_hf_folder
 
-    parallel.init_model_parallel(tp, pp, seed=1, cp=cp)
+    parallel.init_model_parallel(tp, pp, seed=1, cp=cp, vpp=vpp)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     cfg, state = load_hf_folder(f"{hf_dir}/policy")
     _, critic_state = load_hf_folder(f"{hf_dir}/critic")
@@ -91,7 +92,7 @@ def _rank_fn(rank, world, hf_dir, tp, pp, cp=1):
     critic_hf = {k: v.clone() for k, v in critic.hf_state_dict().items()}
 
     # Export to a HF folder and convert back into this rank's shard: must be bit-identical.
-    export_dir = f"{hf_dir}/export_{tp}{pp}{dp}{cp}"
+    export_dir = f"{hf_dir}/export_{tp}{pp}{dp}{cp}{vpp}"
     if rank == 0:
         save_hf_folder(export_dir, cfg, actor_hf)
     torch.distributed.barrier()
@@ -123,7 +124,7 @@ def hf_dir(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("layouts")
     tok = build_char_tokenizer(root / "policy")
-    build_tiny_qwen2(root / "policy", tok, hidden_size=64, num_layers=2, seed=5)
+    build_tiny_qwen2(root / "policy", tok, hidden_size=64, num_layers=4, seed=5)
     cfg, state = load_hf_folder(str(root / "policy"))
     state["score.weight"] = torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(1)) * 0.5
     save_hf_folder(str(root / "critic"), cfg, state)
@@ -132,8 +133,8 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def layout_results(hf_dir):
-    return batched_worlds(one_case, {i: (t * p * d * c, (_rank_fn, hf_dir, t, p, c))
-                                     for i, (t, p, d, c) in zip(IDS, LAYOUTS)})
+    return batched_worlds(one_case, {i: (t * p * d * c, (_rank_fn, hf_dir, t, p, c, v))
+                                     for i, (t, p, d, c, v) in zip(IDS, LAYOUTS)})
 
 
 @pytest.fixture(scope="module")
@@ -166,9 +167,9 @@ def test_single_rank_matches_hf(hf_dir, single_rank, hf_log_probs):
     assert moved > 1e-4, "the PPO update did not change the actor"
 
 
-@pytest.mark.parametrize("t,p,d,c", LAYOUTS[1:], ids=IDS[1:])
-def test_layout_reproduces_single_rank(layout_results, single_rank, hf_log_probs, t, p, d, c):
-    got = _merged(layout_results(IDS[LAYOUTS.index((t, p, d, c))]), d)
+@pytest.mark.parametrize("t,p,d,c,v", LAYOUTS[1:], ids=IDS[1:])
+def test_layout_reproduces_single_rank(layout_results, single_rank, hf_log_probs, t, p, d, c, v):
+    got = _merged(layout_results(IDS[LAYOUTS.index((t, p, d, c, v))]), d)
     valid = rollout_batch().tensors["response_mask"].bool()
     assert_close(got["log_probs"][valid], hf_log_probs[valid], slack=10, what="log-probs vs HF")
     for key in ("log_probs", "entropy", "values"):

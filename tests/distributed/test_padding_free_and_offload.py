@@ -158,14 +158,15 @@ def _cache_releases_per_compute(role, batch) -> list[int]:
     return per_call
 
 
-def write_policy_and_critic(root):
+def write_policy_and_critic(root, num_layers: int = 2):
     """A tiny policy in <root>/policy and a critic from it (with a random value head) in <root>/critic."""
     from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
     from hybridflow.workers.common import load_hf_folder
     from hybridflow.workers.export import save_hf_folder
 
-    build_tiny_qwen2(root / "policy", build_char_tokenizer(root / "policy"), hidden_size=64, num_layers=2, seed=5)
+    build_tiny_qwen2(root / "policy", build_char_tokenizer(root / "policy"), hidden_size=64, num_layers=num_layers,
+                     seed=5)
     cfg, state = load_hf_folder(str(root / "policy"))
     state["score.weight"] = torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     save_hf_folder(str(root / "critic"), cfg, state)

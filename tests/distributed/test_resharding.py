@@ -21,26 +21,33 @@ CASES = [((1, 2, 1), 1), ((1, 2, 2), 1), ((1, 4, 1), 2), ((2, 2, 1), 1), ((2, 2,
          # and with p = 2 after the pipeline gather
          ((1, 1, 2), 2), ((1, 2, 2), 4), ((2, 1, 2), 2),
          # context parallel 2: its ranks hold the same weights, numbered inside the planner's d (= dp x cp)
-         ((1, 2, 2), 1, 2), ((2, 1, 2), 2, 2)]  # ((p, t, d), t_g[, cp])
+         ((1, 2, 2), 1, 2), ((2, 1, 2), 2, 2),
+         # virtual pipeline stages (4 layers): stage s holds layers s and 2 + s, each stage's in a chunk of its own
+         ((2, 1, 1), 1, 1, 2), ((2, 2, 1), 1, 1, 2)]  # ((p, t, d), t_g[, cp[, vpp]])
 KV_HEADS = {((1, 2, 2), 4): 2}  # else 4
-IDS = ["p{}t{}d{}_to_tg{}".format(*c[0], c[1]) + (f"_cp{c[2]}" if len(c) > 2 else "") for c in CASES]
+IDS = ["p{}t{}d{}_to_tg{}".format(*c[0], c[1]) + (f"_cp{c[2]}" if len(c) > 2 and c[2] > 1 else "")
+       + (f"_vpp{c[3]}" if len(c) > 3 else "") for c in CASES]
+
+
+def _vpp(case) -> int:
+    return case[3] if len(case) > 3 else 1
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    """A tiny Qwen2 folder per number of KV heads, built on first use."""
+    """A tiny Qwen2 folder per number of KV heads and layers, built on first use."""
     from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
     from hybridflow.models.char_tokenizer import build_char_tokenizer
 
     built = {}
 
-    def get(kv_heads: int) -> str:
-        if kv_heads not in built:
-            root = tmp_path_factory.mktemp(f"reshard_kv{kv_heads}")
-            build_tiny_qwen2(root, build_char_tokenizer(root), hidden_size=128, num_layers=2,
+    def get(kv_heads: int, layers: int = 2) -> str:
+        if (kv_heads, layers) not in built:
+            root = tmp_path_factory.mktemp(f"reshard_kv{kv_heads}_l{layers}")
+            build_tiny_qwen2(root, build_char_tokenizer(root), hidden_size=128, num_layers=layers,
                              num_kv_heads=kv_heads, vocab_multiple=128, seed=7)
-            built[kv_heads] = str(root)
-        return built[kv_heads]
+            built[kv_heads, layers] = str(root)
+        return built[kv_heads, layers]
 
     return get
 
@@ -48,8 +55,12 @@ def hf_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def case_results(hf_dirs):
     """case id -> per-rank results; on first use of a world size, every case of that size in one world."""
-    return batched_worlds(_rank_fn, {i: (_world(c), (hf_dirs(KV_HEADS.get(c, 4)), c[0][0], c[0][1], *c[1:]))
+    return batched_worlds(_rank_fn, {i: (_world(c), (_hf_dir(hf_dirs, c), c[0][0], c[0][1], *c[1:]))
                                      for i, c in zip(IDS, CASES)})
+
+
+def _hf_dir(hf_dirs, case) -> str:
+    return hf_dirs(KV_HEADS.get(case, 4), 2 * _vpp(case))
 
 
 def _world(case) -> int:
@@ -78,12 +89,12 @@ class _TENamed:
         return self.module.named_modules()
 
 
-def _rank_fn(rank, world, hf_dir, p, t, t_g, cp=1):
+def _rank_fn(rank, world, hf_dir, p, t, t_g, cp=1, vpp=1):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import parallel
 
-    parallel.init_model_parallel(t, p, seed=1, cp=cp)
+    parallel.init_model_parallel(t, p, seed=1, cp=cp, vpp=vpp)
     try:
         return _transition(rank, hf_dir, p, t, t_g)
     finally:
@@ -117,14 +128,14 @@ def _transition(rank, hf_dir, p, t, t_g):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_transition(hf_dirs, case_results, case):
-    from hybridflow.megatron.convert import tp_split_dim
+    from hybridflow.megatron.convert import stage_layers, tp_split_dim
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.resharding.vllm_layout import hf_to_vllm_shard
     from hybridflow.workers.common import load_hf_folder
 
     layout, t_g = case[:2]
     p, t, d = layout
-    hf_dir = hf_dirs(KV_HEADS.get(case, 4))
+    hf_dir = _hf_dir(hf_dirs, case)
     cfg, hf = load_hf_folder(hf_dir)
     results = case_results(IDS[CASES.index(case)])
     plan = HybridPlan(Layout(p, t, d), 1, t_g)
@@ -169,7 +180,8 @@ def test_transition(hf_dirs, case_results, case):
             if name == "embedding.word_embeddings.weight":
                 gen, dim = shard["model.embed_tokens.weight"], 0
             elif name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
-                layer = int(name.split(".")[2]) + Layout(p, t, d).coords(res["rank"])[2] * (cfg.num_hidden_layers // p)
+                stage = Layout(p, t, d).coords(res["rank"])[2]
+                layer = stage_layers(cfg.num_hidden_layers, stage, p, _vpp(case))[int(name.split(".")[2])]
                 suffix = "self_attn.o_proj.weight" if "linear_proj" in name else "mlp.down_proj.weight"
                 gen, dim = shard[f"model.layers.{layer}.{suffix}"], 1
             else:

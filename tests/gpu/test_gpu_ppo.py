@@ -51,6 +51,10 @@ LAYOUTS = {  # name -> (GPUs = resources.n_workers, overrides)
     # context parallel 2 (actor, reference, critic): Transformer Engine's CP attention (p2p ring) on causal rows;
     # the CP ranks hold the same weights: d_g = 1 as at DP 2
     "cp2": (2, [f"{role}.megatron.context_parallel_size=2" for role in ("actor", "critic")]),
+    # virtual pipeline stages: 2 stages of 2 chunks each through megatron's interleaved schedule over NCCL p2p
+    # (the model's 24 layers divide by 4); the transition moves what PP 2 moves
+    "vpp2": (2, [f"{role}.megatron.{key}=2" for role in ("actor", "critic")
+                 for key in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")]),
 }
 ALGORITHMS = {
     "ppo": [],  # GAE with a critic; KL to the reference in the reward

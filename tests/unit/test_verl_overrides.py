@@ -311,14 +311,20 @@ def test_hydra_config_name_with_a_space_and_engine_kwargs():
      "verl applies overlong shaping only in the dapo reward manager; add reward_model.reward_manager=dapo"),
     (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.type=dora"],
      "'actor_rollout_ref.model.lora.type=dora' must equal supported here ('lora')"),
-    # the reference's context parallelism (Ulysses on megatron) is the actor's; virtual stages are refused
+    # the reference's context parallelism (Ulysses on megatron) and virtual stages are the actor's
     (["actor_rollout_ref.ref.megatron.context_parallel_size=2"],
      "'actor_rollout_ref.ref.megatron.context_parallel_size=2' must equal actor.megatron.context_parallel_size (1)"),
     (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
       "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1"],
      "'actor_rollout_ref.ref.ulysses_sequence_parallel_size=1' must equal actor.megatron.context_parallel_size (2)"),
     (["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
-     "'actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2' must equal supported here (None)"),
+     "virtual_pipeline_model_parallel_size 2 needs pipeline_model_parallel_size > 1"),
+    (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+      "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2",
+      "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2",
+      "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=1", "trainer.n_gpus_per_node=2"],
+     "'actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=1' must equal "
+     "actor.megatron.virtual_pipeline_model_parallel_size (2)"),
     (["actor_rollout_ref.model.lora.rank=1024", "actor_rollout_ref.model.lora.merge=False"],
      "model.lora.rank 1024 with merge=false: vLLM's LoRA takes ranks up to 512; set model.lora.merge=true"),
     (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,lm_head]"],
@@ -408,9 +414,10 @@ def test_lora_keys_of_both_verl_engines():
     assert (cfg.model.lora.alpha, cfg.model.lora.target_modules) == (64, ["linear_qkv", "linear_fc2"])
 
 
-def test_context_parallel_and_ulysses_become_context_parallel_and_virtual_stages_set_off_resolve():
+def test_context_parallel_ulysses_and_virtual_stages_resolve():
     """verl's megatron context_parallel_size, and its FSDP scripts' Ulysses size (context parallelism on megatron),
-    set each role's CP; its megatron scripts often spell out the layouts they leave off (no virtual stages)."""
+    set each role's CP; virtual pipeline stages each role's VPP; its megatron scripts often spell out the layouts
+    they leave off (no virtual stages)."""
     off = [f"{role}.megatron.context_parallel_size=1" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",
                                                                    "critic")]
     off += ["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=null",
@@ -423,3 +430,8 @@ def test_context_parallel_and_ulysses_become_context_parallel_and_virtual_stages
                        "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2",
                        "critic.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2"])
     assert ulysses == cp
+    vpp = resolve([f"{role}.megatron.{key}=2" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+                   for key in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")]
+                  + ["trainer.n_gpus_per_node=2"])
+    assert (vpp.actor.megatron.virtual_pipeline_model_parallel_size,
+            vpp.critic.megatron.virtual_pipeline_model_parallel_size) == (2, 2)

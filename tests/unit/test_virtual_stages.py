@@ -1,0 +1,79 @@
+"""Virtual pipeline stages without processes: which layers each stage's chunks hold, the interleaved schedule's
+micro-batch needs, the memory plan's activations in flight, and the run plan's refusals. The distributed tier
+checks that PP 2 x VPP 2 reproduces one rank (tests/distributed/test_layouts.py), resumes at another layout
+(test_checkpoint.py) and reshards into vLLM (test_resharding.py, test_check_model.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hybridflow.megatron.convert import Shard, stage_layers
+from hybridflow.megatron.virtual_stages import microbatch_group_size
+from hybridflow.plan import load_experiment, resolve
+from hybridflow.protocol import Batch
+from hybridflow.tools.memory_plan import stages_in_flight
+from hybridflow.workers.role_ops import least_micro_batches
+from tests.unit.test_moe_rules import DENSE, MOE
+
+QUICKSTART = "configs/quickstart_cpu.yaml"
+VPP = ["resources.n_workers=2", "actor.megatron.pipeline_model_parallel_size=2",
+       "actor.megatron.virtual_pipeline_model_parallel_size=2", "actor.ppo_micro_batch_size_per_gpu=8",
+       "critic.ppo_micro_batch_size_per_gpu=8"]
+
+
+def test_chunks_take_every_pp_th_block_of_layers():
+    # megatron's interleaved assignment: virtual stage c * pp + r is chunk c of stage r
+    assert stage_layers(8, 0, 2, 2) == [0, 1, 4, 5] and stage_layers(8, 1, 2, 2) == [2, 3, 6, 7]
+    assert stage_layers(8, 1, 2) == [4, 5, 6, 7]  # no virtual stages: one block
+    assert sorted(i for r in range(4) for i in stage_layers(16, r, 4, 2)) == list(range(16))
+    assert Shard(pp_rank=1, pp_size=2, vpp_size=2).layers(4) == [1, 3]
+
+
+def test_the_interleaved_schedule_takes_its_micro_batches_in_groups_it_accepts():
+    assert microbatch_group_size(4, 2) == 2 and microbatch_group_size(6, 2) == 2
+    assert microbatch_group_size(3, 2) == 3  # not a multiple of pp: one group of all
+    with pytest.raises(ValueError, match="at least 2 micro-batches"):
+        microbatch_group_size(1, 2)
+
+
+def test_more_micro_batches_than_stages():
+    role = SimpleNamespace(shard=Shard(pp_size=2, vpp_size=2))
+
+    def rows(n: int) -> Batch:
+        return Batch.from_dict(tensors={"x": torch.zeros(n, 1)})
+
+    assert least_micro_batches(role, rows(4)) == 3
+    assert least_micro_batches(SimpleNamespace(shard=Shard(pp_size=2)), rows(1)) == 1
+    with pytest.raises(ValueError, match=r"more than pipeline_model_parallel_size \(2\) micro-batches"):
+        least_micro_batches(role, rows(2))
+
+
+def test_interleaving_holds_more_activations_in_flight():
+    one_f_one_b = SimpleNamespace(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=None)
+    interleaved = SimpleNamespace(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
+    assert stages_in_flight(one_f_one_b, 16) == 4 and stages_in_flight(one_f_one_b, 2) == 2
+    assert stages_in_flight(interleaved, 16) == (2 * 3 + 4 + 1) / 2  # 11 chunk forwards of half a stage each
+    assert stages_in_flight(interleaved, 2) == 2  # every chunk of both micro-batches
+
+
+def test_the_plan_builds_virtual_stages():
+    plan = resolve(load_experiment([QUICKSTART], VPP), SimpleNamespace(**{**vars(DENSE), "num_hidden_layers": 4}))
+    assert (plan.actor.pp, plan.actor.vpp) == (2, 2)
+
+
+@pytest.mark.parametrize("config,overrides,message", [
+    (QUICKSTART, ["actor.megatron.virtual_pipeline_model_parallel_size=2"],
+     "virtual_pipeline_model_parallel_size 2 needs pipeline_model_parallel_size > 1"),
+    (QUICKSTART, VPP, r"virtual_pipeline_model_parallel_size \(2\) x pipeline_model_parallel_size \(2\) does not "
+                      "divide the model's 2 layers"),
+    (MOE, [*VPP, "resources.n_workers=4"],
+     "actor.megatron.virtual_pipeline_model_parallel_size 2: actor.megatron.router_replay is not supported"),
+    (QUICKSTART, [*VPP, "model.lora.rank=8"], "model.lora is not supported with virtual pipeline stages"),
+])
+def test_virtual_stage_refusals_are_one_line(config, overrides, message):
+    with pytest.raises(ValueError, match=message) as err:
+        resolve(load_experiment([config], overrides), DENSE)
+    assert "\n" not in str(err.value)
