@@ -94,21 +94,22 @@ class AgentLoop:
                 if turn_routes:
                     t.routes = turn_routes[0]
                 t.append(list(ids), True, list(lps) if lps is not None else None)
-                t.assistant_turns += 1
-                calls = self.calls_of_turn(t, ids)
-                if calls:
+                if calls := self.end_turn(t, ids):
                     calling.append((t, calls))
-                else:
-                    t.done = True  # an answer, or a limit reached
             self.run_tools(calling)
         return trajectories
 
-    def calls_of_turn(self, t: Trajectory, turn: list[int]) -> list[ToolCall]:
-        """The tool calls to run after ``t``'s assistant turn ``turn`` (appended and counted already); none when
-        the turn ends the trajectory: an answer that calls no tool, or a limit reached."""
-        if self._limit_reached(len(t.response_ids), t.assistant_turns, t.user_turns, turn):
-            return []
-        return self.parser.parse(self.tokenizer.decode(turn, skip_special_tokens=False))[: self.settings.max_parallel_calls]
+    def end_turn(self, t: Trajectory, turn: list[int]) -> list[ToolCall]:
+        """Count ``t``'s finished assistant turn ``turn`` (appended already) and return the tool calls to run
+        after it; none when the turn ends the trajectory (marked done): an answer that calls no tool, or a limit
+        reached."""
+        t.assistant_turns += 1
+        calls = []
+        if not self._limit_reached(len(t.response_ids), t.assistant_turns, t.user_turns, turn):
+            text = self.tokenizer.decode(turn, skip_special_tokens=False)
+            calls = self.parser.parse(text)[: self.settings.max_parallel_calls]
+        t.done = not calls
+        return calls
 
     def turn_would_end(self, t: Trajectory, turn: list[int]) -> bool:
         """Whether ``t`` would end with the assistant turn ``turn`` (not yet appended): for a caller that stops

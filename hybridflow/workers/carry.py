@@ -26,7 +26,7 @@ import torch
 from hybridflow.agent.loop import Trajectory
 from hybridflow.protocol import Batch
 from hybridflow.rollout.vllm_rollout import SamplingSettings
-from hybridflow.workers.generation import responses_to_batch, routes_grid, trajectories_to_batch
+from hybridflow.workers.generation import responses_to_batch, rollout_log_probs, routes_grid, trajectories_to_batch
 
 
 @dataclass
@@ -128,13 +128,8 @@ class CarriedGeneration:
                 continue  # cut by the stop: goes on in the next call
             if self.agent is None:
                 t.done = True
-                continue
-            t.assistant_turns += 1
-            calls = self.agent.calls_of_turn(t, t.response_ids[t.turn_start:])
-            if calls:
+            elif calls := self.agent.end_turn(t, t.response_ids[t.turn_start:]):
                 calling.append((t, calls))
-            else:
-                t.done = True
         if calling:
             self.agent.run_tools(calling)
             for s in todo.values():
@@ -156,11 +151,7 @@ class CarriedGeneration:
         else:
             new = responses_to_batch(prompts, [t.response_ids for t in trajectories], self.max_len, pad_id, eos_id)
             kept = new.tensors["response_mask"]
-            log_probs = torch.zeros(kept.shape, dtype=torch.float32)
-            for i, t in enumerate(trajectories):
-                n = int(kept[i].sum())
-                log_probs[i, :n] = torch.tensor(t.log_probs[:n], dtype=torch.float32)
-            new.tensors["rollout_log_probs"] = log_probs
+            new.tensors["rollout_log_probs"] = rollout_log_probs([t.log_probs for t in trajectories], kept)
             if trajectories and trajectories[0].routes is not None:  # R3
                 new.tensors["routed_experts"] = routes_grid(prompts, kept, [t.routes for t in trajectories])
         versions = torch.full(kept.shape, -1, dtype=torch.int64)

@@ -122,8 +122,9 @@ def _laid_out(role: MegatronRole, batch: Batch, micro: int | TokenBudget,
         return row_layout.token_micro_batches(batch, micro, extra_keys, seq_multiple, share_prompts=share, thd=thd,
                                               count=count,
                                               unit_multiple=row_layout.context_parallel_multiple(role.shard.cp_size))
-    if -(-len(batch) // micro) < least_micro_batches(role, batch):  # fewer, smaller micro-batches
-        micro = len(batch) // least_micro_batches(role, batch)
+    least = least_micro_batches(role, batch)
+    if -(-len(batch) // micro) < least:  # fewer, smaller micro-batches
+        micro = len(batch) // least
     return row_layout.micro_batches(batch, micro, extra_keys, seq_multiple, share_prompts=role.shares_prompts), None
 
 
