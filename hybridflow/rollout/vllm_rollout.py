@@ -351,39 +351,16 @@ class VLLMRollout:
         the finished request's routes (``generate_with_log_probs``; None for an aborted one). ``requests``: {id:
         (prompt ids, token budget, seed)}, ids unique in the engine's life; ``finished``: {id: its token ids} of
         the requests finished so far; ``stop_token_ids``: tokens that end a request besides EOS (an agent's
-        turn end, kept in the output). Steps vLLM's engine directly (``LLMEngine.add_request``, ``step``,
-        ``abort_request``, v1/engine/llm_engine.py), as ``LLM.generate`` does, but able to stop early; every rank
-        of a TP group makes the same calls on the same outputs, so they stay in step."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        engine = self.llm.llm_engine
+        turn end, kept in the output)."""
+        run = EngineRequests(self, stop_token_ids)
         for rid, (prompt, budget, seed) in requests.items():
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), SamplingParams(
-                temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=budget,
-                seed=seed, skip_special_tokens=False, logprobs=0, detokenize=False,
-                stop_token_ids=list(stop_token_ids or [])), lora_request=self.lora_request)
-        latest, finished = {}, {}
-        while engine.has_unfinished_requests() and not enough(finished):
-            for out in engine.step():
-                latest[out.request_id] = out
-                if out.finished:
-                    finished[out.request_id] = list(out.outputs[0].token_ids)
-        unfinished = [rid for rid in requests if rid not in finished]
-        if unfinished:
-            engine.abort_request(unfinished)
-        results = {}
-        for rid in requests:
-            out = latest.get(rid)
-            ids = list(out.outputs[0].token_ids) if out is not None else []
-            lps = [out.outputs[0].logprobs[i][tok].logprob for i, tok in enumerate(ids)] if ids else []
-            results[rid] = (ids, lps, rid in finished)
-            if self.routed_experts:
-                routes = self._routes(out, len(requests[rid][0]) + len(ids) - 1) if rid in finished else None
-                results[rid] += (routes,)
-        if self._capture is not None:
-            self._capture.forget()  # an aborted request's: it goes on as a new one, routed anew
-        return results
+            run.add(rid, prompt, budget, seed, sampling)
+        finished = {}
+        while run.running and not enough(finished):
+            for rid in run.step():
+                finished[rid] = run.token_ids(rid)
+        run.stop_all()
+        return {rid: run.result(rid) for rid in requests}
 
     def generate_with_log_probs(self, prompt_ids: list[list[int]], sampling: SamplingSettings, *,
                                 log_probs: bool = True, max_new_tokens: list[int] | None = None,
@@ -440,3 +417,73 @@ class VLLMRollout:
         if self._capture is not None:
             return self._capture.routes(out.request_id, length)
         return out.outputs[0].routed_experts[:length].astype("int16")  # vLLM keeps them uint8/uint16
+
+
+class EngineRequests:
+    """Requests on a VLLMRollout's engine that the caller steps: vLLM's ``LLMEngine.add_request``, ``step`` and
+    ``abort_request`` (v1/engine/llm_engine.py), as ``LLM.generate`` runs them, but open to new requests while
+    others run and able to stop them keeping what they sampled. Every rank of a TP group must make the same calls
+    on the same outputs, so they stay in step."""
+
+    def __init__(self, rollout: VLLMRollout, stop_token_ids: list[int] | None = None):
+        """``stop_token_ids``: tokens that end a request besides EOS (an agent's turn end, kept in the output)."""
+        self.rollout, self.engine = rollout, rollout.llm.llm_engine
+        self.stop_token_ids = list(stop_token_ids or [])
+        self._prompt_len: dict[str, int] = {}
+        self._latest: dict = {}  # request id -> its latest output
+        self._finished: dict[str, object] = {}  # request id -> its routes (None without routed_experts)
+        self._live: set[str] = set()
+
+    def add(self, rid: str, prompt: list[int], budget: int, seed: int | None, sampling: SamplingSettings) -> None:
+        """Start request ``rid`` (unique in the engine's life): ``budget`` tokens at most after ``prompt``, seeded."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), SamplingParams(
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=budget,
+            seed=seed, skip_special_tokens=False, logprobs=0, detokenize=False,
+            stop_token_ids=self.stop_token_ids), lora_request=self.rollout.lora_request)
+        self._prompt_len[rid] = len(prompt)
+        self._live.add(rid)
+
+    @property
+    def running(self) -> bool:
+        return bool(self._live)
+
+    def step(self) -> list[str]:
+        """One engine step; returns the ids of the requests it finished."""
+        done = []
+        for out in self.engine.step():
+            self._latest[out.request_id] = out
+            if out.finished:
+                done.append(out.request_id)
+                self._live.discard(out.request_id)
+                self._finished[out.request_id] = (
+                    self.rollout._routes(out, self._prompt_len[out.request_id] + len(out.outputs[0].token_ids) - 1)
+                    if self.rollout.routed_experts else None)
+        return done
+
+    def token_ids(self, rid: str) -> list[int]:
+        out = self._latest.get(rid)
+        return list(out.outputs[0].token_ids) if out is not None else []
+
+    def stop_all(self) -> list[str]:
+        """Abort every running request (each keeps what it sampled: ``result``); returns their ids."""
+        stopped = sorted(self._live)
+        if stopped:
+            self.engine.abort_request(stopped)
+        self._live.clear()
+        if self.rollout._capture is not None:
+            self.rollout._capture.forget()  # an aborted request's routes: it goes on as a new one, routed anew
+        return stopped
+
+    def result(self, rid: str) -> tuple:
+        """(token ids, vLLM's log-prob of each, finished) of a finished or stopped request, forgotten afterwards;
+        with ``routed_experts`` a fourth, a finished request's routes (None for a stopped one)."""
+        out = self._latest.pop(rid, None)
+        ids = list(out.outputs[0].token_ids) if out is not None else []
+        lps = [out.outputs[0].logprobs[i][tok].logprob for i, tok in enumerate(ids)] if ids else []
+        finished = rid in self._finished
+        routes = self._finished.pop(rid, None)
+        self._prompt_len.pop(rid, None)
+        return (ids, lps, finished, routes) if self.rollout.routed_experts else (ids, lps, finished)

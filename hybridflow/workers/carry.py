@@ -52,43 +52,43 @@ class Sample:
         return self.seed if self.seed is None or not n else zlib.crc32(f"{self.seed}/{n}".encode()) & 0x7FFFFFFF
 
 
-class CarriedGeneration:
-    """The samples a generation replica carries from call to call; ``agent``: the multi-turn loop, or None."""
+class SampleSet:
+    """The samples a generation replica carries: added by prompt rows, recorded request by request under the
+    version that sampled them, restarted when stale, and taken out by complete groups. ``agent``: the
+    multi-turn loop, or None. Stepped by ``CarriedGeneration`` (a call at a time) or by the rollout pool's
+    continuous serving (workers/serving.py)."""
 
     def __init__(self, max_response_length: int, threshold: int | None, agent=None):
         self.max_len, self.threshold, self.agent = max_response_length, threshold, agent
         self.samples: list[Sample] = []  # oldest first
         self._engine_ids = uuid.uuid4().hex[:8]
-        self._calls = 0
+        self._requests = 0
 
-    def generate(self, rollout, prompts: Batch, sampling: SamplingSettings, version: int, groups: int,
-                 pad_id: int, eos_id: int) -> Batch:
-        """Add ``prompts``' rows (rollout.n consecutive rows per group, ``uid`` and ``sample_seed`` columns), go on
-        with the carried samples, and return the ``groups`` oldest complete groups as rows in verl's layout with
-        ``rollout_log_probs``, ``token_policy_versions`` (-1 on padding and tool messages) and ``stale_restarts``."""
+    def add(self, prompts: Batch) -> list[Sample]:
+        """``prompts``' rows (rollout.n consecutive rows per group, ``uid`` and ``sample_seed`` columns) as new
+        samples, returned."""
         ids, mask = prompts.tensors["input_ids"], prompts.tensors["attention_mask"].bool()
         seeds = prompts.tensors.get("sample_seed")
         clash = {str(u) for u in prompts.non_tensors["uid"]} & {s.group for s in self.samples}
         if clash:  # a carried group would take the new rows in: responses of two prompts trained as one group
             raise ValueError(f"partial rollouts: group ids {sorted(clash)[:3]} are still carried; each generation "
                              "batch needs group ids of its own")
-        for i in range(len(prompts)):
-            self.samples.append(Sample(prompts[i:i + 1], str(prompts.non_tensors["uid"][i]),
-                                       None if seeds is None else int(seeds[i]), Trajectory(ids[i][mask[i]].tolist())))
-        for s in self.samples:  # the staleness bound: nothing trained on lags by threshold versions or more
+        new = [Sample(prompts[i:i + 1], str(prompts.non_tensors["uid"][i]), None if seeds is None else int(seeds[i]),
+                      Trajectory(ids[i][mask[i]].tolist())) for i in range(len(prompts))]
+        self.samples += new
+        return new
+
+    def restart_stale(self, version: int) -> None:
+        """The staleness bound: nothing trained on lags ``version`` by ``threshold`` versions or more."""
+        for s in self.samples:
             sampled = [v for v in s.versions if v >= 0]
             if sampled and self.threshold is not None and version - min(sampled) >= self.threshold:
                 s.restart()
-        while len(self._complete_groups()) < groups and any(not s.trajectory.done for s in self.samples):
-            self._sample(rollout, sampling, version, groups)
-        complete = self._complete_groups()[:groups]
-        if len(complete) < groups:
-            raise RuntimeError(f"partial rollouts: {len(complete)} complete groups after generation, {groups} needed")
-        out = [s for s in self.samples if s.group in complete]
-        self.samples = [s for s in self.samples if s.group not in complete]
-        return self._rows(out, pad_id, eos_id)
 
-    def _complete_groups(self, ending: set[int] = frozenset()) -> list[str]:
+    def unfinished(self) -> list[Sample]:
+        return [s for s in self.samples if not s.trajectory.done]
+
+    def complete_groups(self, ending: set[int] = frozenset()) -> list[str]:
         """The groups all of whose samples are done (or in ``ending``: the ids of samples about to end), oldest
         first."""
         order, done = [], {}
@@ -98,48 +98,50 @@ class CarriedGeneration:
             done[s.group] = done.get(s.group, True) and (s.trajectory.done or id(s) in ending)
         return [g for g in order if done[g]]
 
-    def _sample(self, rollout, sampling: SamplingSettings, version: int, groups: int) -> None:
-        """One engine call over every unfinished sample (a multi-turn trajectory: its next turn, or the rest of
-        the turn it was cut in), stopped once ``groups`` groups have ended; then the ended turns' tool calls."""
-        self._calls += 1
-        todo = {f"{self._engine_ids}-{self._calls}-{i}": s for i, s in enumerate(self.samples) if not s.trajectory.done}
-        requests = {}
-        for rid, s in todo.items():
-            t = s.trajectory
-            requests[rid] = (t.context, self.max_len - len(t.response_ids), s.request_seed())
-        ends: dict[str, bool] = {}
+    def request(self, s: Sample) -> tuple[str, list[int], int, int | None]:
+        """The next engine request of unfinished sample ``s``: (id, context, token budget, seed)."""
+        self._requests += 1
+        t = s.trajectory
+        return f"{self._engine_ids}-{self._requests}", t.context, self.max_len - len(t.response_ids), s.request_seed()
 
-        def enough(finished: dict[str, list[int]]) -> bool:
-            for rid in finished.keys() - ends.keys():
-                ends[rid] = self._turn_would_end(todo[rid], finished[rid])
-            return len(self._complete_groups({id(todo[r]) for r, e in ends.items() if e})) >= groups
+    def record(self, s: Sample, new: list[int], log_probs: list[float], finished: bool, version: int,
+               routes=None) -> list | None:
+        """What a request of ``s`` sampled under ``version``; when it ended a multi-turn trajectory's turn that
+        calls tools, the calls (run them with ``run_tools``), else None."""
+        t = s.trajectory
+        t.append(new, True, log_probs)
+        s.versions += [version] * len(new)
+        if routes is not None:  # the finishing request routed the carried tokens again
+            t.routes = routes
+        if not finished and len(t.response_ids) < self.max_len:
+            return None  # cut by a stop: goes on in the next request
+        if self.agent is None:
+            t.done = True
+            return None
+        return self.agent.end_turn(t, t.response_ids[t.turn_start:]) or None
 
-        stop = self.agent.chat.stop_token_ids if self.agent is not None else None
-        results = rollout.generate_until(requests, sampling, enough, stop_token_ids=stop)
-        calling = []
-        for rid, (new, lps, finished, *routes) in results.items():
-            s = todo[rid]
-            t = s.trajectory
-            t.append(new, True, lps)
-            s.versions += [version] * len(new)
-            if routes and routes[0] is not None:  # the finishing request routed the carried tokens again
-                t.routes = routes[0]
-            if not finished and len(t.response_ids) < self.max_len:
-                continue  # cut by the stop: goes on in the next call
-            if self.agent is None:
-                t.done = True
-            elif calls := self.agent.end_turn(t, t.response_ids[t.turn_start:]):
-                calling.append((t, calls))
-        if calling:
-            self.agent.run_tools(calling)
-            for s in todo.values():
-                s.versions += [-1] * (len(s.trajectory.response_ids) - len(s.versions))  # tool messages
+    def run_tools(self, calling: list[tuple[Sample, list]]) -> None:
+        """The tool calls of the turns just ended, their messages appended (policy version -1)."""
+        self.agent.run_tools([(s.trajectory, calls) for s, calls in calling])
+        for s, _ in calling:
+            s.versions += [-1] * (len(s.trajectory.response_ids) - len(s.versions))
 
-    def _turn_would_end(self, s: Sample, new: list[int]) -> bool:
+    def turn_would_end(self, s: Sample, new: list[int]) -> bool:
         t = s.trajectory
         if self.agent is None:
             return True
         return self.agent.turn_would_end(t, t.response_ids[t.turn_start:] + new)
+
+    def take(self, groups: int, pad_id: int, eos_id: int) -> Batch | None:
+        """The ``groups`` oldest complete groups, taken out as rows in verl's layout with ``rollout_log_probs``,
+        ``token_policy_versions`` (-1 on padding and tool messages) and ``stale_restarts``; None while fewer are
+        complete."""
+        complete = self.complete_groups()[:groups]
+        if len(complete) < groups:
+            return None
+        out = [s for s in self.samples if s.group in complete]
+        self.samples = [s for s in self.samples if s.group not in complete]
+        return self._rows(out, pad_id, eos_id)
 
     def _rows(self, samples: list[Sample], pad_id: int, eos_id: int) -> Batch:
         rows = Batch.concat([s.row for s in samples])
@@ -162,3 +164,46 @@ class CarriedGeneration:
                            stale_restarts=torch.tensor([s.stale_restarts for s in samples], dtype=torch.int64))
         return prompts.replace(tensors={"prompts": prompts.tensors["input_ids"], **new.tensors},
                                non_tensors={**prompts.non_tensors, **new.non_tensors})
+
+
+class CarriedGeneration(SampleSet):
+    """Partial rollouts a call at a time (colocate_async's hybrid engine): each call adds a batch of prompts and
+    samples until its quota of complete groups is there."""
+
+    def generate(self, rollout, prompts: Batch, sampling: SamplingSettings, version: int, groups: int,
+                 pad_id: int, eos_id: int) -> Batch:
+        """Add ``prompts``' rows, go on with the carried samples, and return the ``groups`` oldest complete groups
+        (``SampleSet.take``)."""
+        self.add(prompts)
+        self.restart_stale(version)
+        while len(self.complete_groups()) < groups and self.unfinished():
+            self._sample(rollout, sampling, version, groups)
+        out = self.take(groups, pad_id, eos_id)
+        if out is None:
+            raise RuntimeError(f"partial rollouts: {len(self.complete_groups())} complete groups after generation, "
+                               f"{groups} needed")
+        return out
+
+    def _sample(self, rollout, sampling: SamplingSettings, version: int, groups: int) -> None:
+        """One engine call over every unfinished sample (a multi-turn trajectory: its next turn, or the rest of
+        the turn it was cut in), stopped once ``groups`` groups have ended; then the ended turns' tool calls."""
+        todo, requests = {}, {}
+        for s in self.unfinished():
+            rid, *request = self.request(s)
+            todo[rid], requests[rid] = s, tuple(request)
+        ends: dict[str, bool] = {}
+
+        def enough(finished: dict[str, list[int]]) -> bool:
+            for rid in finished.keys() - ends.keys():
+                ends[rid] = self.turn_would_end(todo[rid], finished[rid])
+            return len(self.complete_groups({id(todo[r]) for r, e in ends.items() if e})) >= groups
+
+        stop = self.agent.chat.stop_token_ids if self.agent is not None else None
+        results = rollout.generate_until(requests, sampling, enough, stop_token_ids=stop)
+        calling = []
+        for rid, (new, lps, finished, *routes) in results.items():
+            calls = self.record(todo[rid], new, lps, finished, version, routes[0] if routes else None)
+            if calls:
+                calling.append((todo[rid], calls))
+        if calling:
+            self.run_tools(calling)
