@@ -79,6 +79,13 @@ def bind(local_rank: int | None = None) -> torch.device:
     return _bound
 
 
+def bind_thread() -> None:
+    """Make the bound device current in a thread of the caller's (CUDA's current device is per host thread:
+    cudaSetDevice, which torch.cuda.set_device calls; a new thread starts on device 0)."""
+    if current().type == "cuda":
+        torch.cuda.set_device(current())
+
+
 def current() -> torch.device:
     """The bound device (binding from LOCAL_RANK on first use)."""
     return _bound if _bound is not None else bind()

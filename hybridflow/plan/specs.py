@@ -55,11 +55,11 @@ class RolloutSpec:
     max_response_length: int
     chat_template_kwargs: dict
     train_layout: tuple[int, int, int]  # the actor's (p, t, d): which training rank feeds which rollout rank
-    # schedule.partial_rollout: carry unfinished responses across pushes, restarting those whose oldest token is
-    # carry_threshold versions behind the engine (the staleness bound less the look-ahead: behind the trainer
-    # by the bound when it trains on them); None: no bound
+    # schedule.partial_rollout: serve the admitted samples continuously, carrying unfinished ones across pushes
+    # and restarting those whose oldest token lags the pushed version by staleness_threshold
+    # (schedule.max_off_policy_threshold; None: no bound) or more: the trainer trains the next batch with it
     partial_rollout: bool = False
-    carry_threshold: int | None = None
+    staleness_threshold: int | None = None
 
 
 @dataclass(frozen=True)
@@ -75,18 +75,6 @@ class RewardModelSpec:
     policy_path: str  # the policy's tokenizer decodes the responses the reward model re-tokenizes
 
 
-def carry_threshold(schedule) -> int | None:
-    """separate_async's bound on a carried response's age on the rollout pool: the staleness bound less the
-    look-ahead (it is trained that many versions later), at least 1."""
-    import math
-
-    t = schedule.max_off_policy_threshold
-    if t is None:
-        return None
-    depth = min(math.floor(schedule.num_warmup_batches), t - 1)
-    return max(1, t - depth)
-
-
 def role_specs(cfg, needs: Needs, total_steps: int | None, actor_layout, generation) -> tuple[
         ActorSpec, CriticSpec | None, RewardModelSpec | None, RolloutSpec | None]:
     process = ProcessSpec(cfg.model.path, cfg.trainer.seed, cfg.trainer.dist_timeout_s, total_steps)
@@ -98,7 +86,7 @@ def role_specs(cfg, needs: Needs, total_steps: int | None, actor_layout, generat
                       cfg.schedule.max_off_policy_threshold, cfg.model.lora if cfg.model.lora.rank else None)
     rollout = (RolloutSpec(process, r, d.max_prompt_length, d.max_response_length, d.apply_chat_template_kwargs,
                            (actor_layout.pp, actor_layout.tp, actor_layout.weight_replicas), cfg.schedule.partial_rollout,
-                           carry_threshold(cfg.schedule)) if separate else None)
+                           cfg.schedule.max_off_policy_threshold) if separate else None)
     critic = CriticSpec(process, cfg.critic, r.n) if needs.critic else None
     reward_model = RewardModelSpec(cfg.reward_model, cfg.model.path) if cfg.reward_model.enable else None
     return actor, critic, reward_model, rollout

@@ -9,8 +9,12 @@ the generation submitted before it, and a generation submitted after a push samp
 The staleness bound (schedule.max_off_policy_threshold, verl's span: lag + 1) holds by construction here: the
 look-ahead is min(num_warmup_batches, threshold - 1), so no batch is generated too early to be trained on, and
 with partial rollouts the rollout pool restarts a carried response before its age plus the look-ahead reaches
-the bound (plan/specs.py carry_threshold); a sample beyond the bound is a defect and ends the run
-(``check_lag``). verl generates continuously and drops (or waits for) samples past the bound.
+the bound; a sample beyond the bound is a defect and ends the run (``check_lag``).
+
+With partial rollouts the pool serves continuously (workers/serving.py): a batch is admitted when submitted and
+served at once, and a step takes its quota of complete groups from what the pool holds; a push stops the running
+requests and resumes them under the new weights, restarting those whose oldest token lags it by the bound (the
+trainer trains the next batch with that version). Without, the pool generates one submitted batch a call.
 """
 
 from __future__ import annotations
@@ -70,24 +74,32 @@ class AheadRollouts:
     """Prompt batches in flight on the rollout pool, oldest first; ``take`` returns the batch of this step."""
 
     def __init__(self, rollout, depth: int, prepare: Callable[[Batch, int], Batch],
-                 recover: Callable[[WorkerGroupError], object]):
-        """``prepare(prompts, step)``: the rows to generate for a step's prompts (group ids, seeds, rollout.n);
-        ``recover(error)``: rebuild the rollout pool after one of its worker processes died, give it the current
-        weights and ``reissue`` what is in flight."""
-        self.rollout, self.depth, self.prepare, self.recover = rollout, depth, prepare, recover
+                 recover: Callable[[WorkerGroupError], object], serving: bool = False):
+        """``prepare(prompts, step)``: the rows to generate for a step's prompts (group ids, seeds, rollout.n; with
+        ``serving``, the groups each replica returns: ``meta["groups_to_finish"]``); ``recover(error)``: rebuild
+        the rollout pool after one of its worker processes died, give it the current weights and ``reissue`` what
+        is in flight; ``serving``: the pool serves admitted rows continuously (partial rollouts)."""
+        self.rollout, self.depth, self.prepare, self.recover, self.serving = rollout, depth, prepare, recover, serving
         self.in_flight: deque = deque()  # (label, rows, future)
         self._last_busy = self._last_wall = None
 
     def submit(self, prompts: Batch, label) -> None:
         rows = self.prepare(prompts, label)
-        self.in_flight.append((label, rows, self.rollout.submit("generate", rows)))
+        self.in_flight.append((label, rows, self._start(rows)))
+
+    def _start(self, rows: Batch):
+        return self.rollout.submit("admit" if self.serving else "generate", rows)
 
     def _wait_first(self) -> Batch:
         """The oldest in-flight batch; when a rollout worker died, ``recover`` rebuilds the pool (which re-issues
         every batch in flight: ``reissue``), up to MAX_RECOVERIES times in a row."""
         for attempt in range(MAX_RECOVERIES + 1):
             try:
-                return self.in_flight[0][2].get()
+                _, rows, started = self.in_flight[0]
+                if not self.serving:
+                    return started.get()
+                started.get()  # admitted (a refusal surfaces here)
+                return self.rollout.submit("take", rows.meta["groups_to_finish"]).get()
             except WorkerGroupError as error:
                 if not error.died or attempt == MAX_RECOVERIES:
                     raise
@@ -97,7 +109,7 @@ class AheadRollouts:
     def reissue(self, rollout) -> None:
         """Submit every batch in flight again, in order, to ``rollout`` (a rebuilt pool holding the current weights)."""
         self.rollout = rollout
-        self.in_flight = deque((s, rows, rollout.submit("generate", rows)) for s, rows, _ in self.in_flight)
+        self.in_flight = deque((s, rows, self._start(rows)) for s, rows, _ in self.in_flight)
 
     def take(self, prompts: Batch, label, more_prompts: Iterator[Batch]) -> tuple[Batch, dict]:
         """Submit ``prompts`` behind the batches in flight (at the first call, with the next ``depth`` batches of

@@ -58,7 +58,7 @@ class PPODriver:
         self._warmed_up = False  # colocate_async: its warm-up batches are in flight
         sc = cfg.schedule
         self.ahead = (AheadRollouts(self.rollout_pool, look_ahead(sc.num_warmup_batches, sc.max_off_policy_threshold),
-                                    self.prepare_ahead, self.rebuild_rollout_pool)
+                                    self.prepare_ahead, self.rebuild_rollout_pool, serving=self.partial_on_pool)
                       if self.rollout_pool is not None else None)
         self.train_data, self.val_data = train_data, val_data
         self.train_scorer = training_scorer(cfg)  # training reward and validation accuracy

@@ -1,8 +1,9 @@
 """Partial rollouts: a generation call stops as soon as its quota of complete GRPO groups is there, and the
 responses (or multi-turn trajectories) still unfinished are carried into the next call, where they go on (as
 prompt + what they have so far, recomputed under the updated weights: verl's abort-and-resume) instead of holding
-the batch back for its longest one. colocate_async carries them on the hybrid engine from step to step,
-separate_async's rollout pool across weight pushes.
+the batch back for its longest one. colocate_async carries them on the hybrid engine from step to step
+(``CarriedGeneration``); separate_async's rollout pool serves them continuously across weight pushes
+(workers/serving.py), on the same ``SampleSet``.
 
 A multi-turn trajectory is carried whole: the turns and tool messages it has so far, and the assistant turn in
 progress, cut where the call stopped and resumed from there. It ends as the agent loop ends one (agent/loop.py);

