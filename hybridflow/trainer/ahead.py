@@ -115,16 +115,22 @@ class AheadRollouts:
         """Submit ``prompts`` behind the batches in flight (at the first call, with the next ``depth`` batches of
         ``more_prompts`` behind them) and return the oldest generated batch, with the seconds waited for it and
         the pool's idle fraction (the trained batch's lag: ``lag_metrics``). ``label``: the generation's name in
-        group ids (the step, or DAPO's "step.gen"); a batch submitted ``i`` generations ahead is named ``label + i``."""
+        group ids (the step, or DAPO's "step.gen"); a batch submitted ``i`` generations ahead is named ``label + i``.
+        A serving pool admits the batches behind after the take, so its engine serves what is taken first."""
+        start = time.perf_counter()
         if not self.in_flight:
             self.submit(prompts, label)
-            for ahead in range(1, self.depth + 1):
-                self.submit(next(more_prompts), _ahead(label, ahead))
+            behind = [(next(more_prompts), _ahead(label, ahead)) for ahead in range(1, self.depth + 1)]
         else:
-            self.submit(prompts, _ahead(label, self.depth))
-        start = time.perf_counter()
+            behind = [(prompts, _ahead(label, self.depth))]
+        if not self.serving:  # queued behind the batches in flight: the pool goes on with them at once
+            for batch_prompts, name in behind:
+                self.submit(batch_prompts, name)
         batch = self._wait_first()
         self.in_flight.popleft()
+        if self.serving:  # admitted after the take, so the engine serves what is taken first
+            for batch_prompts, name in behind:
+                self.submit(batch_prompts, name)
         metrics = {"async/wait_rollout_s": time.perf_counter() - start, "async/in_flight_batches": float(len(self.in_flight))}
         metrics.update(self._idle(batch.meta.pop("rollout/busy_s", None)))
         return batch, metrics

@@ -122,6 +122,7 @@ class ContinuousServing:
             while not self._closed:
                 for kind, args, done in self.agreement.next(wait=not self.engine.running):
                     self._apply(kind, args, done)
+                self._answer_takes()  # before the next step: a take waits for no step it does not need
                 if self.engine.running:
                     start = time.perf_counter()
                     self._step()
