@@ -6,9 +6,10 @@ Each workload (benchmarks/workloads.py) is trained the same number of steps, hen
 from the same SFT weights and prompts:
   sync            the hybrid engine: one worker holding actor, reference and vLLM, with both cores;
   separate_async  one trainer worker (actor, reference) and one standalone vLLM rollout worker, one core each,
-                  the rollout generating the next step's batch while the trainer trains (schedule.mode
-                  separate_async, num_warmup_batches 1: every sample one policy version old), the checkpoint
-                  engine pushing the weights after every step;
+                  the rollout serving the next step's batch continuously while the trainer trains (schedule.mode
+                  separate_async, num_warmup_batches 1, partial rollouts: a push stops the running requests and
+                  resumes them under the new weights), the checkpoint engine pushing the weights after every step;
+  separate_async_per_call  the same without partial rollouts: the pool generates one batch a call;
   colocate_async  the hybrid engine with partial rollouts: a step's generation stops at its batch of complete
                   groups, unfinished responses carried into the next step (num_warmup_batches 1 in flight);
   trl             TRL's GRPOTrainer with both cores (benchmarks/e2e_vs_trl.py's runner, its pinned venv).
@@ -32,6 +33,8 @@ from workloads import WORKLOADS, prepare, write_json, write_report  # noqa: E402
 COLOCATE = {"schedule": {"mode": "colocate_async", "num_warmup_batches": 1}}
 SEPARATE = {"schedule": {"mode": "separate_async", "num_warmup_batches": 1, "parameter_sync_step": 1},
             "resources": {"rollout_n_workers": 1, "cpus_per_worker": 1}}
+# the pool generating one batch a call (each sample under one version) instead of serving continuously
+SEPARATE_PER_CALL = {**SEPARATE, "schedule": {**SEPARATE["schedule"], "partial_rollout": False}}
 
 
 def markdown(report: dict) -> str:
@@ -79,7 +82,9 @@ def main(argv=None) -> int:
             prepare(w)
             runs = {"sync": lambda: run_hybridflow(w, a.steps, 2, work, "float32"),
                     "colocate_async": lambda: run_hybridflow(w, a.steps, 2, work, "float32", extra=COLOCATE, tag="_col"),
-                    "separate_async": lambda: run_hybridflow(w, a.steps, 2, work, "float32", extra=SEPARATE, tag="_sep")}
+                    "separate_async": lambda: run_hybridflow(w, a.steps, 2, work, "float32", extra=SEPARATE, tag="_sep"),
+                    "separate_async_per_call": lambda: run_hybridflow(w, a.steps, 2, work, "float32",
+                                                                      extra=SEPARATE_PER_CALL, tag="_sepc")}
             if python is not None:
                 runs["trl"] = lambda: run_trl(w, a.steps, 2, work, python, "float32")
             modes = {}
@@ -98,6 +103,8 @@ def main(argv=None) -> int:
                     s["ratio_vs_trl"] = s["gen_tok_s"] / modes["trl"]["gen_tok_s"]
             report["workloads"][name] = {"modes": modes,
                                          "separate_over_sync": modes["separate_async"]["ratio_vs_sync"],
+                                         "serving_over_per_call": (modes["separate_async"]["gen_tok_s"]
+                                                                   / modes["separate_async_per_call"]["gen_tok_s"]),
                                          "colocate_over_sync": modes["colocate_async"]["ratio_vs_sync"],
                                          "accuracy_gap": modes["separate_async"]["val_acc_after"] - modes["sync"]["val_acc_after"]}
             write_json(Path(a.out), report)
