@@ -70,6 +70,19 @@ class AgentSettings:
                    m.max_tool_response_length, m.tool_response_truncate_side)
 
 
+@dataclass
+class ToolJobs:
+    """Tool calls running for some trajectories' ended turns (``AgentLoop.start_tools``)."""
+
+    calling: list  # (trajectory, its calls)
+    jobs: list  # (trajectory, future of one call)
+    deadline: float  # time.monotonic() past which a call still running is answered as timed out
+    limit: float  # seconds from start to deadline
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.deadline or all(f.done() for _, f in self.jobs)
+
+
 class AgentLoop:
     """Runs conversations to their end with a generation engine (``generate_with_log_probs(prompts, sampling,
     log_probs=, max_new_tokens=[...], stop_token_ids=[...])``: the vLLM rollout, or ``hf_engine.HFEngine``)."""
@@ -127,16 +140,25 @@ class AgentLoop:
 
     def run_tools(self, calling: list[tuple[Trajectory, list[ToolCall]]]) -> None:
         """Every call of this turn at once; each response is the tool's text or an error message."""
-        jobs = [(t, i, self._pool.submit(self._call, call)) for t, calls in calling for i, call in enumerate(calls)]
+        self.finish_tools(self.start_tools(calling))
+
+    def start_tools(self, calling: list[tuple[Trajectory, list[ToolCall]]]) -> ToolJobs:
+        """Start the calls of ``calling`` on the tool threads; ``finish_tools`` appends their messages."""
+        jobs = [(t, self._pool.submit(self._call, call)) for t, calls in calling for call in calls]
         # a tool over its own timeout (a hung user tool: threads cannot be killed) is left behind, answered as such
-        deadline = max((self._timeout(call) for _, calls in calling for call in calls), default=0.0) + 5.0
-        wait([f for _, _, f in jobs], timeout=deadline)
+        limit = max((self._timeout(call) for _, calls in calling for call in calls), default=0.0) + 5.0
+        return ToolJobs(calling, jobs, time.monotonic() + limit, limit)
+
+    def finish_tools(self, job: ToolJobs) -> None:
+        """Wait for ``job``'s calls (until its deadline) and append each trajectory's tool message. Tokenizes on the
+        caller's thread: a fast tokenizer must not be used by two threads at once."""
+        wait([f for _, f in job.jobs], timeout=max(0.0, job.deadline - time.monotonic()))
         responses: dict[int, list[str]] = {}
-        for t, _, future in jobs:
+        for t, future in job.jobs:
             if future.done():
                 text, error, seconds = future.result()
             else:
-                text, error, seconds = "Error: the tool did not return within its timeout", "timeout", deadline
+                text, error, seconds = "Error: the tool did not return within its timeout", "timeout", job.limit
             t.tool_calls += 1
             t.tool_seconds += seconds
             if error:
@@ -145,7 +167,7 @@ class AgentLoop:
                                                self.settings.tool_response_truncate_side)
             t.truncated_tool_responses += cut
             responses.setdefault(id(t), []).append(text)
-        for t, _ in calling:
+        for t, _ in job.calling:
             ids = self.chat.tool_message_ids(responses[id(t)])
             if len(t.response_ids) + len(ids) >= self.settings.max_response_length:
                 t.done = True  # verl: tool messages that reach the budget end the trajectory unappended

@@ -79,9 +79,10 @@ class SampleSet:
         self.samples += new
         return new
 
-    def restart_stale(self, version: int) -> None:
-        """The staleness bound: nothing trained on lags ``version`` by ``threshold`` versions or more."""
-        for s in self.samples:
+    def restart_stale(self, version: int, samples: list[Sample] | None = None) -> None:
+        """The staleness bound: nothing trained on lags ``version`` by ``threshold`` versions or more (of
+        ``samples``, by default all)."""
+        for s in self.samples if samples is None else samples:
             sampled = [v for v in s.versions if v >= 0]
             if sampled and self.threshold is not None and version - min(sampled) >= self.threshold:
                 s.restart()
@@ -123,8 +124,14 @@ class SampleSet:
 
     def run_tools(self, calling: list[tuple[Sample, list]]) -> None:
         """The tool calls of the turns just ended, their messages appended (policy version -1)."""
-        self.agent.run_tools([(s.trajectory, calls) for s, calls in calling])
-        for s, _ in calling:
+        self.finish_tools([s for s, _ in calling], self.start_tools(calling))
+
+    def start_tools(self, calling: list[tuple[Sample, list]]):
+        return self.agent.start_tools([(s.trajectory, calls) for s, calls in calling])
+
+    def finish_tools(self, samples: list[Sample], job) -> None:
+        self.agent.finish_tools(job)
+        for s in samples:
             s.versions += [-1] * (len(s.trajectory.response_ids) - len(s.versions))
 
     def turn_would_end(self, s: Sample, new: list[int]) -> bool:

@@ -1,7 +1,8 @@
 """Continuous serving on separate_async's rollout pool (with partial rollouts): the engine runs in a thread of its
-own and serves every admitted sample request by request (a multi-turn trajectory turn by turn, its tools run as
-its turn ends), whether or not the driver is waiting, so a long response never holds the others back and the
-engine does not stop between the driver's calls. The driver's calls are commands to that thread:
+own and serves every admitted sample request by request (a multi-turn trajectory turn by turn; its tool calls run
+on the agent's tool threads while the engine steps on, and its next turn starts when they return), whether or not
+the driver is waiting, so neither a long response nor a slow tool holds the others back, and the engine does not
+stop between the driver's calls. The driver's calls are commands to that thread:
 
 - ``admit(rows)``: new prompt rows, served at once;
 - ``take(groups)``: the oldest ``groups`` complete groups, as soon as they are there;
@@ -11,13 +12,14 @@ engine does not stop between the driver's calls. The driver's calls are commands
 
 Each token records the version of the weights that sampled it (a request's tokens are all sampled under one: a
 push stops every request first). The ranks of one vLLM TP group must make the same engine calls: the group's
-first rank decides after each step how many of the queued commands to apply and tells the others
-(``Agreement``); commands reach every rank of a group in the same order (the driver sends each to all of them),
-so a count names the same commands everywhere.
+first rank decides after each step how many of the queued commands to apply, and which trajectories' tool calls
+have returned, and tells the others (``Agreement``); commands reach every rank of a group in the same order (the
+driver sends each to all of them), so a count names the same commands everywhere.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -49,19 +51,27 @@ class Agreement:
             self._pending.append(command)
             self._arrived.notify()
 
-    def next(self, wait: bool) -> list:
-        """The commands to apply now; with ``wait`` (nothing to step) at least one, blocking until it comes. Every
-        rank waits for a command of its own before it joins the broadcast, so none sits in a collective while the
-        engine is idle."""
+    def wake(self) -> None:
+        """A tool call has returned: an idle rank looks again (``next``)."""
         with self._arrived:
-            if wait:
-                self._arrived.wait_for(lambda: self._pending)
-            count = [len(self._pending)]
+            self._arrived.notify_all()
+
+    def next(self, wait: bool, tools: dict) -> tuple[list, list]:
+        """The commands to apply now and the ids of the tool jobs (``tools``: id -> ``ToolJobs``) whose messages
+        to append, in id order; with ``wait`` (nothing to step) at least one of either, blocking until it comes.
+        Every rank waits for one of its own before it joins the broadcast, so none sits in a collective while the
+        engine is idle; a follower finishing a job the leader named waits for its own calls (``finish_tools``)."""
+        with self._arrived:
+            while wait and not self._pending and not any(j.ready() for j in tools.values()):
+                soonest = min((j.deadline for j in tools.values()), default=None)  # a hung tool wakes no one
+                self._arrived.wait(None if soonest is None else max(0.0, soonest - time.monotonic()) + 0.01)
+            message = [len(self._pending), sorted(k for k, j in tools.items() if j.ready())]
         if self.group is not None:
-            dist.broadcast_object_list(count, src=self.leader, group=self.group)
+            dist.broadcast_object_list(message, src=self.leader, group=self.group)
+        count, ready = message
         with self._arrived:
-            self._arrived.wait_for(lambda: len(self._pending) >= count[0])
-            return [self._pending.popleft() for _ in range(count[0])]
+            self._arrived.wait_for(lambda: len(self._pending) >= count)
+            return [self._pending.popleft() for _ in range(count)], ready
 
     def drain(self) -> list:
         with self._arrived:
@@ -79,6 +89,9 @@ class ContinuousServing:
         self.engine = EngineRequests(rollout, stop_token_ids)
         self.running: dict = {}  # request id -> its sample
         self.takes: list[tuple[int, Future]] = []  # waiting, oldest first
+        self.tools: dict = {}  # tool job id -> (sample, its ToolJobs): trajectories whose tools are running
+        self.steps = 0  # engine steps so far
+        self._tool_jobs = itertools.count()
         self.busy_s = 0.0  # seconds spent stepping the engine
         self.error: BaseException | None = None
         self._closed = False
@@ -120,8 +133,11 @@ class ContinuousServing:
         device.bind_thread()
         try:
             while not self._closed:
-                for kind, args, done in self.agreement.next(wait=not self.engine.running):
+                commands, ready = self.agreement.next(not self.engine.running, {k: j for k, (_, j) in self.tools.items()})
+                for kind, args, done in commands:
                     self._apply(kind, args, done)
+                for key in ready:
+                    self._tools_returned(*self.tools.pop(key))
                 self._answer_takes()  # before the next step: a take waits for no step it does not need
                 if self.engine.running:
                     start = time.perf_counter()
@@ -160,11 +176,17 @@ class ContinuousServing:
             done.set_result(fn())
             if version is not None:
                 self.version = version
-                self.samples.restart_stale(version)
+                self.samples.restart_stale(version, self._idle_samples())  # (those in a tool call: when it returns)
         finally:
             self.rollout.wake_up(["weights", "kv_cache"])  # a batch generation sleeps the engine after it (GPU)
-            for s in self.samples.unfinished():
-                self._start(s)
+            for s in self._idle_samples():
+                if not s.trajectory.done:
+                    self._start(s)
+
+    def _idle_samples(self) -> list:
+        """The samples no tool call is running for (their trajectories are the tool threads' until it returns)."""
+        calling = {id(s) for s, _ in self.tools.values()}
+        return [s for s in self.samples.samples if id(s) not in calling]
 
     def _start(self, s) -> None:
         rid, context, budget, seed = self.samples.request(s)
@@ -178,27 +200,34 @@ class ContinuousServing:
             self.samples.record(self.running.pop(rid), ids, lps, finished, self.version)
 
     def _step(self) -> None:
-        """One engine step; each request it finished is recorded, a turn's tools run, and an unfinished sample's
-        next request starts."""
-        ended, calling = [], []
+        """One engine step; each request it finished is recorded, and its sample's next request starts, or, for a
+        turn that calls tools, its tool calls (on the agent's tool threads, while the engine steps on)."""
+        self.steps += 1
         for rid in self.engine.step():
             s = self.running.pop(rid)
             ids, lps, finished, *routes = self.engine.result(rid)
             calls = self.samples.record(s, ids, lps, finished, self.version, routes[0] if routes else None)
             if calls:
-                calling.append((s, calls))
-            ended.append(s)
-        if calling:
-            self.samples.run_tools(calling)
-        for s in ended:
-            if not s.trajectory.done:
+                job = self.samples.start_tools([(s, calls)])
+                self.tools[f"{next(self._tool_jobs):012d}"] = (s, job)  # the same ids on every rank of a TP group
+                for _, future in job.jobs:
+                    future.add_done_callback(lambda _: self.agreement.wake())
+            elif not s.trajectory.done:
                 self._start(s)
+
+    def _tools_returned(self, s, job) -> None:
+        """A trajectory's tool calls have returned (or timed out): their messages appended, it goes on, restarted
+        first when a push made it stale meanwhile."""
+        self.samples.finish_tools([s], job)
+        self.samples.restart_stale(self.version, [s])
+        if not s.trajectory.done:
+            self._start(s)
 
     def _answer_takes(self) -> None:
         while self.takes:
             groups, done = self.takes[0]
             rows = self.samples.take(groups, self.pad_id, self.eos_id)
-            if rows is None and self.engine.running:
+            if rows is None and (self.engine.running or self.tools):
                 return
             self.takes.pop(0)
             if rows is None:

@@ -96,12 +96,25 @@ def _serving_rank_fn(rank, world, hf_dir, eos_id, max_len, multi_turn):
     rollout.wake_up(["weights", "kv_cache"])
     agent, suffix = _agent(hf_dir, max_len) if multi_turn else (None, [])
     sampling = SamplingSettings(temperature=1.0, max_new_tokens=max_len)
-    runs, idle = {}, {}
+    runs, idle, steps_during_tools, current = {}, {}, [], {}
+    if agent is not None:  # a slow tool: how many engine steps ran while each call did
+        call = agent._call
+
+        def slow_call(c):
+            if "slow" not in current:
+                return call(c)
+            before = current["serving"].steps
+            time.sleep(0.2)
+            out = call(c)
+            steps_during_tools.append(current["serving"].steps - before)
+            return out
+
+        agent._call = slow_call
     for threshold in (None, 1):
         rollout.update_weights(hf)
         samples = SampleSet(max_len, threshold, agent)
-        serving = ContinuousServing(rollout, samples, sampling, agent.chat.stop_token_ids if agent else None, 0, eos_id,
-                                    Agreement(), version=0)
+        serving = current["serving"] = ContinuousServing(
+            rollout, samples, sampling, agent.chat.stop_token_ids if agent else None, 0, eos_id, Agreement(), version=0)
         serving.admit(_prompts(0, 6, 2, suffix))
         steps = []
         for version in range(4):
@@ -109,18 +122,24 @@ def _serving_rank_fn(rank, world, hf_dir, eos_id, max_len, multi_turn):
             steps.append(_step_record(serving.take(2), len(samples.samples), None))
             serving.exclusive(lambda v=version + 1: rollout.update_weights(_versions_weights(hf, v)), version + 1)
         busy, deadline = serving.busy_s, time.monotonic() + 120
-        while serving.engine.running and time.monotonic() < deadline:  # no call pending: it serves on its own
-            time.sleep(0.05)
+        while not all(s.trajectory.done for s in samples.samples) and time.monotonic() < deadline:
+            time.sleep(0.05)  # no call pending: it serves on its own
         idle[threshold] = (busy, serving.busy_s, all(s.trajectory.done for s in samples.samples))
         with pytest.raises(RuntimeError, match="nothing left to generate"):
             serving.take(len(samples.complete_groups()) + 1)
         serving.close()
         _check_log_probs(hf_dir, hf, [dict(zip(ROW_KEYS, row)) for s in steps for row in zip(*(s[k] for k in ROW_KEYS))])
         runs[threshold] = steps
-    if agent is not None:
+    if agent is not None:  # a slow tool (0.2 s a call): the engine steps on while it runs
+        current["slow"] = True
+        serving = current["serving"] = ContinuousServing(rollout, SampleSet(max_len, None, agent), sampling,
+                                                         agent.chat.stop_token_ids, 0, eos_id, Agreement(), version=0)
+        serving.admit(_prompts(100, 6, 2, suffix))
+        serving.take(6)
+        serving.close()
         agent.close()
     rollout.close()
-    return runs, idle
+    return runs, idle, steps_during_tools
 
 
 def _likely(model_dir, token_logits: dict[int, float]) -> None:
@@ -219,7 +238,7 @@ def test_the_rollout_pool_serves_continuously_across_pushes(multi_turn, tmp_path
     """Continuous serving: each take returns its quota while the rest keep running; a push stops the running
     requests, which resume under the new weights (tokens of two versions in one response or trajectory, each
     log-prob that of its version); the bound restarts what is stale; with no call pending the engine finishes what
-    it holds (a trajectory turn by turn, its tools run as its turn ends)."""
+    it holds (a trajectory turn by turn; its tool calls run while the engine steps on)."""
     from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.models.tiny_qwen2 import build_chat_tokenizer, build_tiny_qwen2
 
@@ -230,11 +249,12 @@ def test_the_rollout_pool_serves_continuously_across_pushes(multi_turn, tmp_path
     if multi_turn:
         likely = {tok.convert_tokens_to_ids("<|im_end|>"): 1.5, tok.convert_tokens_to_ids("<tool_call>"): 1.5}
     _likely(tmp_path, likely)
-    ((runs, idle),) = run_ranks(_serving_rank_fn, 1, str(tmp_path), tok.eos_token_id, max_len, multi_turn, timeout=300)
+    ((runs, idle, steps_during_tools),) = run_ranks(_serving_rank_fn, 1, str(tmp_path), tok.eos_token_id, max_len, multi_turn, timeout=300)
     _check_partial_rollouts(runs[None], runs[1])
     for threshold, (before, after, all_done) in idle.items():
         assert after > before and all_done, f"bound {threshold}: the engine did not serve on without a call"
     if multi_turn:
+        assert steps_during_tools and max(steps_during_tools) > 0, "the engine stood still while a tool ran"
         rows = [(s, i) for s in runs[None] for i in range(len(s["uids"]))]
         spans = [s["versions"][i][s["versions"][i] >= 0] for s, i in rows[4:] if s["turns"][i] > 1]
         assert any(v.min() < v.max() for v in spans), "no multi-turn trajectory went on across a push"

@@ -313,6 +313,45 @@ def test_architecture_steps_on_gpu(arch, n_gpus, extra, gpu_assets, arch_models,
     run_checked_steps(cfg, request.node.callspec.id, model_dir, check_transition)
 
 
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("partial_rollout", [True, False], ids=["serving", "per_call"])
+def test_separate_async_on_gpu(partial_rollout, gpu_assets, tmp_path):
+    """separate_async on two GPUs: one trainer and one standalone vLLM rollout worker, the checkpoint engine over
+    NCCL, a batch generated ahead. With partial rollouts the pool serves continuously (workers/serving.py: vLLM's
+    engine stepped from a thread of its own, which binds the worker's GPU, device.bind_thread); without, one
+    batch a call. After every push: the pool's greedy output equals HF greedy at the trainer's weights (near-ties
+    as above) and the rollout rank received exactly its vLLM shard in bf16."""
+    require_gpus(2)
+    from transformers import AutoConfig
+
+    from tests.integration.conftest import run_steps
+    from tests.integration.test_async_modes import _shard_formula
+
+    cfg = gpu_config(gpu_assets, tmp_path, 1, *ALGORITHMS["grpo"], "schedule.mode=separate_async",
+                     "resources.rollout_n_workers=1", "schedule.num_warmup_batches=1", "schedule.parameter_sync_step=1",
+                     f"schedule.partial_rollout={str(partial_rollout).lower()}")
+    hf_cfg, hf = AutoConfig.from_pretrained(str(gpu_assets.model_dir)), HFReference(gpu_assets.model_dir)
+
+    def check(trainer, step, metrics):
+        print_phases(f"separate_async step {step}", metrics, trainer.timer.pop())
+        assert math.isfinite(metrics["actor/pg_loss"]) and metrics["async/version_lag_max"] <= 1, metrics
+        state = trainer.actor_rollout.export_hf_state_dict()[0]
+        measured, formula = _shard_formula(state, hf_cfg, 1, 2)
+        assert metrics["weight_sync/bytes_received_per_rank"] == measured == formula, (metrics, measured, formula)
+        probe = with_meta(trainer.val_data.batch(list(range(N_PROBE))), temperature=0.0)
+        greedy = trainer.generator.generate(probe)
+        hf.load(state)
+        ties, failures = compare_greedy(hf, _prompt_tokens(probe), _vllm_tokens(greedy), cfg.data.max_response_length)
+        assert not failures, f"step {step}: the pool's greedy != HF greedy at the trainer's weights:\n" + "\n".join(failures)
+        assert len(ties) <= N_PROBE // 2, f"step {step}: {len(ties)} of {N_PROBE} prompts part at near-ties"
+
+    try:
+        with gpu_ray_cluster():
+            run_steps(cfg, STEPS + 1, check)
+    finally:
+        hf.close()
+
+
 @pytest.mark.timeout(300)
 def test_rollout_after_validation_without_sync(gpu_assets, tmp_path):
     """Two generates without a weight sync between them: ``fit()`` validates at step 0 and then rolls out,
