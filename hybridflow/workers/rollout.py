@@ -15,7 +15,7 @@ import torch
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import Batch
-from hybridflow.resharding import checkpoint_engine
+from hybridflow.resharding import checkpoint_engine, vllm_layout
 from hybridflow.resharding.plan import Layout
 from hybridflow.resharding.separate import SeparatePlan
 from hybridflow.resharding.transition import TransitionStats
@@ -38,6 +38,9 @@ class RolloutWorker(Worker):
         self.init_distributed(timeout_s=p.dist_timeout_s)
         self.hf_config = AutoConfig.from_pretrained(p.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(p.model_path)
+        # what preflight checked, again where the shards land (as the hybrid engine's Resharder does): vLLM's vocab
+        # and head shards must be the ones the checkpoint engine cuts
+        vllm_layout.check_supported(self.hf_config, r.tensor_model_parallel_size)
         self.plan = SeparatePlan(Layout(*spec.train_layout), self.world_size, r.tensor_model_parallel_size)
         # the ranks of one vLLM TP group sample identically: seeded per replica
         self.rollout = build_vllm_rollout(p.model_path, spec, seed=p.seed + self.rank // self.plan.t_g,

@@ -1,10 +1,10 @@
 """The tools overlay (configs/quickstart_tools_cpu.yaml) end to end: a short warm start on tool-use
 demonstrations, then 2 GRPO steps through Ray, megatron-core and vLLM with multi-turn rollouts (1 with the agent
-loop on a standalone rollout pool, schedule.mode separate_async; 2 in colocate_async, whose second trains
-trajectories carried across the update: 19% of them in the run I measured). Every step:
-finite metrics, trajectories of more than one turn, the trainer's log-probs of the sampled tokens equal to vLLM's
-(the tokens the trainer sees are the ones vLLM sampled, in place, between the tool messages), and after the
-weight sync vLLM's greedy multi-turn trajectories equal transformers' on the same prompts, token for token."""
+loop on a standalone rollout pool of two vLLM TP ranks serving continuously, schedule.mode separate_async; 2 in
+colocate_async, whose second trains trajectories carried across the update: 19% of them in the run I measured).
+Every step: finite metrics, trajectories of more than one turn, the trainer's log-probs of the sampled tokens
+equal to vLLM's (the tokens the trainer sees are the ones vLLM sampled, in place, between the tool messages), and
+after the weight sync vLLM's greedy multi-turn trajectories equal transformers' on the same prompts, token for token."""
 
 from __future__ import annotations
 
@@ -49,14 +49,16 @@ def tools_model(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("tools")
     base = [f"prepare.data_dir={out}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
-            "prepare.num_layers=2", "prepare.n_train=2000", "prepare.n_val=16"]
+            "prepare.num_layers=2", "prepare.n_train=2000", "prepare.n_val=16",
+            "prepare.vocab_multiple=128"]  # generation TP 2: vLLM's vocab shards are megatron's
     prepare_quickstart(load_experiment(["configs/quickstart_tools_cpu.yaml"],
                                        [*base, "prepare.sft_steps=80", "prepare.tool_trace_fraction=1.0"]))
     return out, base
 
 
-SEPARATE = ["schedule.mode=separate_async", "resources.rollout_n_workers=1", "resources.cpus_per_worker=1",
-            "schedule.parameter_sync_step=1"]
+# the agent on a pool of two vLLM TP ranks, which agree on its tool calls (workers/serving.py)
+SEPARATE = ["schedule.mode=separate_async", "resources.rollout_n_workers=2", "rollout.tensor_model_parallel_size=2",
+            "resources.cpus_per_worker=0.5", "schedule.parameter_sync_step=1"]
 
 
 @pytest.mark.parametrize("mode,steps", [([], 2), (SEPARATE, 1), (["schedule.mode=colocate_async"], 2)],
