@@ -134,12 +134,29 @@ def _sharded_state_dict(linear, original, prefix: str = "", sharded_offsets: tup
     return sd
 
 
-def _kind(linear, expert: bool = False) -> str:
-    """COLUMN or ROW for megatron's local and TE linears (Megatron-Bridge's get_adapter_attributes_from_linear). A
-    linear other than a routed expert's that skips its TP communication (a shared expert under
+def _split(name: str, linear, expert: bool) -> tuple[str, int, int]:
+    """(COLUMN or ROW, the TP size the adapter is split over, this rank's index). A routed expert's linear is known by
+    its name (linear_fc1 column, linear_fc2 row), and its split by megatron's expert-TP world size: TE's expert
+    linears under EP or expert TP > 1 are built with TE's own split off (parallel_mode None, tp_group None:
+    megatron-core extensions/transformer_engine.py TELinear, explicit_expert_comm), so neither tells. Adapters on
+    routed experts are whole (expert TP 1)."""
+    from megatron.core import parallel_state as ps
+
+    if not expert:
+        return _kind(linear), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    etp = ps.get_expert_tensor_parallel_world_size()
+    if etp > 1:
+        raise ValueError(f"LoRA: {name} is split over expert tensor parallelism ({etp}); adapters on routed experts "
+                         "need expert_tensor_parallel_size 1")
+    return (COLUMN if name.endswith("linear_fc1") else ROW), 1, 0
+
+
+def _kind(linear) -> str:
+    """COLUMN or ROW for megatron's local and TE linears other than routed experts' (Megatron-Bridge's
+    get_adapter_attributes_from_linear). A linear that skips its TP communication (a shared expert under
     moe_shared_expert_overlap: explicit_expert_comm, or TE's parallel_mode None; megatron-core
     transformer/moe/shared_experts.py) is refused: the adapter's would not."""
-    if getattr(linear, "explicit_expert_comm", False) and not expert:
+    if getattr(linear, "explicit_expert_comm", False):
         raise ValueError("LoRA: a linear with explicit_expert_comm (moe_shared_expert_overlap) cannot take an adapter; "
                          "exclude it (model.lora.exclude_modules) or turn the overlap off")
     if hasattr(linear, "input_is_parallel") or getattr(linear, "parallel_mode", None) == "row":
@@ -205,16 +222,11 @@ def add_adapters(module: torch.nn.Module, settings: LoRASettings, tf_config) -> 
     """Freeze ``module`` and give each target linear its adapter (trainable, in the model's dtype and device);
     returns how many. Call before megatron's DDP wraps the model, so that only the adapters get gradient buffers
     and optimizer state."""
-    from megatron.core import parallel_state as ps
-
     module.requires_grad_(False)
     found = targets(module, settings)
     for name, linear, expert in found:
-        t, rank = (1, 0) if expert else (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank())
-        if expert and linear.tp_group.size() > 1:
-            raise ValueError(f"LoRA: {name} is split over expert tensor parallelism "
-                             f"({linear.tp_group.size()}); adapters on routed experts need expert_tensor_parallel_size 1")
-        kind, w = _kind(linear, expert), linear.weight
+        kind, t, rank = _split(name, linear, expert)
+        w = linear.weight
         out_dim, in_dim = (w.shape[0] * t, w.shape[1]) if kind == COLUMN else (w.shape[0], w.shape[1] * t)
         g = torch.Generator().manual_seed(settings.seed + zlib.crc32(name.encode()))
         a = _init((settings.rank, in_dim), settings.a_init, g)
