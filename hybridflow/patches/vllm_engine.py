@@ -48,7 +48,39 @@ CPU_EXPERTS_REPACK = declare(
     "the first load: reloaded experts stay in checkpoint layout under a kernel that reads the prepacked one "
     "(measured: every log-prob off, held-out accuracy 0.43 -> 0.04). Run that prepack after each reload")
 
+ROUTES_ON_EVERY_RANK = declare(
+    "vllm.aux_output_on_every_tp_rank", "vllm", VLLM, "vllm.distributed.aux_output_connector.worker:get_tp_group",
+    "GPU, MoE routing replay (R3) at generation TP > 1: vLLM builds the routed-experts output plane (store and buffer) "
+    "on the first rank of a TP group only (AuxOutputWorkerConnector.__init__ returns early where "
+    "get_tp_group().is_first_rank is false), the rank whose output its multiprocessing executor hands the one "
+    "scheduler. Under the external launcher every rank runs a scheduler of its own, which asserts that output at "
+    "the first step (AuxOutputSchedulerConnector.take_output: 'auxiliary output worker output is missing'). Each "
+    "rank's capturer already holds every token's routes (the router runs whole on every TP rank; under sequence "
+    "parallel the capture all-gathers over TP): the plane is built on every rank")
+
 _eager_installed: set[str] = set()
+
+
+@contextlib.contextmanager
+def routes_on_every_rank(active: bool) -> Iterator[None]:
+    """While a GPU engine is built with ``active`` (R3 at generation TP > 1 under the external launcher), vLLM's
+    routed-experts output plane sees every rank as the first of its TP group (``ROUTES_ON_EVERY_RANK``)."""
+    if not active:
+        yield
+        return
+    real = ROUTES_ON_EVERY_RANK.require()
+
+    class _FirstRank:  # the rank's own TP group, answering "first rank" for the output plane's one question
+        def __init__(self, group):
+            self._group = group
+
+        is_first_rank = True
+
+        def __getattr__(self, name):
+            return getattr(self._group, name)
+
+    with ROUTES_ON_EVERY_RANK.swapped(lambda: _FirstRank(real())):
+        yield
 
 
 def repack_cpu_experts(model) -> int:

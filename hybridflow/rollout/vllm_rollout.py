@@ -104,6 +104,15 @@ OWN_ENGINE_ARGS = {
     "enable_lora": "model.lora.merge", "max_lora_rank": "model.lora.rank", "max_loras": None,
 }
 
+# vLLM arguments that would make the engine hold its weights in a layout the weight sync does not write: refused
+# (a wrong answer, not an error, would follow).
+UNSUPPORTED_ENGINE_ARGS = {
+    "enable_expert_parallel": "vLLM would split a MoE model's experts over its TP x DP ranks by expert, while the "
+                              "weight sync writes each rank the TP layout of every expert",
+    "quantization": "the weight sync writes the actor's 16-bit shards into the engine's parameters, which a "
+                    "quantized engine holds in another dtype and shape",
+}
+
 LORA_ID = 1  # the actor's adapter: one per engine, replaced in place at every sync
 
 
@@ -117,6 +126,8 @@ def check_engine_kwargs(engine_kwargs: dict | None) -> dict:
             source = OWN_ENGINE_ARGS[key]
             raise ValueError(f"rollout.engine_kwargs.{key}: set by hybridflow itself"
                              + (f" (from {source})" if source else "") + "; remove it")
+        if key in UNSUPPORTED_ENGINE_ARGS and kwargs[key]:  # (false: what the engine does anyway)
+            raise ValueError(f"rollout.engine_kwargs.{key}: not supported: {UNSUPPORTED_ENGINE_ARGS[key]}; remove it")
     if not kwargs:  # nothing to check: the usual case stays off vLLM's import (seconds of every start-up)
         return kwargs
     import dataclasses
@@ -213,17 +224,12 @@ class VLLMRollout:
         if routed_experts and on_gpu:  # its aux-output connector runs in the V2 runner only (config/vllm.py)
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             kwargs["enable_return_routed_experts"] = True
-        # vLLM's GPU worker uses cuda:{LOCAL_RANK} and asserts LOCAL_RANK < device_count()
-        # (gpu_worker.init_device); under Ray each actor sees only its own GPU, so vLLM's local rank is
-        # this worker's device index, not its rank on the node (device.device_index).
-        local_rank = str(device.current().index or 0)
         self._shm_prefix = self._join_world(kwargs, tensor_parallel_size, on_gpu)
         if on_gpu:
             check_free_memory(gpu_memory_utilization)
         else:
             vllm_engine.eager_logprob_ranks()
-        with (vllm_engine.keep_threads_and_rng(), vllm_engine.generation_groups(generation_groups),
-              vllm_engine.shm_names(self._shm_prefix), environ(LOCAL_RANK=local_rank)):
+        with self._building(generation_groups, routed_experts and on_gpu and tensor_parallel_size > 1):
             self.llm = LLM(model=hf_dir, tokenizer=hf_dir, dtype=dtype, load_format="dummy",
                            enforce_eager=enforce_eager or not on_gpu, max_model_len=max_model_len,
                            tensor_parallel_size=tensor_parallel_size, seed=seed,
@@ -241,6 +247,18 @@ class VLLMRollout:
                                                      hf.num_experts_per_tok)
         self.sleep()  # until the first sync: the dummy weights and the KV cache take nothing from training
         _report_reload_warnings_once()
+
+    @contextlib.contextmanager
+    def _building(self, generation_groups, routes_on_every_rank: bool):
+        """What holds while the engine is built in this process (patches/vllm_engine.py): the trainer's threads and
+        RNG kept, vLLM's TP groups mapped onto the planner's, its shared memory named for this engine, R3's output
+        plane on every TP rank; and vLLM's local rank is this worker's device index, not its rank on the node: its
+        GPU worker uses cuda:{LOCAL_RANK} and asserts LOCAL_RANK < device_count() (gpu_worker.init_device), and under
+        Ray each actor sees only its own GPU (device.device_index)."""
+        with (vllm_engine.keep_threads_and_rng(), vllm_engine.generation_groups(generation_groups),
+              vllm_engine.shm_names(self._shm_prefix), environ(LOCAL_RANK=str(device.current().index or 0)),
+              vllm_engine.routes_on_every_rank(routes_on_every_rank)):
+            yield
 
     @staticmethod
     def _join_world(kwargs: dict, tensor_parallel_size: int, on_gpu: bool) -> str | None:

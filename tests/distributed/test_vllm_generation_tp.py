@@ -200,8 +200,11 @@ def test_engine_kwargs_refusals():
 
     assert check_engine_kwargs({"max_logprobs": 3, "swap_space": None}) == {"max_logprobs": 3}
     assert check_engine_kwargs(None) == {}
+    assert check_engine_kwargs({"enable_expert_parallel": False}) == {"enable_expert_parallel": False}
     for key, message in [("tensor_parallel_size", "from rollout.tensor_model_parallel_size"),
                          ("max_num_seqs", "from rollout.max_num_seqs"), ("load_format", "set by hybridflow itself"),
-                         ("not_an_arg", "not a vllm.LLM argument"), ("vllm", "directly under rollout.engine_kwargs")]:
+                         ("not_an_arg", "not a vllm.LLM argument"), ("vllm", "directly under rollout.engine_kwargs"),
+                         ("enable_expert_parallel", "not supported: .*split a MoE model's experts"),
+                         ("quantization", "not supported: .*quantized engine")]:
         with pytest.raises(ValueError, match=f"^rollout.engine_kwargs.{key}: .*{message}"):
             check_engine_kwargs({key: 1})
