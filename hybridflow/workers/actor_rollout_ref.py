@@ -72,7 +72,7 @@ class ActorRolloutRefWorker(Worker):
         self.resharder = Resharder(self.actor.module, hf_config, self.hybrid_plan, r.resharding)
         # ranks of one generation TP group must sample identically: seed per replica
         self.rollout = build_vllm_rollout(p.model_path, spec, seed=p.seed + self.hybrid_plan.ranks[self.rank].replica,
-                                          generation_groups=self.hybrid_plan.replicas)
+                                          generation_groups=self.hybrid_plan.replicas, colocated=True)
         self.agent = (build_agent_loop(r.multi_turn, spec.max_response_length, spec.chat_template_kwargs, self.tokenizer)
                       if r.multi_turn.enable else None)
         self.version = 0  # the policy version the engine holds (the driver's count of updates)

@@ -95,15 +95,18 @@ def build_agent_loop(multi_turn, max_response_length: int, chat_template_kwargs:
                      AgentSettings.from_config(m, max_response_length), ChatFormat(tokenizer, chat_template_kwargs))
 
 
-def build_vllm_rollout(model_path: str, spec, seed: int, generation_groups) -> VLLMRollout:
+def build_vllm_rollout(model_path: str, spec, seed: int, generation_groups, colocated: bool) -> VLLMRollout:
     """The vLLM engine of ``spec.rollout`` (the actor's or the rollout pool's spec) with dummy weights until the
-    first sync; ``generation_groups``: the ranks of each vLLM TP group of this process's world."""
+    first sync; ``generation_groups``: the ranks of each vLLM TP group of this process's world. Only an engine
+    ``colocated`` with training sleeps outside generation (rollout.free_cache_engine): a pool of its own has no one to
+    give its memory to, and sleeping it around a batch generation (validation, a greedy baseline) only moved its
+    weights to the host and back."""
     r = spec.rollout
     return VLLMRollout(
         model_path, max_model_len=spec.max_prompt_length + spec.max_response_length,
         tensor_parallel_size=r.tensor_model_parallel_size, kv_cache_gib=r.kv_cache_gib, dtype=r.dtype,
         gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
-        free_cache_engine=r.free_cache_engine, max_num_batched_tokens=r.max_num_batched_tokens,
+        free_cache_engine=colocated and r.free_cache_engine, max_num_batched_tokens=r.max_num_batched_tokens,
         max_num_seqs=r.max_num_seqs, enable_chunked_prefill=r.enable_chunked_prefill,
         engine_kwargs=r.engine_kwargs, seed=seed, generation_groups=generation_groups,
         routed_experts=r.enable_rollout_routing_replay, lora_rank=adapter_rank(spec))

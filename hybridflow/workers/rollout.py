@@ -44,7 +44,7 @@ class RolloutWorker(Worker):
         self.plan = SeparatePlan(Layout(*spec.train_layout), self.world_size, r.tensor_model_parallel_size)
         # the ranks of one vLLM TP group sample identically: seeded per replica
         self.rollout = build_vllm_rollout(p.model_path, spec, seed=p.seed + self.rank // self.plan.t_g,
-                                          generation_groups=self.plan.replicas)
+                                          generation_groups=self.plan.replicas, colocated=False)
         # multi-turn trajectories (tools) run against this engine; with partial rollouts carried across pushes too
         self.agent = (build_agent_loop(r.multi_turn, spec.max_response_length, spec.chat_template_kwargs, self.tokenizer)
                       if r.multi_turn.enable else None)
@@ -62,7 +62,6 @@ class RolloutWorker(Worker):
             if self.rank in ranks:
                 group, leader = g, ranks[0]
         samples = SampleSet(self.spec.max_response_length, self.spec.staleness_threshold, self.agent)
-        self.rollout.wake_up(["weights", "kv_cache"])  # a pool of its own: the engine stays awake
         return ContinuousServing(self.rollout, samples, sampling_settings(self.spec, {}),
                                  self.agent.chat.stop_token_ids if self.agent is not None else None,
                                  self.tokenizer.pad_token_id, self.tokenizer.eos_token_id,
@@ -89,7 +88,6 @@ class RolloutWorker(Worker):
     def _receive_weights(self, version: int) -> dict:
         stats = TransitionStats("checkpoint_engine")
         start = time.perf_counter()
-        self.rollout.wake_up(["weights"])
         with torch.no_grad():
             load_generation_shard(self.rollout, checkpoint_engine.receive(self.feed, stats), self.hf_config,
                                   self.rank % self.plan.t_g, self.plan.t_g, stats)

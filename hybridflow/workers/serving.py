@@ -178,7 +178,6 @@ class ContinuousServing:
                 self.version = version
                 self.samples.restart_stale(version, self._idle_samples())  # (those in a tool call: when it returns)
         finally:
-            self.rollout.wake_up(["weights", "kv_cache"])  # a batch generation sleeps the engine after it (GPU)
             for s in self._idle_samples():
                 if not s.trajectory.done:
                     self._start(s)
