@@ -10,7 +10,10 @@ rejects ``dist.broadcast`` (global ranks), so the group's own ``broadcast`` is c
 A bucket is one broadcast of a header (names, shapes, dtypes, offsets; pickled) and one of its payload
 (``rollout.checkpoint_engine.update_weights_bucket_megabytes`` at most, unless one tensor is larger); an
 empty header ends the stream. Every wait has the feed's timeout and fails in one line naming the feed's
-ranks.
+ranks. On NCCL that needs blocking waits (TORCH_NCCL_BLOCKING_WAIT, read when the group is built): without them
+``Work.wait(timeout)`` only orders the current stream after the collective and returns, and a hung transfer is
+caught by NCCL's watchdog, which takes the whole process down after the timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING's
+default; torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, WorkNCCL::synchronizeInternal).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.distributed as dist
 from hybridflow import device
 from hybridflow.resharding import vllm_layout
 from hybridflow.resharding.separate import Feed
+from hybridflow.util import environ
 
 _ALIGN = 16  # payload offsets: any dtype's view of the byte buffer starts aligned
 
@@ -47,7 +51,8 @@ class FeedGroup:
             if device.on_accelerator():  # nccl on CUDA, rccl on ROCm builds of torch
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = self.timeout
-                self.pg = dist.ProcessGroupNCCL(store, group_rank, feed.size, options)
+                with environ(TORCH_NCCL_BLOCKING_WAIT="1"):  # wait(timeout) raises, as gloo's does (module doc)
+                    self.pg = dist.ProcessGroupNCCL(store, group_rank, feed.size, options)
             else:
                 self.pg = dist.ProcessGroupGloo(store, group_rank, feed.size, self.timeout)
         except (RuntimeError, dist.DistError) as e:
