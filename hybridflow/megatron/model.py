@@ -161,7 +161,19 @@ def check_transformer_overrides(overrides: dict, key: str) -> dict:
             value = AttnBackend[value]
         out[name] = value
     _check_recompute_modules(out, key)
+    _check_rope_fusion(out, key)
     return out
+
+
+def _check_rope_fusion(overrides: dict, key: str) -> None:
+    """megatron's fused rotary embedding is Transformer Engine's (models/common/embeddings/rope_utils.py imports
+    ``fused_apply_rotary_pos_emb`` from its TE extension, None without TE, and asserts it at the first forward):
+    ``apply_rope_fusion`` is refused where that import failed. hybridflow itself never turns it on."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if overrides.get("apply_rope_fusion") and rope_utils.fused_apply_rotary_pos_emb is None:
+        raise ValueError(f"{key}.apply_rope_fusion: megatron's fused rotary embedding needs Transformer Engine, which "
+                         "is not installed here; leave it false")
 
 
 def _check_recompute_modules(overrides: dict, key: str) -> None:

@@ -145,3 +145,18 @@ def test_layernorm_recompute_without_transformer_engine_is_refused_before_start(
     key = "actor.megatron.override_transformer_config"
     with pytest.raises(ValueError, match=rf"^{key}\.recompute_modules: 'layernorm' needs Transformer Engine"):
         check_transformer_overrides({"recompute_granularity": "selective", "recompute_modules": ["layernorm"]}, key)
+
+
+def test_rope_fusion_without_transformer_engine_is_refused_before_start():
+    """megatron's fused rotary embedding is TE's: without TE it asserts at the first forward (rope_utils)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from hybridflow.megatron.model import check_transformer_overrides
+
+    if rope_utils.fused_apply_rotary_pos_emb is not None:
+        pytest.skip("Transformer Engine is installed: megatron's fused rotary embedding runs")
+    key = "critic.megatron.override_transformer_config"
+    with pytest.raises(ValueError, match=rf"^{key}\.apply_rope_fusion: megatron's fused rotary embedding needs "
+                                         "Transformer Engine"):
+        check_transformer_overrides({"apply_rope_fusion": True}, key)
+    assert check_transformer_overrides({"apply_rope_fusion": False}, key) == {"apply_rope_fusion": False}
