@@ -45,6 +45,15 @@ class ParallelLayout:
     def expert_dp(self) -> int:
         return self.world // (self.etp * self.ep * self.pp)
 
+    def collective_groups(self, moe: bool) -> dict[str, int]:
+        """The process groups of more than one rank a rank of this role runs collectives on (megatron's
+        parallel_state): TP, CP, PP (its point-to-point), data x context (gradients, the distributed optimizer);
+        with experts (``moe``) also EP, expert TP and expert data parallel (the experts' gradients)."""
+        groups = {"tensor": self.tp, "context": self.cp, "pipeline": self.pp, "data": self.weight_replicas}
+        if moe:
+            groups.update(expert=self.ep, expert_tensor=self.etp, expert_data=self.expert_dp)
+        return {name: size for name, size in groups.items() if size > 1}
+
     @property
     def moves_experts(self) -> bool:
         """The transition to vLLM exchanges whole experts between ranks (EP > 1 or expert TP != TP)."""

@@ -27,8 +27,9 @@ class Shape:
     top_k: int = 0  # MoE: experts each token goes through
     sparse_layers: int | None = None  # MoE layers (None: every layer); the rest dense (mlp_only_layers)
     # MoE, an assumption rather than a shape: the routed tokens the busiest expert-parallel rank computes, over an
-    # even share (1.0: balanced routing; without load balancing a few hot experts draw several times their share)
-    routing_skew: float = 1.0
+    # even share (1.0: balanced routing). RL runs without a load-balancing loss (verl's moe_router_load_balancing_type
+    # none), where a few hot experts draw several times their share: the plan assumes twice (--moe-routing-skew).
+    routing_skew: float = 2.0
 
     @classmethod
     def from_hf(cls, c: dict) -> Shape:

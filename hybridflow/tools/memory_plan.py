@@ -54,8 +54,9 @@ Assumptions (estimates meant to err on the high side, not exact accounting):
   staging copy (vLLM-CPU's loaders need one; reshard/staging_bytes reports it there). A MoE model's dense weights
   go through the loaders on GPU too: the largest piece (the embedding) staged whole; its experts are written in
   place from the second sync (rollout/fused_experts.py).
-- A fixed 2 GiB per GPU for CUDA contexts and NCCL buffers. The critic on a separate pool
-  (critic.placement = separate) gets its own table.
+- What every GPU holds whatever the model does (tools/memory_fixed.py): a CUDA context per process on it and the NCCL
+  buffers of each communicator its processes use. The critic on a separate pool (critic.placement = separate)
+  gets its own table.
 """
 
 from __future__ import annotations
@@ -72,13 +73,13 @@ from types import SimpleNamespace
 from hybridflow.config import ConfigError
 from hybridflow.plan import ParallelLayout, load_experiment, resolve
 from hybridflow.config.model import vllm_lora_rank
+from hybridflow.tools import memory_fixed
 from hybridflow.plan.model_shape import (Shape, count_params, expert_params, kv_bytes_per_token,  # noqa: F401
                                          largest_layer_params, layer_params, lora_base_params,
                                          lora_expert_base_params, lora_expert_params, lora_params,
                                          lora_peft_params)
 
 GiB = 2 ** 30
-CONTEXT_BYTES = 2 * GiB
 CUDA_GRAPH_GIB = 2.0  # a sleeping vLLM's CUDA-graph pool (see the docstring)
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -306,10 +307,11 @@ def plan(cfg, shape: Shape, gpu_mem_gib: float, *, rm_shape: Shape | None = None
         vllm_weights += (lora_peft_params(shape, vllm_lora_rank(lora.rank), lora.targets) * BYTES[ro.dtype]
                          / ro.tensor_model_parallel_size)
     graphs = 0.0 if ro.enforce_eager else cuda_graph_gib * GiB  # held while vLLM sleeps
-    ctx = [("CUDA context + NCCL buffers (fixed)", CONTEXT_BYTES)]
+    moe = shape.experts > 0
+    ctx = memory_fixed.trainer_gpu(run, moe, critic is not None and critic.on_actor_gpus, cfg.reward_model.enable)
 
     if run.rollout_spec is not None:  # separate_async: no vLLM on the trainer's GPUs
-        return _separate(cfg, shape, P, P_c, roles[0], here, ctx, budget, vllm_weights)
+        return _separate(cfg, shape, P, P_c, roles[0], here, ctx, memory_fixed.rollout_gpu(run), budget, vllm_weights)
     training = _training(here, ctx, _vllm_outside_generation(ro, budget, graphs))
     transition = _transition(cfg, shape, P, roles[0], here, ctx, budget, vllm_weights, graphs)
     vllm = (f"vLLM ({ro.gpu_memory_utilization:g} x {gpu_mem_gib:g} GiB: weights + KV cache)", budget)
@@ -317,13 +319,14 @@ def plan(cfg, shape: Shape, gpu_mem_gib: float, *, rm_shape: Shape | None = None
     out = {"training": training, "transition": transition, "generation": generation,
            "params": P, "critic_params": P_c, "kv_cache": budget - vllm_weights, "vllm_weights": vllm_weights}
     if critic is not None and not critic.on_actor_gpus:  # its own GPUs: it trains there, nothing else does
-        out["critic GPUs (separate pool)"] = ctx + [(f"critic {k}", v) for k, v in critic.items.items()] + \
+        out["critic GPUs (separate pool)"] = memory_fixed.critic_gpu(run, moe) + \
+            [(f"critic {k}", v) for k, v in critic.items.items()] + \
             [(f"critic activations ({critic.act_label})", critic.activations)]
     return out
 
 
-def _separate(cfg, shape: Shape, P: int, P_c: int, actor: Role, here: list[Role], ctx: list, budget: float,
-              vllm_weights: float) -> dict:
+def _separate(cfg, shape: Shape, P: int, P_c: int, actor: Role, here: list[Role], ctx: list, rollout_ctx: list,
+              budget: float, vllm_weights: float) -> dict:
     """separate_async: the trainer's GPUs train and push (the training-pool leg of the checkpoint engine to vLLM TP
     gcd(t, t_g), one bucket being sent); the rollout pool's GPUs hold vLLM's budget and one bucket received."""
     import math
@@ -334,7 +337,7 @@ def _separate(cfg, shape: Shape, P: int, P_c: int, actor: Role, here: list[Role]
     training = _training(here, ctx, ("vLLM (none: a pool of its own)", 0))
     push = ctx + [("actor params (loaded for the push)", actor.items["params"])]
     push += _resharding_buffers(cfg, shape, P, t_s) + [bucket] + _resident(here, skip={("actor", "params")})
-    rollout = ctx + [(f"vLLM ({ro.gpu_memory_utilization:g} x GPU: weights + KV cache)", budget), bucket]
+    rollout = rollout_ctx + [(f"vLLM ({ro.gpu_memory_utilization:g} x GPU: weights + KV cache)", budget), bucket]
     return {"training": training, "weight push (trainer GPUs)": push, "rollout GPUs (separate pool)": rollout,
             "params": P, "critic_params": P_c, "kv_cache": budget - vllm_weights, "vllm_weights": vllm_weights}
 
@@ -365,10 +368,11 @@ def find_shapes(model_path: str, explicit: str | None, key: str = "model.path", 
 def render(result: dict, gpu_mem_gib: float) -> tuple[str, bool]:
     lines = [f"total params: {result['params']:,}" +
              (f" (critic {result['critic_params']:,})" if result["critic_params"] else "")]
+    w = max([62] + [len(item) + 1 for rows in phases(result).values() for item, _ in rows])
     for phase, rows in phases(result).items():
-        lines += ["", f"{phase}", f"  {'item':<62}{'GiB':>8}"]
-        lines += [f"  {item:<62}{b / GiB:8.2f}" for item, b in rows]
-        lines.append(f"  {'peak':<62}{sum(b for _, b in rows) / GiB:8.2f}")
+        lines += ["", f"{phase}", f"  {'item':<{w}}{'GiB':>8}"]
+        lines += [f"  {item:<{w}}{b / GiB:8.2f}" for item, b in rows]
+        lines.append(f"  {'peak':<{w}}{sum(b for _, b in rows) / GiB:8.2f}")
     kv = result["kv_cache"]
     lines += ["", f"KV-cache budget in generation: {kv / GiB:.2f} GiB (vLLM budget - weights "
                   f"{result['vllm_weights'] / GiB:.2f} GiB)"]
@@ -401,9 +405,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cuda-graph-gib", type=float, default=CUDA_GRAPH_GIB,
                     help=f"a sleeping vLLM's CUDA-graph pool, GiB (default {CUDA_GRAPH_GIB:g}; vLLM logs its own "
                          "estimate at start-up)")
-    ap.add_argument("--moe-routing-skew", type=float, default=1.0,
-                    help="MoE: the routed tokens of the busiest expert-parallel rank over an even share (default 1: "
-                         "balanced routing)")
+    ap.add_argument("--moe-routing-skew", type=float, default=Shape.routing_skew,
+                    help="MoE: the routed tokens of the busiest expert-parallel rank over an even share (default "
+                         f"{Shape.routing_skew:g}; 1: balanced routing)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = ap.parse_args(argv)
     if args.moe_routing_skew < 1:
