@@ -424,6 +424,7 @@ def translate(verl_args: list[str]) -> Translation:
     for an integer key names the verl key), the second names to check once loaded (``check_agreement``),
     and the accepted keys that change nothing. All unsupported keys are named in one ``ConfigError``."""
     ours, implied, agree, no_effect, unsupported, gpus = [], [], {}, {}, [], {}
+    set_by: dict[str, tuple[str, str]] = {}  # our key -> (the verl key, its value) that set it
     manager, overlong_on = "naive", None  # verl's default manager; the argument enabling overlong shaping
     megatron = any(a.startswith("--config-name=") and "megatron" in a for a in verl_args)
     for arg in verl_args:
@@ -461,8 +462,9 @@ def translate(verl_args: list[str]) -> Translation:
         else:
             if target in _LISTS and not value.lstrip().startswith("["):
                 value = f"[{value}]"  # verl takes one file (or logger) as a plain string
-            ours.extend(Override(f"{t}={value}", f"verl override '{arg}'")
-                        for t in ((target,) if isinstance(target, str) else target))
+            for t in ((target,) if isinstance(target, str) else target):
+                _check_one_value(set_by, t, key, value)
+                ours.append(Override(f"{t}={value}", f"verl override '{arg}'"))
         if key in (f"{section}.enable" for section in _OVERLONG_SECTIONS) and _is_true(value):
             overlong_on = arg
     if unsupported:
@@ -478,6 +480,22 @@ def translate(verl_args: list[str]) -> Translation:
     if _R + "nnodes" in gpus:  # the standalone rollout pool (verl: rollout.n_gpus_per_node defaults to the trainer's)
         ours.append(f"resources.rollout_n_workers={gpus[_R + 'nnodes'] * gpus.get(_R + 'n_gpus_per_node', per_node)}")
     return Translation(implied + ours, agree, no_effect)
+
+
+def _check_one_value(set_by: dict, target: str, key: str, value: str) -> None:
+    """Two verl keys naming one of our values (ulysses_sequence_parallel_size and megatron.context_parallel_size) must
+    give it the same value: otherwise the later one would silently win."""
+    import yaml
+
+    if target in set_by and set_by[target][0] != key:
+        other, before = set_by[target]
+        try:
+            same = yaml.safe_load(before) == yaml.safe_load(value)
+        except yaml.YAMLError:
+            same = before == value
+        if not same:
+            raise ConfigError(f"verl overrides {other}={before} and {key}={value} both set {target}: they must agree")
+    set_by[target] = (key, value)
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -317,6 +317,12 @@ def test_hydra_config_name_with_a_space_and_engine_kwargs():
     (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
       "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1"],
      "'actor_rollout_ref.ref.ulysses_sequence_parallel_size=1' must equal actor.megatron.context_parallel_size (2)"),
+    # two verl names of one value: the later must not silently win
+    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+      "actor_rollout_ref.actor.megatron.context_parallel_size=4"],
+     "verl overrides actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 and "
+     "actor_rollout_ref.actor.megatron.context_parallel_size=4 both set actor.megatron.context_parallel_size: they "
+     "must agree"),
     (["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
      "virtual_pipeline_model_parallel_size 2 needs pipeline_model_parallel_size > 1"),
     (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
