@@ -554,7 +554,7 @@ class Schedule:
     max_off_policy_strategy: Literal["drop", "wait"] = "drop"
     # separate_async: each generation stops at its batch of complete groups and carries the unfinished responses
     # across the next weight push (verl's fully-async recipe's async_training.partial_rollout); colocate_async
-    # always does (verl: "partial rollout is enabled" in that mode)
+    # always does (verl: "partial rollout is enabled" in that mode: false is refused there)
     partial_rollout: bool = True
 
     def validate(self):

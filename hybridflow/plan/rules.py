@@ -124,6 +124,10 @@ def check_schedule(cfg, on_gpu: bool) -> None:
     """schedule.mode's needs: separate_async a rollout pool of its own and verl's rule between data.batch_size,
     parameter_sync_step and ppo_mini_batch_size."""
     sc, res = cfg.schedule, cfg.resources
+    if sc.mode == "colocate_async" and not sc.partial_rollout:
+        raise ValueError("schedule.partial_rollout=false: colocate_async always carries unfinished responses to the next "
+                         "step (verl: partial rollout is enabled in that mode); use schedule.mode sync or "
+                         "separate_async for whole responses")
     if sc.mode != "separate_async":
         if res.rollout_n_workers:
             raise ValueError(f"resources.rollout_n_workers ({res.rollout_n_workers}) sizes the rollout pool of "

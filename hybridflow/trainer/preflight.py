@@ -51,6 +51,7 @@ def check_run(cfg: ExperimentConfig) -> Checked:
     check_machine(cfg, plan)
     model, tokenizer, train_data, val_data = check_files(cfg)
     plan = run_plan(cfg, model, len(train_data))
+    warn_no_bound(cfg, plan)
     check_roles(cfg, model, plan)
     check_resources(cfg, plan)
     check_step_fits(cfg, model, plan)
@@ -73,6 +74,17 @@ def run_plan(cfg: ExperimentConfig, model=None, n_train: int | None = None) -> R
         except ValueError as e:
             raise ConfigError(f"rollout.tensor_model_parallel_size: {e} ({cfg.model.path})") from None
     return plan
+
+
+def warn_no_bound(cfg: ExperimentConfig, plan: RunPlan) -> bool:
+    """One warning line when an async mode's staleness bound is at least the run's steps: no sample can lag that
+    far, so it bounds nothing (null says so). Returns whether it warned."""
+    bound = cfg.schedule.max_off_policy_threshold
+    if cfg.schedule.mode == "sync" or bound is None or plan.total_steps is None or bound < plan.total_steps:
+        return False
+    log.warning("schedule.max_off_policy_threshold=%s is at least the run's %d steps: in effect no staleness bound "
+                "(set it to null to say so, or below the steps to bound the lag)", bound, plan.total_steps)
+    return True
 
 
 def check_config(cfg: ExperimentConfig) -> RunPlan:

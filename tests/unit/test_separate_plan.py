@@ -110,6 +110,8 @@ ASYNC = ["schedule.mode=separate_async", "resources.rollout_n_workers=1", "sched
      "data.batch_size \\(64\\) must equal schedule.parameter_sync_step \\(4\\) x actor.ppo_mini_batch_size \\(64\\)"),
     (ASYNC + ["rollout.checkpoint_engine.backend=nccl"], "backend 'nccl' needs GPU workers"),
     (ASYNC + ["rollout.tensor_model_parallel_size=2"], "resources.rollout_n_workers \\(1\\) is not divisible by"),
+    (["schedule.mode=colocate_async", "schedule.partial_rollout=false"],
+     "schedule.partial_rollout=false: colocate_async always carries unfinished responses"),
 ])
 def test_trainer_mode_rules_are_one_line(overrides, message):
     with pytest.raises((ValueError, ConfigError), match=message):
@@ -145,3 +147,13 @@ def test_verl_trainer_mode_keys():
                      "schedule.num_warmup_batches=1", "rollout.checkpoint_engine.update_weights_bucket_megabytes=512"):
         assert any(expected in o for o in ours), (expected, ours)
     assert not any(o.startswith("resources.n_workers") for o in ours)  # the trainer's GPU count was not given
+
+
+def test_a_staleness_bound_beyond_the_run_is_named_as_none(caplog):
+    from hybridflow.trainer.preflight import warn_no_bound
+
+    for bound, steps, warned in ((100000000000000000000, 100, True), (100, 100, True), (8, 100, False)):
+        cfg = load_experiment(["configs/quickstart_async_cpu.yaml"],
+                              [f"schedule.max_off_policy_threshold={bound}", f"trainer.total_steps={steps}"])
+        assert warn_no_bound(cfg, resolve(cfg)) is warned
+    assert "is at least the run's 100 steps: in effect no staleness bound" in caplog.text
