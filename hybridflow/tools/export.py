@@ -82,7 +82,7 @@ def check_writable(out_dir: str) -> None:
         raise ConfigError(f"--out {out_dir}: cannot write in {parent} ({e.strerror or type(e).__name__})") from None
 
 
-def export(ckpt: Path, out_dir: str, merged: bool = False) -> None:
+def export(ckpt: Path, out_dir: str, merged: bool = False, force: bool = False) -> None:
     """The checkpoint's actor as a HF folder; a LoRA run's as a peft adapter folder (its base: the run's
     model.path), or with ``merged`` as the HF model with the adapters merged."""
     import torch
@@ -118,9 +118,9 @@ def export(ckpt: Path, out_dir: str, merged: bool = False) -> None:
         load_role(actor, str(ckpt / "actor"), with_optimizer=False)
         with torch.no_grad():
             if lora.rank and not merged:
-                _save_adapters(actor, lora, saved["model"]["path"], out_dir)
+                _save_adapters(actor, lora, saved["model"]["path"], out_dir, force)
             else:
-                save_hf_folder(out_dir, hf_config, actor.iter_hf_weights(), tokenizer)
+                save_hf_folder(out_dir, hf_config, actor.iter_hf_weights(), tokenizer, replace=force)
     finally:
         from megatron.core import parallel_state as ps
 
@@ -128,7 +128,7 @@ def export(ckpt: Path, out_dir: str, merged: bool = False) -> None:
         dist.destroy_process_group()
 
 
-def _save_adapters(actor, lora, base_model: str, out_dir: str) -> None:
+def _save_adapters(actor, lora, base_model: str, out_dir: str, force: bool) -> None:
     from hybridflow.megatron import lora_peft
     from hybridflow.megatron.lora import is_adapter
     from hybridflow.workers.export import save_peft_folder
@@ -136,7 +136,7 @@ def _save_adapters(actor, lora, base_model: str, out_dir: str) -> None:
     full = {k: v for k, v in actor.module.state_dict().items() if is_adapter(k)}  # one rank: whole adapters
     tensors = lora_peft.to_peft(full, actor.hf_config, actor.shard)
     save_peft_folder(out_dir, tensors, lora_peft.adapter_config(tensors, lora.rank, lora.alpha, lora.dropout,
-                                                                os.path.abspath(base_model)))
+                                                                os.path.abspath(base_model)), replace=force)
 
 
 def main(argv=None) -> int:
@@ -156,10 +156,13 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        export(ckpt, args.out, merged=args.merged)
+        export(ckpt, args.out, merged=args.merged, force=args.force)
     except DamagedCheckpoint as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except FileExistsError as e:  # another export took --out while this one wrote
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"exported {ckpt} -> {args.out}")
     return 0
 

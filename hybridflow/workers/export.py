@@ -55,7 +55,8 @@ def _write_shards(tmp: Path, items, max_shard_bytes: int) -> None:
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def save_hf_folder(out_dir: str, hf_config, weights, tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+def save_hf_folder(out_dir: str, hf_config, weights, tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTES,
+                   replace: bool = True) -> None:
     """``weights``: a state dict, or an iterable of (HF name, tensor) consumed as it is produced. An
     existing ``out_dir`` (a folder or a file) is replaced once the new folder is whole; one holding a run's
     files is refused (FileExistsError) before anything is written."""
@@ -65,10 +66,10 @@ def save_hf_folder(out_dir: str, hf_config, weights, tokenizer=None, max_shard_b
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
 
-    _write_folder(out_dir, fill)
+    _write_folder(out_dir, fill, replace)
 
 
-def save_peft_folder(out_dir: str, tensors: dict, adapter_config: dict) -> None:
+def save_peft_folder(out_dir: str, tensors: dict, adapter_config: dict, replace: bool = True) -> None:
     """A peft adapter folder (``adapter_model.safetensors`` under peft's saved names, ``adapter_config.json``),
     written as ``save_hf_folder`` writes."""
     from safetensors.torch import save_file
@@ -78,11 +79,13 @@ def save_peft_folder(out_dir: str, tensors: dict, adapter_config: dict) -> None:
                   metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
 
-    _write_folder(out_dir, fill)
+    _write_folder(out_dir, fill, replace)
 
 
-def _write_folder(out_dir: str, fill) -> None:
-    """``fill(tmp)`` writes a new folder beside ``out_dir``, which replaces it once whole (never a run's folder)."""
+def _write_folder(out_dir: str, fill, replace: bool = True) -> None:
+    """``fill(tmp)`` writes a new folder beside ``out_dir``, which replaces it once whole (never a run's folder), its
+    modes as the umask says (mkdtemp makes it 0700). Without ``replace`` it only takes the place of nothing or of an
+    empty folder, atomically: an export that wrote ``out_dir`` meanwhile is never replaced (FileExistsError)."""
     out = Path(out_dir)
     if out.is_dir() and (marker := run_file_in(out)) is not None:
         raise FileExistsError(f"{out} holds a training run ({marker}); a run folder is never replaced")
@@ -90,9 +93,17 @@ def _write_folder(out_dir: str, fill) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         fill(tmp)
+        _modes_of_umask(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if not replace:
+        try:
+            os.rename(tmp, out)  # fails where out is a file or a folder with anything in it
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise FileExistsError(f"{out} was written by another export meanwhile; pass --force to replace it") from e
+        return
     if out.exists() or out.is_symlink():
         old = out.with_name(f".{out.name}.old")
         _remove(old)
@@ -101,6 +112,16 @@ def _write_folder(out_dir: str, fill) -> None:
         _remove(old)
     else:
         os.replace(tmp, out)
+
+
+def _modes_of_umask(folder: Path) -> None:
+    """The folder and its files readable as new files and folders are (0777 / 0666 less the umask), for the group
+    that serves them."""
+    mask = os.umask(0)
+    os.umask(mask)
+    folder.chmod(0o777 & ~mask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _remove(path: Path) -> None:

@@ -228,3 +228,34 @@ def test_save_hf_folder_never_replaces_a_run_folder_and_replaces_a_file(run_copy
     save_hf_folder(str(_file(tmp_path / "was_a_file")), cfg, state)
     assert set(load_hf_folder(str(tmp_path / "was_a_file"))[1]) == set(state)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temp or old copy left"
+
+
+def test_an_export_without_force_never_replaces_one_written_meanwhile_and_is_readable_by_the_group(tmp_path):
+    """Two exports to one --out: both found it free; the one finishing second is refused (hybridflow export exits 2)
+    instead of silently replacing the first. The folder and files take the umask's modes, not mkdtemp's 0700."""
+    import os
+    import stat
+
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
+    from hybridflow.workers.common import load_hf_folder
+    from hybridflow.workers.export import save_hf_folder
+
+    build_tiny_qwen2(tmp_path / "m", build_char_tokenizer(tmp_path / "m"), hidden_size=64, num_layers=1, seed=1)
+    cfg, state = load_hf_folder(str(tmp_path / "m"))
+    out = tmp_path / "out"
+    old = os.umask(0o022)
+    try:
+        save_hf_folder(str(out), cfg, state, replace=False)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {0o644}
+    first = (out / "config.json").stat().st_mtime_ns
+    with pytest.raises(FileExistsError, match=rf"^{out} was written by another export meanwhile; pass --force"):
+        save_hf_folder(str(out), cfg, state, replace=False)
+    assert (out / "config.json").stat().st_mtime_ns == first
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temp folder left"
+    (tmp_path / "empty").mkdir()
+    save_hf_folder(str(tmp_path / "empty"), cfg, state, replace=False)  # an empty folder is taken
+    assert set(load_hf_folder(str(tmp_path / "empty"))[1]) == set(state)
