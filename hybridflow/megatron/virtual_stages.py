@@ -72,3 +72,13 @@ def microbatch_group_size(num_micro_batches: int, pp: int) -> int:
         raise ValueError(f"virtual pipeline stages need at least {pp} micro-batches (the pipeline size), got "
                          f"{num_micro_batches}")
     return pp if num_micro_batches % pp == 0 else num_micro_batches
+
+
+def interleaved_count(count: int, pp: int, rows: int) -> int:
+    """``count`` micro-batches rounded up to a multiple of ``pp`` where ``rows`` allow it (a micro-batch holds a row at
+    least). Where pp does not divide the count, megatron's interleaved schedule runs them as one group
+    (``microbatch_group_size``) and warms up (v - 1) x all of them before its first backward, holding about v x
+    the activations of every micro-batch at once (schedules.get_pp_rank_microbatches); in groups of pp it holds
+    2 (pp - 1) + (v - 1) pp + 1 chunk forwards, what the memory plan counts (tools/memory_plan.stages_in_flight)."""
+    rounded = -(-count // pp) * pp
+    return rounded if rounded <= rows else count

@@ -120,6 +120,11 @@ class ParallelLayout:
             raise ValueError(f"{self.role}.ppo_mini_batch_size x rollout.n ({mini} sequences) must split into the "
                              f"{self.role}'s {self.dp} data-parallel ranks and then into micro-batches of "
                              f"{self.role}.ppo_micro_batch_size_per_gpu ({micro})")
+        if self.vpp > 1 and mini // self.dp <= self.pp:  # role_ops.least_micro_batches, known from the config
+            raise ValueError(f"{self.role}.ppo_mini_batch_size x rollout.n ({mini} sequences) gives each of the "
+                             f"{self.role}'s {self.dp} data-parallel ranks {mini // self.dp} rows: virtual pipeline "
+                             f"stages need more than pipeline_model_parallel_size ({self.pp}) micro-batches, a row "
+                             "each at least")
 
 
 @dataclass(frozen=True)

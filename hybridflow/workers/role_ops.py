@@ -13,6 +13,7 @@ from hybridflow import device
 from hybridflow.algorithms import (POLICY_LOSSES, GlobalBatch, aggregate_loss, kl_loss, masked_mean,
                                    value_loss)
 from hybridflow.algorithms.rollout_correction import compute_policy_loss_bypass_mode, mismatch_metrics
+from hybridflow.megatron import virtual_stages
 from hybridflow.megatron.model import te_available
 from hybridflow.megatron.role import MegatronRole, token_log_probs, vocab_parallel_entropy
 from hybridflow.protocol import Batch
@@ -119,13 +120,24 @@ def _laid_out(role: MegatronRole, batch: Batch, micro: int | TokenBudget,
         thd = role.packs_sequences
         share = role.shares_prompts and not thd
         count = agreed_count(max(row_layout.micro_batch_count(batch, micro, share), least_micro_batches(role, batch)))
+        count = _schedule_count(role, count, len(batch))  # the same on every rank: from the agreed count
         return row_layout.token_micro_batches(batch, micro, extra_keys, seq_multiple, share_prompts=share, thd=thd,
                                               count=count,
                                               unit_multiple=row_layout.context_parallel_multiple(role.shard.cp_size))
     least = least_micro_batches(role, batch)
     if -(-len(batch) // micro) < least:  # fewer, smaller micro-batches
         micro = len(batch) // least
-    return row_layout.micro_batches(batch, micro, extra_keys, seq_multiple, share_prompts=role.shares_prompts), None
+    count = _schedule_count(role, -(-len(batch) // micro), len(batch))
+    return row_layout.micro_batches(batch, micro, extra_keys, seq_multiple, share_prompts=role.shares_prompts,
+                                    count=count), None
+
+
+def _schedule_count(role: MegatronRole, count: int, rows: int) -> int:
+    """The micro-batch count the role's schedule runs: with virtual pipeline stages rounded up to a multiple of the
+    pipeline size where the rows allow (virtual_stages.interleaved_count), else ``count``."""
+    if role.shard.vpp_size == 1:
+        return count
+    return virtual_stages.interleaved_count(count, role.shard.pp_size, rows)
 
 
 def least_micro_batches(role: MegatronRole, batch: Batch) -> int:

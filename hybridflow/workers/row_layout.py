@@ -35,8 +35,9 @@ class TokenBudget:
 
 
 def micro_batches(batch: Batch, size: int, extra_keys=(), seq_multiple: int = 1,
-                  share_prompts: bool = False) -> list[dict]:
-    """Dicts for megatron's schedule, one per ``size`` rows, laid out so the model's attention is exact.
+                  share_prompts: bool = False, count: int | None = None) -> list[dict]:
+    """Dicts for megatron's schedule, one per ``size`` rows (or, with a ``count`` other than that gives, ``count``
+    micro-batches of near-equal rows), laid out so the model's attention is exact.
 
     Rows arrive as left-padded prompts followed by right-padded responses. By default each row is rotated
     so that its tokens come first and all of its padding follows them: a causal-only attention (TE's
@@ -56,7 +57,12 @@ def micro_batches(batch: Batch, size: int, extra_keys=(), seq_multiple: int = 1,
     """
     P, R = prompt_and_response_width(batch)
     out = []
-    for mb in batch.select(tensor_keys=[*MODEL_INPUTS, *extra_keys]).split(size):
+    selected = batch.select(tensor_keys=[*MODEL_INPUTS, *extra_keys])
+    if count is None or count == -(-len(batch) // size):
+        parts = selected.split(size)
+    else:
+        parts = [selected[rows.numpy()] for rows in torch.arange(len(batch)).tensor_split(count)]
+    for mb in parts:
         d = shared_prompt_rows(mb, P, seq_multiple) if share_prompts else None
         out.append({**(d or _rotated_rows(mb, P, R, seq_multiple)), **{k: mb.tensors[k] for k in extra_keys}})
     return out

@@ -72,8 +72,34 @@ def test_the_plan_builds_virtual_stages():
     (MOE, [*VPP, "resources.n_workers=4"],
      "actor.megatron.virtual_pipeline_model_parallel_size 2: actor.megatron.router_replay is not supported"),
     (QUICKSTART, [*VPP, "model.lora.rank=8"], "model.lora is not supported with virtual pipeline stages"),
+    # two rows per rank for two stages: found at step 1 before, in the config now
+    (QUICKSTART, [*VPP, "resources.n_workers=2", "actor.ppo_mini_batch_size=2", "data.batch_size=2",
+                  "actor.ppo_micro_batch_size_per_gpu=1"],
+     r"actor.ppo_mini_batch_size x rollout.n \(2 sequences\) gives each of the actor's 1 data-parallel ranks 2 "
+     r"rows: virtual pipeline stages need more than pipeline_model_parallel_size \(2\) micro-batches"),
 ])
 def test_virtual_stage_refusals_are_one_line(config, overrides, message):
     with pytest.raises(ValueError, match=message) as err:
         resolve(load_experiment([config], overrides), DENSE)
     assert "\n" not in str(err.value)
+
+
+def test_the_micro_batch_count_is_rounded_up_to_a_multiple_of_pp_where_the_rows_allow():
+    """megatron's interleaved schedule holds about v x every micro-batch's activations where pp does not divide their
+    count (one group of all); a multiple of pp keeps the plan's 2 (pp - 1) + (v - 1) pp + 1 chunk forwards."""
+    from hybridflow.megatron.virtual_stages import interleaved_count
+    from hybridflow.workers.role_ops import _laid_out
+
+    assert interleaved_count(3, 2, rows=8) == 4 and interleaved_count(5, 4, rows=8) == 8
+    assert interleaved_count(4, 2, rows=8) == 4
+    assert interleaved_count(3, 2, rows=3) == 3  # four micro-batches need four rows: megatron's one group stays
+    role = SimpleNamespace(shard=Shard(pp_size=2, vpp_size=2), tf_config=SimpleNamespace(sequence_parallel=False),
+                           shares_prompts=False)
+    p, r = 3, 2
+    ids = torch.arange(10 * (p + r)).reshape(10, p + r)
+    batch = Batch.from_dict(tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                     "position_ids": torch.arange(p + r).expand(10, -1), "responses": ids[:, p:]})
+    mbs, _ = _laid_out(role, batch, 4)  # ceil(10 / 4) = 3 micro-batches of 4 rows: 4 of 3, 3, 2 and 2 rows instead
+    assert [len(mb["sample_row"]) for mb in mbs] == [3, 3, 2, 2]
+    mbs, _ = _laid_out(SimpleNamespace(**{**vars(role), "shard": Shard(pp_size=2)}), batch, 4)  # no virtual stages
+    assert [len(mb["sample_row"]) for mb in mbs] == [4, 4, 2]
