@@ -460,11 +460,7 @@ def translate(verl_args: list[str]) -> Translation:
         elif (target := _ours(key)) is None:
             unsupported.append(key)
         else:
-            if target in _LISTS and not value.lstrip().startswith("["):
-                value = f"[{value}]"  # verl takes one file (or logger) as a plain string
-            for t in ((target,) if isinstance(target, str) else target):
-                _check_one_value(set_by, t, key, value)
-                ours.append(Override(f"{t}={value}", f"verl override '{arg}'"))
+            ours.extend(_overrides_of(target, arg, set_by))
         if key in (f"{section}.enable" for section in _OVERLONG_SECTIONS) and _is_true(value):
             overlong_on = arg
     if unsupported:
@@ -480,6 +476,20 @@ def translate(verl_args: list[str]) -> Translation:
     if _R + "nnodes" in gpus:  # the standalone rollout pool (verl: rollout.n_gpus_per_node defaults to the trainer's)
         ours.append(f"resources.rollout_n_workers={gpus[_R + 'nnodes'] * gpus.get(_R + 'n_gpus_per_node', per_node)}")
     return Translation(implied + ours, agree, no_effect)
+
+
+def _overrides_of(target, arg: str, set_by: dict) -> list[Override]:
+    """Our overrides for verl's ``arg`` (key=value) naming our ``target`` (one key or several), each value set once
+    (``_check_one_value``)."""
+    key, value = arg.split("=", 1)
+    key = key.lstrip("+")
+    if target in _LISTS and not value.lstrip().startswith("["):
+        value = f"[{value}]"  # verl takes one file (or logger) as a plain string
+    out = []
+    for t in ((target,) if isinstance(target, str) else target):
+        _check_one_value(set_by, t, key, value)
+        out.append(Override(f"{t}={value}", f"verl override '{arg}'"))
+    return out
 
 
 def _check_one_value(set_by: dict, target: str, key: str, value: str) -> None:
