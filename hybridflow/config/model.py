@@ -47,6 +47,9 @@ class LoRA:
     def validate(self):
         check_number("model.lora.rank", self.rank, ge=0)
         if not self.rank:
+            if self.adapter_path:
+                raise ValueError(f"model.lora.adapter_path ({self.adapter_path}) needs model.lora.rank > 0 (the "
+                                 "adapter's rank); with rank 0 training is full-parameter and the adapter unused")
             return
         check_number("model.lora.alpha", self.alpha, gt=0)
         check_number("model.lora.dropout", self.dropout, ge=0, lt=1)

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridflow.config.model import LORA_TARGETS as LINEARS  # the linears an adapter can take
+
 COLUMN, ROW = "column", "row"
 
 
@@ -189,16 +191,31 @@ def targets(module: torch.nn.Module, settings: LoRASettings) -> list[tuple[str, 
     for layer in module.decoder.layers:
         prefix = f"decoder.layers.{layer.layer_number - 1}."
         experts = getattr(getattr(layer, "mlp", None), "experts", None)
-        _check_grouped_experts(prefix, experts, settings)
+        check_grouped_experts(prefix, "GroupedMLP" in type(experts).__name__, settings)
         offset = experts.ep_group.rank() * experts.num_local_experts if experts is not None else 0
         for name, sub in layer.named_modules():
-            if name.rsplit(".", 1)[-1] not in settings.target_modules:
-                continue
-            full = prefix + _LOCAL_EXPERT.sub(lambda m: f"mlp.experts.{offset + int(m[1])}.", name)
-            if _excluded(full, settings):  # a grouped expert linear (TE's) is, or _check_grouped_experts refused
-                continue
-            out.append((full, sub, _LOCAL_EXPERT.search(name) is not None))
+            full = global_name(layer.layer_number - 1, name, offset)
+            if selected(full, settings):  # (a grouped expert linear, TE's, is excluded, or check_grouped_experts refused)
+                out.append((full, sub, _LOCAL_EXPERT.search(name) is not None))
     return out
+
+
+def global_name(layer: int, name: str, expert_offset: int = 0) -> str:
+    """A layer's linear ``name`` under its global layer index, a routed expert's under its global index (its local one
+    plus ``expert_offset``, the experts before this EP rank's): what exclude_modules' wildcards match."""
+    return f"decoder.layers.{layer}." + _LOCAL_EXPERT.sub(lambda m: f"mlp.experts.{expert_offset + int(m[1])}.", name)
+
+
+def selected(full: str, settings: LoRASettings) -> bool:
+    """Whether the linear of global name ``full`` takes an adapter: its own name among target_modules, or matched by
+    one of them that is a wildcard pattern on the global name (Megatron-Bridge's, e.g. ``*.layers.0.*.linear_qkv``),
+    and not excluded."""
+    leaf = full.rsplit(".", 1)[-1]
+    if leaf not in LINEARS:
+        return False
+    targeted = any(t == leaf or (any(c in t for c in "*?[") and fnmatch.fnmatch(full, t))
+                   for t in settings.target_modules)
+    return targeted and not _excluded(full, settings)
 
 
 def _excluded(full: str, settings: LoRASettings) -> bool:
@@ -207,10 +224,10 @@ def _excluded(full: str, settings: LoRASettings) -> bool:
     return any(fnmatch.fnmatch(full, p) or p == leaf for p in settings.exclude_modules)
 
 
-def _check_grouped_experts(prefix: str, experts, settings: LoRASettings) -> None:
-    """Grouped-GEMM experts (TE's TEGroupedMLP, megatron's GroupedMLP: no linear per expert) cannot take adapters:
-    refused where linear_fc1/fc2 is a target they are not excluded from."""
-    if "GroupedMLP" not in type(experts).__name__:
+def check_grouped_experts(prefix: str, grouped: bool, settings: LoRASettings) -> None:
+    """Grouped-GEMM experts (TE's TEGroupedMLP, megatron's GroupedMLP: no linear per expert; ``grouped``) cannot take
+    adapters: refused where linear_fc1/fc2 is a target they are not excluded from."""
+    if not grouped:
         return
     for leaf in set(settings.target_modules) & {"linear_fc1", "linear_fc2"}:
         if not _excluded(f"{prefix}mlp.experts.{leaf}", settings):

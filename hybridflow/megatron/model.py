@@ -189,6 +189,14 @@ def _check_recompute_modules(overrides: dict, key: str) -> None:
                          "(megatron-core's CheckpointWithoutOutput calls it); core_attn and mlp work without it")
 
 
+def check_grouped_gemm_dtype(megatron_cfg, key: str) -> None:
+    """Grouped-GEMM experts compute in bfloat16 (megatron's GroupedMLP asserts it; verl runs TE's so): known from the
+    config alone, so refused before anything is built (``key``: the role's megatron.override_transformer_config)."""
+    if megatron_cfg.override_transformer_config.get("moe_grouped_gemm") and megatron_cfg.dtype != "bfloat16":
+        raise ValueError(f"{key}.moe_grouped_gemm: grouped-GEMM experts compute in bfloat16 (megatron's GroupedMLP "
+                         f"asserts it; verl runs TE's so): set {key.rsplit('.', 1)[0]}.dtype=bfloat16")
+
+
 def check_transformer_config(hf_config, megatron_cfg, key: str) -> None:
     """Build the role's whole TransformerConfig once (no process group needed) so that megatron-core's own
     checks of the overrides (``TransformerConfig.__post_init__``: e.g. full recompute without a
@@ -197,9 +205,6 @@ def check_transformer_config(hf_config, megatron_cfg, key: str) -> None:
     m = megatron_cfg
     if not m.override_transformer_config:  # hybridflow's own settings alone: nothing of the user's to check
         return
-    if m.override_transformer_config.get("moe_grouped_gemm") and m.dtype != "bfloat16":
-        raise ValueError(f"{key}.moe_grouped_gemm: grouped-GEMM experts compute in bfloat16 (megatron's GroupedMLP "
-                         f"asserts it; verl runs TE's so): set {key.rsplit('.', 1)[0]}.dtype=bfloat16")
     try:
         transformer_config_from_hf(
             hf_config, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,

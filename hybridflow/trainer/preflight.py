@@ -19,12 +19,14 @@ from hybridflow.device import DTYPES
 from hybridflow.megatron import lr_schedule
 from hybridflow.megatron.checkpoint_files import resolve_dist_checkpoint
 from hybridflow.megatron.optimizer_config import check_optimizer_overrides
-from hybridflow.megatron.model import check_rope_supported, check_transformer_config, check_transformer_overrides
+from hybridflow.megatron.model import (check_grouped_gemm_dtype, check_rope_supported, check_transformer_config,
+                                       check_transformer_overrides)
 from hybridflow.plan import RunPlan, model_shape, resolve
 from hybridflow.resharding.vllm_layout import check_supported
 from hybridflow.rewards.routing import SourceRouter
 from hybridflow.rollout.vllm_rollout import check_engine_kwargs
 from hybridflow.trainer import checkpoint
+from hybridflow.trainer.lora_checks import check_adapter, check_lora_targets, header_shapes
 from hybridflow.trainer.run_lock import RunLock
 from hybridflow.trainer.tracking import wandb_falls_back_offline
 
@@ -50,15 +52,25 @@ def check_run(cfg: ExperimentConfig) -> Checked:
     plan = check_config(cfg)
     check_machine(cfg, plan)
     model, tokenizer, train_data, val_data = check_files(cfg)
-    plan = run_plan(cfg, model, len(train_data))
+    plan = check_model(cfg, model, len(train_data))
+    check_lr_schedules(cfg, plan)
     warn_no_bound(cfg, plan)
-    check_roles(cfg, model, plan)
     check_resources(cfg, plan)
-    check_step_fits(cfg, model, plan)
     check_ray(cfg)
     checked = Checked(model, tokenizer, train_data, val_data, plan, resume_checkpoint(cfg, model, plan))
     check_trackers(cfg)
     return checked
+
+
+def check_model(cfg: ExperimentConfig, model, n_train: int | None = None) -> RunPlan:
+    """The rules that need the model's HF config: the run plan's layouts against its heads, layers and experts, then
+    ``MODEL_RULES``. Run before the warm start where the model exists (trainer/session.py: on the quickstart's base
+    model), so a rule of the model and the config does not wait for minutes of preparation. A rule that needs only the
+    config belongs in ``check_config``, which the dry run runs (tests/unit/test_dry_run_rules.py walks these)."""
+    plan = run_plan(cfg, model, n_train)
+    for rule in MODEL_RULES:
+        rule(cfg, model, plan)
+    return plan
 
 
 def run_plan(cfg: ExperimentConfig, model=None, n_train: int | None = None) -> RunPlan:
@@ -96,6 +108,7 @@ def check_config(cfg: ExperimentConfig) -> RunPlan:
             section = getattr(cfg, role)
             check_transformer_overrides(section.megatron.override_transformer_config,
                                         f"{role}.megatron.override_transformer_config")
+            check_grouped_gemm_dtype(section.megatron, f"{role}.megatron.override_transformer_config")
             check_optimizer_overrides(section.optim.override_optimizer_config, f"{role}.optim.override_optimizer_config",
                                       dtype=DTYPES[section.megatron.dtype],
                                       use_distributed_optimizer=section.megatron.use_distributed_optimizer,
@@ -104,15 +117,17 @@ def check_config(cfg: ExperimentConfig) -> RunPlan:
         check_multi_turn(cfg.rollout.multi_turn)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_lr_schedules(cfg, plan)
     return plan
 
 
 def check_machine(cfg: ExperimentConfig, plan: RunPlan) -> None:
-    """What this machine cannot run, whatever the model: megatron's fp16 loss scaler keeps its scale on CUDA
+    """What this machine cannot run, whatever the model: one step's batch beyond its memory; megatron's fp16 loss scaler keeps its scale on CUDA
     (megatron/core/optimizer/grad_scaler.py), so fp16 training needs a GPU; vLLM-CPU's KV cache
     (rollout.kv_cache_gib) is allocated in host memory at engine start."""
     import psutil
 
+    check_step_batch_fits(cfg)
     if not device.has_gpu():
         for role in plan.trained_roles:
             if getattr(cfg, role).megatron.dtype == "float16":
@@ -125,6 +140,20 @@ def check_machine(cfg: ExperimentConfig, plan: RunPlan) -> None:
             each = f" x {workers} rollout workers (resources.n_workers)" if workers > 1 else ""
             raise ConfigError(f"rollout.kv_cache_gib={kv}{each} does not fit in this machine's {have / 2**30:.0f} "
                               "GiB of memory (vLLM-CPU allocates its KV cache when it starts); lower it")
+
+
+def check_step_batch_fits(cfg: ExperimentConfig) -> None:
+    """One step's rollout batch must fit in this machine's memory: an absurd rollout.n fails here, not as an endless
+    first step."""
+    import psutil
+
+    d, r = cfg.data, cfg.rollout
+    need, have = model_shape.step_batch_host_bytes(cfg), psutil.virtual_memory().total
+    if need > have:
+        raise ConfigError(f"rollout.n: data.batch_size x rollout.n = {d.batch_size * r.n:,} sequences of up to "
+                          f"{d.max_prompt_length + d.max_response_length} tokens need ~{need / 2**30:,.0f} GiB of "
+                          f"host memory for one step's batch; this machine has {have / 2**30:.0f} GiB: lower "
+                          "rollout.n, data.batch_size or the lengths")
 
 
 def check_multi_turn(m) -> None:
@@ -144,15 +173,28 @@ def check_multi_turn(m) -> None:
 
 
 def check_roles(cfg: ExperimentConfig, model, plan: RunPlan) -> None:
-    """Each trained role's whole megatron TransformerConfig builds (megatron's own checks of the overrides),
-    and its LR schedule over the run's steps is one megatron's scheduler accepts."""
+    """Each trained role's whole megatron TransformerConfig builds (megatron's own checks of the overrides)."""
     try:
         for role in plan.trained_roles:
-            section = getattr(cfg, role)
-            check_transformer_config(model, section.megatron, f"{role}.megatron.override_transformer_config")
-            lr_schedule.resolve(section.optim, plan.total_steps, f"{role}.optim")
+            check_transformer_config(model, getattr(cfg, role).megatron, f"{role}.megatron.override_transformer_config")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_lr_schedules(cfg: ExperimentConfig, plan: RunPlan) -> None:
+    """Each trained role's LR schedule over the run's steps is one megatron's scheduler accepts: in the dry run where
+    trainer.total_steps gives the steps, else once the training prompts are counted (total_epochs)."""
+    if plan.total_steps is None:
+        return
+    try:
+        for role in plan.trained_roles:
+            lr_schedule.resolve(getattr(cfg, role).optim, plan.total_steps, f"{role}.optim")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_lora(cfg: ExperimentConfig, model, plan: RunPlan) -> None:  # noqa: ARG001 (a model rule's signature)
+    check_lora_targets(cfg, model)
 
 
 def check_files(cfg: ExperimentConfig):
@@ -166,6 +208,7 @@ def check_files(cfg: ExperimentConfig):
             if not os.path.exists(f):
                 raise ConfigError(f"{key}: file not found: {f}")
     model, tokenizer = check_model_folder(cfg)
+    check_adapter(cfg, model)
     for section in ("actor", "critic"):  # (the reference starts where the actor does)
         m = getattr(cfg, section).megatron
         if m.use_dist_checkpointing:
@@ -254,16 +297,10 @@ def check_weight_shapes(path: str, model) -> None:
     config.json implies: a vocab, hidden size or head count that disagrees with the weights (or a truncated
     or garbage file) fails here in one line, not in a worker loading them. Reads the headers only
     (``safe_open`` memory-maps; no tensor is loaded)."""
-    from safetensors import SafetensorError, safe_open
-
-    shapes, file_of = {}, {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt") as weights:
-                for name in weights.keys():
-                    shapes[name], file_of[name] = list(weights.get_slice(name).get_shape()), f.name
-        except (SafetensorError, OSError) as e:
-            raise ConfigError(f"model.path: {f} is not a readable safetensors file ({e})") from None
+    try:
+        shapes, file_of = header_shapes(path)
+    except ConfigError as e:
+        raise ConfigError(f"model.path: {e}") from None
     hidden, heads, kv_heads = model.hidden_size, model.num_attention_heads, model.num_key_value_heads
     head_dim = getattr(model, "head_dim", None) or hidden // heads  # as hybridflow.megatron.convert derives it
     head = f"head_dim {head_dim}" + ("" if getattr(model, "head_dim", None) else f" (hidden_size / {heads} heads)")
@@ -399,6 +436,22 @@ def check_checkpoint_fits(cfg: ExperimentConfig, model, plan: RunPlan, path: Pat
                               f"model.path ({cfg.model.path}) has {getattr(model, key)}")
     if plan.critic is not None and not (path / "critic").is_dir():
         raise ConfigError(f"resume: {path} has no critic, but this config trains one")
+    check_same_adapters(cfg, path)
+
+
+def check_same_adapters(cfg: ExperimentConfig, path: Path) -> None:
+    """A checkpoint resumes only into the parameters it holds: LoRA adapters of its rank, or the full model (the
+    load otherwise fails deep in megatron's dist_checkpointing, as if the checkpoint were damaged)."""
+    import yaml
+
+    saved = (yaml.safe_load((path / checkpoint.CONFIG_FILE).read_text()) or {}).get("model", {}).get("lora", {}) or {}
+    was, now = int(saved.get("rank", 0) or 0), cfg.model.lora.rank
+    if was == now:
+        return
+    kind = {True: "LoRA adapters of rank {}", False: "the full model"}
+    raise ConfigError(f"resume: {path} trained {kind[bool(was)].format(was)} (model.lora.rank {was}), this run "
+                      f"trains {kind[bool(now)].format(now)} (model.lora.rank {now}): resume with model.lora.rank={was}, "
+                      "or start a new output_dir")
 
 
 def check_resources(cfg: ExperimentConfig, plan: RunPlan) -> None:
@@ -421,21 +474,14 @@ _RAY_CONNECT_TIMEOUT_S = 5
 
 
 def check_step_fits(cfg: ExperimentConfig, model, plan: RunPlan) -> None:
-    """Absurd sizes fail here, not as an endless first step: one step's rollout batch must fit in this
-    machine's memory, and on CPU one sequence of the longest length in vLLM's fixed KV cache."""
-    import psutil
-
+    """Absurd sizes fail here, not as an endless first step or a worker the OS kills: on CPU the LoRA adapters
+    (``check_adapters_fit``) and one sequence of the longest length in vLLM's fixed KV cache."""
     d, r = cfg.data, cfg.rollout
-    need, have = model_shape.step_batch_host_bytes(cfg), psutil.virtual_memory().total
-    if need > have:
-        raise ConfigError(f"rollout.n: data.batch_size x rollout.n = {d.batch_size * r.n:,} sequences of up to "
-                          f"{d.max_prompt_length + d.max_response_length} tokens need ~{need / 2**30:,.0f} GiB of "
-                          f"host memory for one step's batch; this machine has {have / 2**30:.0f} GiB: lower "
-                          "rollout.n, data.batch_size or the lengths")
     if device.has_gpu():
         warn_long_rollout(cfg, plan, None)
         return  # vLLM sizes its KV cache from gpu_memory_utilization: python -m hybridflow.tools.memory_plan
     shape = model_shape.Shape.from_hf(model.to_dict())
+    check_adapters_fit(cfg, shape)
     per_token = model_shape.kv_bytes_per_token(shape, DTYPES[r.dtype].itemsize, r.tensor_model_parallel_size)
     fits, seq = r.kv_cache_gib * 2**30 // per_token, d.max_prompt_length + d.max_response_length
     if fits < seq:
@@ -443,6 +489,23 @@ def check_step_fits(cfg: ExperimentConfig, model, plan: RunPlan) -> None:
                           f"sequence takes up to {seq:,} (data.max_prompt_length + data.max_response_length); "
                           "raise rollout.kv_cache_gib or shorten the lengths")
     warn_long_rollout(cfg, plan, fits)
+
+
+def check_adapters_fit(cfg: ExperimentConfig, shape) -> None:
+    """On CPU the actor's process holds its LoRA adapters whole (one rank here) with their gradients and Adam state
+    (16 bytes a parameter in fp32), and a merging sync the merged weights: a rank this machine cannot hold is named
+    before start, not found when the OS kills the worker."""
+    import psutil
+
+    c = cfg.model.lora
+    if not c.rank:
+        return
+    params = model_shape.lora_params(shape, c.rank, c.targets) + model_shape.lora_expert_params(shape, c.rank, c.targets)
+    need, have = params * 16, psutil.virtual_memory().total
+    if need > have:
+        raise ConfigError(f"model.lora.rank={c.rank}: the adapters ({params:,.0f} parameters) and their gradients and "
+                          f"Adam state need ~{need / 2**30:,.0f} GiB, this machine has {have / 2**30:.0f} GiB: lower "
+                          "model.lora.rank")
 
 
 # Rounds of generation (the rollout engines' concurrent sequences, refilled) one step may take before the run
@@ -555,3 +618,8 @@ def check_trackers(cfg: ExperimentConfig) -> None:
         log.warning("trainer.logger: wandb finds no credentials (WANDB_API_KEY, or an entry in ~/.netrc) and "
                     "WANDB_MODE is not offline: logging offline to %s/wandb (upload later with `wandb sync`)",
                     cfg.trainer.output_dir)
+
+
+# The rules that need the model (``check_model`` runs them in this order), each ``(cfg, model, plan)``: the walk in
+# tests/unit/test_dry_run_rules.py fails for one that refuses a config without reading the model.
+MODEL_RULES = (check_roles, check_lora, check_step_fits)

@@ -14,10 +14,12 @@ from hybridflow.trainer.prepare_tools import prepare_tools_quickstart
 from hybridflow.trainer.sft import warm_start
 
 
-def prepare_quickstart(cfg) -> None:
+def prepare_quickstart(cfg, before_warm_start=None) -> None:
+    """``before_warm_start(base_dir)``: called with the tiny base model (the warm start's shapes) before the warm start
+    trains, so that the rules of the model and the config fail before its minutes (preflight.check_model)."""
     p = cfg.prepare
     if p.task == "multiplication_tools":
-        return prepare_tools_quickstart(cfg)
+        return prepare_tools_quickstart(cfg, before_warm_start)
     data_dir = Path(p.data_dir)
     if not (data_dir / "train.parquet").exists() or not (data_dir / "val.parquet").exists():
         write_arithmetic_parquet(data_dir, max_operand=p.max_operand, n_val=p.n_val, seed=cfg.trainer.seed)
@@ -36,6 +38,8 @@ def prepare_quickstart(cfg) -> None:
                        top_k=p.moe_top_k, moe_intermediate_size=3 * p.hidden_size // (2 * p.moe_top_k),
                        norm_noise=0.0, **sizes)
     if not (Path(cfg.model.path) / "model.safetensors").exists():
+        if before_warm_start is not None:
+            before_warm_start(str(base))
         result = warm_start(str(base), cfg.model.path, str(data_dir / "train.parquet"), steps=p.sft_steps,
                             lr=p.sft_lr, batch_size=p.sft_batch_size, seed=cfg.trainer.seed,
                             target_accuracy=p.sft_target_accuracy, scorer=get_scorer(cfg.reward.name),

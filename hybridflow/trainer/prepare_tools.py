@@ -22,7 +22,9 @@ from hybridflow.trainer.experience import sampled_text
 from hybridflow.trainer.sft import train_sequences
 
 
-def prepare_tools_quickstart(cfg) -> None:
+def prepare_tools_quickstart(cfg, before_warm_start=None) -> None:
+    """The tools quickstart's data, tiny base model and warm start, each when absent (``before_warm_start``: as
+    prepare.prepare_quickstart's)."""
     p = cfg.prepare
     data_dir = Path(p.data_dir)
     if not (data_dir / "train.parquet").exists() or not (data_dir / "val.parquet").exists():
@@ -34,6 +36,8 @@ def prepare_tools_quickstart(cfg) -> None:
                          max_position_embeddings=cfg.data.max_prompt_length + cfg.data.max_response_length,
                          seed=cfg.trainer.seed)
     if not (Path(cfg.model.path) / "model.safetensors").exists():
+        if before_warm_start is not None:
+            before_warm_start(str(base))
         result = warm_start_on_tool_traces(cfg, str(base), str(data_dir / "train.parquet"))
         print(f"warm start: {result['steps']} steps, held-out multi-turn greedy accuracy {result['dev_accuracy']}",
               flush=True)

@@ -48,6 +48,12 @@ class RunFailed(RuntimeError):
     last good checkpoint."""
 
 
+def _hf_config(path: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
 class Trainer:
     def __init__(self, config, overrides=(), *, checked: preflight.Checked | None = None):
         """``config``: YAML path(s), a dict of the same shape, or an ExperimentConfig. Everything is checked
@@ -58,7 +64,7 @@ class Trainer:
         if checked is None:
             if cfg.prepare.enable:
                 preflight.check_prepare_target(cfg)
-                prepare_quickstart(cfg)
+                prepare_quickstart(cfg, before_warm_start=lambda base: preflight.check_model(cfg, _hf_config(base)))
             checked = preflight.check_run(cfg)
         self.model_config, self.tokenizer, self.resume_from = checked.model, checked.tokenizer, checked.resume_from
         self.plan, self._prompts = checked.plan, (checked.train_data, checked.val_data)

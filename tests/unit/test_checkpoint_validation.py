@@ -163,3 +163,19 @@ def test_damage_found_only_when_loading_is_named_in_one_line(root, tmp_path):
         assert message.startswith(f"checkpoint {step} cannot be loaded: ") and "\n" not in message, (case, message)
     assert "UnpicklingError" in got[1]
     assert "is cut short: 1000 of" in got[2] and ".distcp is missing" in got[3]
+
+
+@pytest.mark.parametrize("overrides,was,now", [(["model.lora.rank=8"], "the full model (model.lora.rank 0)",
+                                                 "LoRA adapters of rank 8 (model.lora.rank 8)")])
+def test_resuming_other_parameters_than_the_checkpoint_holds_is_named_not_called_damage(overrides, was, now, root,
+                                                                                          tmp_path, capsys):
+    """A full-parameter checkpoint into a LoRA run (and a LoRA checkpoint at another rank, or into a full run: the same
+    rule on the saved model.lora.rank) failed in dist_checkpointing as 'Global shape mismatch', named damage."""
+    from hybridflow.trainer.main import main
+
+    step = root / "run" / "checkpoints" / "step_2"
+    assert main(train_args(root, tmp_path / "new", *NO_CRITIC, *overrides, "trainer.resume_mode=resume_path",
+                           f"trainer.resume_from_path={step}")) == 2
+    err = capsys.readouterr().err
+    assert err == (f"config error: resume: {step} trained {was}, this run trains {now}: resume with "
+                   "model.lora.rank=0, or start a new output_dir\n"), err

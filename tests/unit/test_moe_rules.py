@@ -80,17 +80,13 @@ def test_vllms_routes_land_on_the_prompt_and_the_kept_response_cells():
 
 
 def test_grouped_gemm_experts_need_bf16_in_one_line():
-    from transformers import Qwen3MoeConfig
-
+    """Known from the config alone: refused in the dry run (tests/unit/test_dry_run_rules.py) and before any build."""
     from hybridflow.config.schema import Megatron
-    from hybridflow.megatron.model import check_transformer_config
+    from hybridflow.megatron.model import check_grouped_gemm_dtype
 
-    model = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
-                           num_experts_per_tok=2)
     key = "actor.megatron.override_transformer_config"
     grouped = {"moe_grouped_gemm": True}
     with pytest.raises(ValueError, match="moe_grouped_gemm: grouped-GEMM experts compute in bfloat16.*"
                                          "actor.megatron.dtype=bfloat16"):
-        check_transformer_config(model, Megatron(dtype="float32", override_transformer_config=grouped), key)
-    check_transformer_config(model, Megatron(dtype="bfloat16", override_transformer_config=grouped), key)
+        check_grouped_gemm_dtype(Megatron(dtype="float32", override_transformer_config=grouped), key)
+    check_grouped_gemm_dtype(Megatron(dtype="bfloat16", override_transformer_config=grouped), key)
