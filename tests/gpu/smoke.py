@@ -1,7 +1,9 @@
 """The Python checks of tests/gpu/smoke.sh, one line each (``PASS|FAIL|SKIP <check>: <detail>``).
 
-    python -m tests.gpu.smoke versions              driver, torch (+ CUDA), NCCL, vLLM and the other pins
-    python -m tests.gpu.smoke reload --arch ARCH    vLLM-GPU in-place weight reloads (twice) vs HF greedy
+    python -m tests.gpu.smoke driver                the NVIDIA driver torch's CUDA 13 wheels need (stdlib only)
+    python -m tests.gpu.smoke versions              torch (+ CUDA), NCCL, vLLM and the other pins
+    python -m tests.gpu.smoke reload --arch ARCH    vLLM-GPU in-place weight syncs (twice) through hybridflow's shard
+                                                    path vs HF greedy
 
 Exit status 1 when a check fails, else 0 (a SKIP is not a failure: without CUDA every GPU check says why it
 skipped, after what can be checked here: the pins read, the tiny model built with a head size vLLM-GPU's
@@ -114,12 +116,9 @@ def check_versions() -> bool:
     import torch
 
     if not cuda_count():
-        line("SKIP", "driver", "no CUDA device visible to torch")
         line("SKIP", "torch cuda", f"torch {torch.__version__} sees no CUDA device")
         line("SKIP", "nccl", "no CUDA device")
         return ok
-    status, detail = _driver()
-    ok &= line(status, "driver", detail)
     ok &= line("PASS" if torch.version.cuda and torch.version.cuda.startswith("13.") else "FAIL", "torch cuda",
                f"torch {torch.__version__} built for CUDA {torch.version.cuda}, {cuda_count()} GPU(s) visible")
     try:
@@ -174,6 +173,25 @@ def check_reload(arch: str, rounds: int = 2, cuda_graphs: bool = False) -> bool:
         return _reload_rounds(tag, model_dir, cfg, rounds, cuda_graphs)
 
 
+def _sync(rollout, state: dict, cfg) -> str:
+    """One weight sync the way the hybrid engine makes it: the HF weights cut into this engine's vLLM TP shard
+    (resharding/vllm_layout.hf_to_vllm_shard, the single-rank reference every resharding equals) and loaded by
+    workers/generation.load_generation_shard: in place into vLLM's parameters for a dense model (takes_shards), a
+    MoE model's experts into FusedMoE's weights once the engine is seen holding them as given (FusedExperts).
+    Returns which path the weights took."""
+    from hybridflow.resharding.transition import TransitionStats
+    from hybridflow.resharding.vllm_layout import hf_to_vllm_shard
+    from hybridflow.workers.generation import load_generation_shard
+
+    load_generation_shard(rollout, iter(hf_to_vllm_shard(state, cfg, 0, 1).items()), cfg, 0, 1,
+                          TransitionStats("hybrid"))
+    if rollout.experts is not None:
+        where = ("in place" if rollout.experts.in_place else "through vLLM's loaders (the first sync probes the layout)"
+                 if rollout.experts.in_place is None else "through vLLM's loaders (the backend changes their layout)")
+        return f"experts {where}, {rollout.experts.bytes_in_place / 2**20:.1f} MiB written in place"
+    return "in place into vLLM's parameters" if rollout.takes_shards else "through vLLM's loaders"
+
+
 def _reload_rounds(tag: str, model_dir: Path, cfg, rounds: int, cuda_graphs: bool) -> bool:
     import torch
 
@@ -191,12 +209,12 @@ def _reload_rounds(tag: str, model_dir: Path, cfg, rounds: int, cuda_graphs: boo
         for r in range(1, rounds + 1):
             state = _random_state(model_dir, seed=r)
             rollout.wake_up(["weights"])
-            rollout.update_weights(state)
+            path = _sync(rollout, state, cfg)
             rollout.wake_up(["weights", "kv_cache"])
             got = rollout.generate(prompts, SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS))
             rollout.sleep()
             hf.load(state)
-            ok &= _compare(hf, prompts, got, f"{tag} round {r}")
+            ok &= _compare(hf, prompts, got, f"{tag} round {r} ({path})")
     finally:
         hf.close()
         rollout.close()
@@ -206,6 +224,7 @@ def _reload_rounds(tag: str, model_dir: Path, cfg, rounds: int, cuda_graphs: boo
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.gpu.smoke", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("driver", help="the NVIDIA driver (stdlib only: before the install)")
     sub.add_parser("versions")
     reload = sub.add_parser("reload")
     reload.add_argument("--arch", choices=ARCHS, required=True)
@@ -215,6 +234,9 @@ def main(argv=None) -> int:
     if args.cmd == "pins":
         print("\n".join(install_pins()))
         return 0
+    if args.cmd == "driver":
+        status, detail = _driver()
+        return 0 if line(status, "driver", detail) else 1
     try:
         ok = check_versions() if args.cmd == "versions" else check_reload(args.arch, cuda_graphs=args.cuda_graphs)
     except Exception as e:  # noqa: BLE001 - the smoke reports every check in one line and goes on

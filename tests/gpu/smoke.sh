@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# GPU smoke check that fits a short lent slot (under 10 minutes on a fresh NVIDIA machine that reaches only the
+# GPU smoke check that fits a short lent slot (under 9 minutes on a fresh NVIDIA machine that reaches only the
 # package registries): Transformer Engine's torch extension and flash-attn are source builds (10-25 minutes),
 # so they are left out and megatron-core runs its local spec (hybridflow/megatron/model.py layer_spec).
-#   1. install: a fresh venv with the pins of constraints/gpu.txt but the source builds (tests/gpu/smoke.py pins)
-#   2. versions: NVIDIA driver, torch and its CUDA, NCCL (one all-reduce), vLLM, megatron-core, transformers, ray
-#   3. reload: vLLM-GPU in-place weight reloads, twice, each against HF greedy, for dense Qwen3, Qwen3-MoE and
-#      Qwen2-MoE (tiny random models from hybridflow/models/tiny_arch.py with head_dim 64, which vLLM-GPU's
-#      attention backends run), through hybridflow's VLLMRollout (sleep mode, bf16, eager: the tier's cases
-#      run CUDA graphs)
-#   4. tier: the single-GPU cases of the GPU tier (tests/gpu/run.sh -k "$SMOKE_TIER_K") in the time left
+#   0. driver: first, before anything is installed: torch 2.13's CUDA 13 wheels need an R580+ driver; below it the
+#      smoke says so in one line and stops
+#   1. install: a fresh venv (uv, installed with pip where absent: the multi-GB CUDA wheels take a fraction of pip's
+#      time) with the pins of constraints/gpu.txt but the source builds (tests/gpu/smoke.py pins)
+#   2. versions: torch and its CUDA, NCCL (one all-reduce), vLLM, megatron-core, transformers, ray
+#   3. reload: two weight syncs into a vLLM-GPU engine through hybridflow's own shard path (the HF weights cut into
+#      vLLM's TP shard and written in place: workers/generation.load_generation_shard; a MoE model's experts into
+#      FusedMoE's weights from the second sync, rollout/fused_experts.py), each against HF greedy, for a dense Qwen3
+#      and a Qwen3-MoE (tiny random models with head_dim 64, which vLLM-GPU's attention backends run), through
+#      hybridflow's VLLMRollout (sleep mode, bf16, eager: the tier's case runs CUDA graphs)
+#   4. tier: one single-GPU case of the GPU tier (tests/gpu/run.sh -k "$SMOKE_TIER_K") in the time left
 # One line per check (PASS|FAIL|SKIP <check>: <detail>; each step's output in $SMOKE_LOGS), then a summary.
 # Exit status: 1 when a check failed, 0 otherwise (2 on bad usage).
 #
@@ -16,9 +20,9 @@
 #   --dry-run     print the plan (the install command included) and exit
 #   --no-install  use $PYTHON's environment as it is (default python3)
 # Environment: SMOKE_VENV (default ${TMPDIR:-/tmp}/hybridflow-smoke-venv), PYTHON (the interpreter that
-#   creates the venv, or is used with --no-install; default python3), SMOKE_BUDGET_S (600),
-#   SMOKE_ARCHS (default "qwen3 qwen3_moe qwen2_moe"), SMOKE_TIER_K (default "single-grpo or qwen3-single"),
-#   SMOKE_LOGS (default a new temporary folder).
+#   creates the venv, or is used with --no-install; default python3), SMOKE_BUDGET_S (540),
+#   SMOKE_ARCHS (default "qwen3 qwen3_moe"), SMOKE_TIER_K (default "single-grpo-temperature"),
+#   SMOKE_LOGS (default $OUT/smoke where OUT is set, else a new temporary folder).
 set -uo pipefail  # no -e: every check runs and is counted
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 
@@ -31,11 +35,11 @@ for arg in "$@"; do
   esac
 done
 
-budget=${SMOKE_BUDGET_S:-600}
+budget=${SMOKE_BUDGET_S:-540}
 venv=${SMOKE_VENV:-${TMPDIR:-/tmp}/hybridflow-smoke-venv}
 base_py=${PYTHON:-python3}
-archs=${SMOKE_ARCHS:-qwen3 qwen3_moe qwen2_moe}
-tier_k=${SMOKE_TIER_K:-single-grpo or qwen3-single}
+archs=${SMOKE_ARCHS:-qwen3 qwen3_moe}
+tier_k=${SMOKE_TIER_K:-single-grpo-temperature}
 passed=0 failed=0 skipped=0
 
 report() {  # STATUS CHECK DETAIL
@@ -59,16 +63,21 @@ run_step() {  # NAME COMMAND...: one line for the whole command, by its exit sta
   fi
 }
 
+report_lines() {  # LOG: the PASS/FAIL/SKIP lines a check printed, each counted
+  local status check detail
+  while IFS= read -r out; do
+    status=${out%% *} check=${out#* } detail=${check#*: } check=${check%%: *}
+    report "$status" "$check" "$detail"
+  done < <(grep -E '^(PASS|FAIL|SKIP) ' "$1")
+}
+
 run_checks() {  # NAME COMMAND...: the command prints its own PASS/FAIL/SKIP lines, each counted
-  local name=$1 log status check detail
+  local name=$1 log
   shift
   log="$logs/${name// /_}.log"
   "$@" >"$log" 2>&1
   local rc=$?
-  while IFS= read -r out; do
-    status=${out%% *} check=${out#* } detail=${check#*: } check=${check%%: *}
-    report "$status" "$check" "$detail"
-  done < <(grep -E '^(PASS|FAIL|SKIP) ' "$log")
+  report_lines "$log"
   if (( rc != 0 )) && ! grep -q '^FAIL ' "$log"; then  # it died before saying why: its last line does
     report FAIL "$name" "exit $rc: $(tail -n 1 "$log") (log: $log)"
   fi
@@ -81,6 +90,7 @@ if (( ${#pins[@]} == 0 )); then
 fi
 
 if (( dry )); then
+  echo "PLAN driver: $base_py -m tests.gpu.smoke driver (stop here below R580)"
   echo "PLAN install: $base_py -m venv $venv; pip install ${pins[*]}; pip install -e '.[test]' -c constraints/gpu.txt" \
     "(no transformer-engine, no flash-attn: source builds)"
   echo "PLAN versions: python -m tests.gpu.smoke versions"
@@ -91,14 +101,28 @@ if (( dry )); then
   exit 0
 fi
 
-logs=${SMOKE_LOGS:-$(mktemp -d "${TMPDIR:-/tmp}/hybridflow-smoke-logs.XXXXXX")}
+if [[ -n ${SMOKE_LOGS:-} ]]; then logs=$SMOKE_LOGS
+elif [[ -n ${OUT:-} ]]; then logs=$OUT/smoke  # what a lent machine sends back
+else logs=$(mktemp -d "${TMPDIR:-/tmp}/hybridflow-smoke-logs.XXXXXX"); fi
 mkdir -p "$logs"
 
+# First, before minutes of install: a driver too old for torch's CUDA 13 ends the smoke in one line.
+if ! "$base_py" -m tests.gpu.smoke driver >"$logs/driver.log" 2>&1; then
+  cat "$logs/driver.log"
+  echo "smoke: stopped: the NVIDIA driver is older than torch's CUDA 13 wheels need (logs in $logs)"
+  exit 1
+fi
+report_lines "$logs/driver.log"
+
 install_stack() {
-  if command -v uv >/dev/null 2>&1; then  # much faster than pip on the multi-GB CUDA wheels
-    uv venv --python "$base_py" "$venv" &&
-      uv pip install --python "$venv/bin/python" "${pins[@]}" &&
-      uv pip install --python "$venv/bin/python" -c constraints/gpu.txt -e '.[test]'
+  local uv=uv
+  if ! command -v uv >/dev/null 2>&1; then  # much faster than pip on the multi-GB CUDA wheels: worth its install
+    "$base_py" -m pip install -q --target "$venv.uv" uv && uv="$venv.uv/bin/uv" || uv=""
+  fi
+  if [[ -n $uv ]]; then
+    "$uv" venv --python "$base_py" "$venv" &&
+      "$uv" pip install --python "$venv/bin/python" "${pins[@]}" &&
+      "$uv" pip install --python "$venv/bin/python" -c constraints/gpu.txt -e '.[test]'
   else
     "$base_py" -m venv "$venv" &&
       "$venv/bin/python" -m pip install -q --upgrade pip &&

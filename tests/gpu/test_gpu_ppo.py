@@ -11,7 +11,8 @@ printed (``-s``). At the end the actor's linear weights must have moved.
 Other architectures (``test_architecture_steps_on_gpu``): dense Qwen3 (QK-norm) on one GPU, and Qwen3-MoE on two
 GPUs with expert parallelism 2, the actor's parameters offloaded between phases and token-budget micro-batches
 (the layout whose Resharder met offloaded experts; tiny models, conftest.build_gpu_tiny), and Qwen3-MoE on one GPU
-with routing replay R3 (vLLM's own routed-experts output, through its V2 model runner) and grouped-GEMM experts.
+with routing replay R3 (vLLM's own routed-experts output, through its V2 model runner) and grouped-GEMM experts;
+R3 at generation TP 2 and LoRA on the routed experts at EP 2 (two GPUs); GRPO sampling at temperature 0.7.
 
 Run: ``bash tests/gpu/run.sh`` (1-8 GPUs; cases needing more GPUs than are visible are skipped).
 """
@@ -81,6 +82,10 @@ CASES.append(pytest.param("actor_tp2", "grpo", [*LORA, "model.lora.merge=false"]
 OPTIMIZER_CPU_OFFLOAD = [f"actor.optim.override_optimizer_config.{k}" for k in (
     "optimizer_cpu_offload=true", "optimizer_offload_fraction=0.5", "overlap_cpu_optimizer_d2h_h2d=true")]
 CASES.append(pytest.param("actor_tp2", "grpo", OPTIMIZER_CPU_OFFLOAD, id="actor_tp2-grpo-optimizer_cpu_offload"))
+# sampling at temperature 0.7: vLLM's log-probs are of the tempered policy (processed_logprobs) and so are the
+# trainer's; rollout correction measures the two (run_checked_steps bounds their KL)
+CASES.append(pytest.param("single", "grpo", ["rollout.temperature=0.7"], id="single-grpo-temperature_0.7"))
+R3 = ["actor.megatron.router_replay.mode=R3", "rollout.enable_rollout_routing_replay=true"]
 ARCH_CASES = [  # (architecture, GPUs, overrides): GRPO with the KL loss, so the reference runs too
     pytest.param("qwen3", 1, [], id="qwen3-single-grpo"),
     pytest.param("qwen3_moe", 2, ["actor.megatron.expert_model_parallel_size=2", "actor.megatron.param_offload=true",
@@ -90,7 +95,14 @@ ARCH_CASES = [  # (architecture, GPUs, overrides): GRPO with the KL loss, so the
     pytest.param("qwen3_moe", 1, ["actor.megatron.router_replay.mode=R3", "rollout.enable_rollout_routing_replay=true",
                                   "actor.megatron.override_transformer_config.moe_grouped_gemm=true"],
                  id="qwen3_moe-single-r3-grouped_gemm-grpo"),
+    # R3 at generation TP 2 under the external launcher: both ranks' schedulers need the routed-experts output plane
+    # (patches/vllm_engine.py routes_on_every_rank)
+    pytest.param("qwen3_moe", 2, [*R3, "rollout.tensor_model_parallel_size=2"], id="qwen3_moe-rollout_tp2-r3-grpo"),
+    # LoRA on the routed experts at EP 2: TE's expert linears are built with TE's split off (megatron/lora.py _split)
+    pytest.param("qwen3_moe", 2, ["actor.megatron.expert_model_parallel_size=2", "model.lora.rank=8",
+                                  "actor.optim.lr=1e-3"], id="qwen3_moe-ep2-lora-grpo"),
 ]
+MAX_ROLLOUT_KL = 0.05  # vLLM's and the trainer's log-probs of the sampled tokens, both bf16: their KL stays far below
 
 
 def gpu_config(assets, tmp_path, n_workers: int, *overrides, model_dir=None):
@@ -240,6 +252,8 @@ def run_checked_steps(cfg, label: str, model_dir, check_transition) -> None:
         for key in keys:
             assert key in metrics and math.isfinite(metrics[key]), (key, metrics.get(key))
         assert metrics["reshard/seconds"] > 0, "the update was not followed by a weight transition"
+        if "rollout_corr/kl" in metrics:  # the same tempered policy on both sides, whatever the temperature
+            assert abs(metrics["rollout_corr/kl"]) < MAX_ROLLOUT_KL, ("rollout_corr/kl", metrics["rollout_corr/kl"])
         check_transition(metrics["reshard/bytes_received"])
 
         actor = trainer.actor_rollout

@@ -107,10 +107,10 @@ def test_smoke_plan_installs_the_pins_but_the_source_builds(tmp_path):
     out = _smoke(tmp_path, "--dry-run")
     assert out.returncode == 0, out.stdout + out.stderr
     plan = out.stdout.splitlines()
-    assert [line.split(":")[0] for line in plan] == ["PLAN install", "PLAN versions", "PLAN reload qwen3",
-                                                     "PLAN reload qwen3_moe", "PLAN reload qwen2_moe", "PLAN tier"]
+    assert [line.split(":")[0] for line in plan] == ["PLAN driver", "PLAN install", "PLAN versions", "PLAN reload qwen3",
+                                                     "PLAN reload qwen3_moe", "PLAN tier"]
     pinned = re.findall(r"^([\w.\-]+)==(\S+)", (ROOT / "constraints/gpu.txt").read_text(), re.M)
-    installed = plan[0].split("pip install ", 1)[1].split(";")[0].split()
+    installed = plan[1].split("pip install ", 1)[1].split(";")[0].split()
     source_builds = {"transformer-engine", "transformer-engine-torch", "transformer-engine-cu13", "flash-attn"}
     assert installed == [f"{n}=={v}" for n, v in pinned if n not in source_builds]
     assert {"torch==2.13.0", "vllm==0.32.0", "megatron-core==0.16.1"} <= set(installed)
@@ -124,8 +124,33 @@ def test_smoke_without_a_gpu_runs_its_python_checks_and_skips_the_gpu_ones(tmp_p
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert all(re.match(r"^(PASS|SKIP) [\w .\-]+: ", line) for line in lines[:-1]), lines
-    assert {"PASS version torch", "PASS version vllm", "PASS version megatron-core", "SKIP nccl",
+    assert {"SKIP driver", "PASS version torch", "PASS version vllm", "PASS version megatron-core", "SKIP nccl",
             "SKIP tier"} <= {line.split(":")[0] for line in lines}
     assert any(line.startswith("SKIP reload qwen3_moe") and "built Qwen3MoeForCausalLM, head_dim 64" in line
                for line in lines), lines
     assert re.match(r"smoke: \d+ passed, 0 failed, \d+ skipped in \d+ s", lines[-1]), lines[-1]
+
+
+def test_smoke_stops_first_on_a_driver_older_than_cuda_13_needs(tmp_path):
+    """The driver is checked before the install's minutes: below R580 one line and exit 1 (a stand-in nvidia-smi
+    on PATH reports the driver)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho '550.54.15, NVIDIA H100 80GB HBM3'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    out = _smoke(tmp_path, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "FAIL driver: 550.54.15 on 1 x NVIDIA H100 80GB HBM3 (CUDA 13 needs >= 580)", lines
+    assert lines[-1].startswith("smoke: stopped: the NVIDIA driver is older") and len(lines) == 2, lines
+    assert not (tmp_path / "logs" / "install.log").exists(), "nothing was installed"
+
+
+def test_smoke_logs_go_under_out_where_it_is_set(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "SMOKE_LOGS"}
+    out = subprocess.run(["bash", str(ROOT / "tests/gpu/smoke.sh"), "--no-install"], cwd=tmp_path, timeout=600,
+                         env={**env, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "SMOKE_ARCHS": "qwen3"},
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"logs in {tmp_path / 'out' / 'smoke'}" in out.stdout.splitlines()[-1]
+    assert (tmp_path / "out" / "smoke" / "versions.log").is_file()
