@@ -113,6 +113,9 @@ def _one_line(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
+
 class BadRewardValue(TypeError):
     """The function returned something that is not a score."""
 
@@ -160,6 +163,9 @@ class CustomScorer:
                                  "expected a number or a dict with a numeric 'score'")
         if not math.isfinite(result):  # one NaN reward poisons the advantages of its whole batch (or group)
             raise BadRewardValue(f"{_describe(self.fn)} returned {result!r}; expected a finite number")
+        if abs(result) > FLOAT32_MAX:  # the batch holds scores in float32: this one would be inf there
+            raise BadRewardValue(f"{_describe(self.fn)} returned {result!r}, beyond float32's range (the batch's "
+                                 f"scores; +-{FLOAT32_MAX:.3g}): it would be inf there")
         return float(result), entries
 
     def score_all(self, responses: list[str], ground_truths: list, sources: list | None = None,

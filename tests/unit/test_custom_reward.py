@@ -196,6 +196,7 @@ FAILS_ON_ROW_2 = """
     ("return {'score': 'high'}", "returned str 'high'; expected a number or a dict with a numeric 'score'"),
     ("return math.nan", "returned nan; expected a finite number"),
     ("return {'score': -math.inf}", "returned -inf; expected a finite number"),
+    ("return 1e300", "returned 1e+300, beyond float32's range (the batch's scores; +-3.4e+38): it would be inf there"),  # inf in the batch: non-finite losses at step 1
     ("sys.exit(3)", "called sys.exit(3)"),
     ("raise KeyboardInterrupt", "raised KeyboardInterrupt"),
 ])
