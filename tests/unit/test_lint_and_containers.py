@@ -34,7 +34,7 @@ def test_shellcheck_every_script():
 
 
 def test_hadolint_container_files():
-    files = ["containers/Dockerfile.cuda", "containers/Dockerfile.rocm"]
+    files = ["containers/Dockerfile.cuda", "containers/Dockerfile.rocm", "containers/Dockerfile.cpu"]
     out = subprocess.run([_tool("hadolint"), *files], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -70,7 +70,26 @@ def test_container_run_mounts_each_volume_at_its_path(tmp_path):
 
 # ------------------------------------------------------------------ the images can run the GPU tier
 def dockerfile_steps(path: Path) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of the final stage: continuations joined, comments and blank lines dropped."""
+    """(INSTRUCTION, arguments) of the final stage, after those of the stages it builds on (``FROM <stage>``) and the
+    global ARGs: continuations joined, comments and blank lines dropped."""
+    steps = _instructions(path)
+    starts = [i for i, (instruction, _) in enumerate(steps) if instruction == "FROM"]
+    stages = {}
+    for start, end in zip(starts, starts[1:] + [len(steps)]):
+        parts = steps[start][1].split()
+        name = parts[2] if len(parts) == 3 and parts[1].upper() == "AS" else str(start)
+        stages[name] = steps[start:end]
+    chain, stage = [], stages[list(stages)[-1]]
+    while True:
+        chain = stage[1:] + chain
+        base = stage[0][1].split()[0]
+        if base not in stages:
+            break
+        stage = stages[base]
+    return steps[:starts[0]] + [stage[0]] + chain
+
+
+def _instructions(path: Path) -> list[tuple[str, str]]:
     steps, pending = [], ""
     for line in path.read_text().splitlines():
         text = line.strip()
@@ -82,8 +101,7 @@ def dockerfile_steps(path: Path) -> list[tuple[str, str]]:
         instruction, _, args = (pending + text).partition(" ")
         steps.append((instruction.upper(), args.strip()))
         pending = ""
-    last_from = max(i for i, (instruction, _) in enumerate(steps) if instruction == "FROM")
-    return steps[last_from:]
+    return steps
 
 
 def expand(text: str, variables: dict[str, str]) -> str:
@@ -96,7 +114,7 @@ def run_steps_by_user(steps) -> tuple[list[tuple[str, str]], dict[str, str]]:
     for instruction, args in steps:
         if instruction == "ARG" and "=" in args:
             name, value = args.split("=", 1)
-            variables[name] = value
+            variables[name] = value  # (a bare ARG NAME in a later stage keeps the global default)
         elif instruction == "ENV":
             for name, value in re.findall(r'(\w+)=("[^"]*"|\S+)', args):
                 variables[name] = expand(value.strip('"'), variables)
