@@ -437,6 +437,28 @@ def check_checkpoint_fits(cfg: ExperimentConfig, model, plan: RunPlan, path: Pat
     if plan.critic is not None and not (path / "critic").is_dir():
         raise ConfigError(f"resume: {path} has no critic, but this config trains one")
     check_same_adapters(cfg, path)
+    if families.is_moe(model):
+        check_same_expert_layout(plan, path)
+
+
+def check_same_expert_layout(plan: RunPlan, path: Path) -> None:
+    """A MoE checkpoint's optimizer state resumes only at the expert-parallel size it was saved at: megatron-core
+    0.16.1 chains a second optimizer for the experts' parameters where EP > 1 (their ``allreduce`` is False;
+    optimizer/__init__.py ``get_megatron_optimizer``), and its load cannot map one chain onto the other (measured
+    here EP 2 -> 1: ``KeyError 'pre_wd_mult'``; EP 1 -> 2: ``Expected 2 entries in state dict``). Between two EP
+    sizes > 1 it is not verified either, so any change is refused."""
+    import yaml
+
+    saved = yaml.safe_load((path / checkpoint.CONFIG_FILE).read_text()) or {}
+    for layout in (plan.actor, plan.critic):
+        if layout is None:
+            continue
+        was = int(((saved.get(layout.role) or {}).get("megatron") or {}).get("expert_model_parallel_size") or 1)
+        if was != layout.ep:
+            raise ConfigError(f"resume: {path} was saved at {layout.role}.megatron.expert_model_parallel_size {was}, "
+                              f"this run has {layout.ep}: the experts' optimizer state resumes only at the EP size it "
+                              f"was saved at; resume with {layout.role}.megatron.expert_model_parallel_size={was}, or "
+                              "start a new output_dir from an export of it (model.path)")
 
 
 def check_same_adapters(cfg: ExperimentConfig, path: Path) -> None:
