@@ -33,6 +33,16 @@ AF_UNIX_PATH_MAX = 107
 MAX_TEMP_DIR_BYTES = AF_UNIX_PATH_MAX - len(RAY_SOCKET_TAIL)
 
 
+# How soon the embedded cluster gives up on a part of itself. A GCS that does not answer for 5 s is gone (it runs on
+# this machine: a signal to the whole process group ended it), not after Ray's default 60 s of reconnecting. A node
+# (raylet) that misses 3 health checks a second apart is dead: its actors fail within ~3-5 s, not Ray's default
+# 5 x 3 s, during which a killed raylet's workers went on training (ray_config_def.h: health_check_period_ms,
+# health_check_timeout_ms, health_check_failure_threshold). A multi-node cluster (slurm/) keeps Ray's defaults: its
+# raylets answer over a network.
+HEALTH_CHECKS = {"gcs_rpc_server_reconnect_timeout_s": 5, "health_check_period_ms": 1000,
+                 "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
+
+
 class RayHandle:
     """What `start_ray` set up; `shutdown()` (or `with`) undoes it."""
 
@@ -156,9 +166,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None,
         # torchinductor_*; a worker stopped by ray.kill never cleans up) goes with the cluster.
         with environ(TMPDIR=worker_tmp_dir(temp_dir)), ray_daemons.own_session(), \
                 ray_daemons.keep_sigterm_handler():
-            # A GCS that does not answer for 5 s is gone (it runs on this machine: a signal to the whole
-            # process group ended it): give up then, not after Ray's default 60 s of reconnecting.
-            system_config = {"gcs_rpc_server_reconnect_timeout_s": 5, **init_kwargs.pop("_system_config", {})}
+            system_config = {**HEALTH_CHECKS, **init_kwargs.pop("_system_config", {})}
             ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                            log_to_driver=True, _temp_dir=temp_dir, _system_config=system_config, **init_kwargs)
     except BaseException:  # e.g. SIGTERM while starting (Ray's handler exits): stop what had started

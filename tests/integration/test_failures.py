@@ -118,14 +118,15 @@ def test_killed_raylet_ends_the_run_in_one_line(assets, tmp_path):
     """kill -9 of the node's raylet: the workers go with it, and the run ends (status 1) in one hybridflow
     line naming what failed and the last good checkpoint; nothing is left running."""
     out = tmp_path / "run"
-    # long enough to outlast Ray's detection of the dead node (about 15 s: its health checks), during which
-    # the worker keeps stepping
-    status, err, tree, _ = disturbed_run(assets, out, lambda tree: worker(tree, "/raylet/raylet").kill(),
-                                         "trainer.total_steps=2000")
+    # long enough that only the detection of the dead node ends it (controller/cluster.py HEALTH_CHECKS: 3 missed
+    # checks a second apart), not the run's end
+    status, err, tree, took = disturbed_run(assets, out, lambda tree: worker(tree, "/raylet/raylet").kill(),
+                                            "trainer.total_steps=2000")
     assert status == 1, err[-3000:]
     line = error_lines(err)
     assert len(line) == 1, err[-3000:]
     assert "its worker process died" in line[0] and f"last good checkpoint: {out}/checkpoints/step_" in line[0], line[0]
+    assert took < 15, f"the dead node took {took:.0f} s to end the run (Ray's default health checks: about 15 s)"
     assert wait_gone(tree) == []
 
 
