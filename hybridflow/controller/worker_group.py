@@ -11,6 +11,7 @@ import contextlib
 import functools
 import math
 import re
+import threading
 import time
 import uuid
 from collections import Counter
@@ -120,6 +121,19 @@ class DispatchFuture:
                                 f"({self._wg.worker_cls.__name__}.{self._method}): {reason}")
 
 
+def _consume_later(refs: list) -> None:
+    """Fetch ``refs`` on a daemon thread, dropping what they raise: the other side of a failed collective usually
+    fails too (a rollout worker's death breaks the actor's send), and an error object dropped unfetched makes Ray
+    print an unhandled-error stack although the caller has already reported the failure in one line."""
+    def fetch() -> None:
+        for ref in refs:
+            with contextlib.suppress(Exception):
+                ray.get(ref)
+
+    if refs:
+        threading.Thread(target=fetch, name="hybridflow-consume-failed-calls", daemon=True).start()
+
+
 def get_together(*futures: DispatchFuture) -> list:
     """Results of calls on several groups that wait on each other (the two sides of one collective, as the
     checkpoint engine's sender and receivers): the first rank to fail on either side is raised at once, not
@@ -137,6 +151,7 @@ def get_together(*futures: DispatchFuture) -> list:
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as e:
+                _consume_later(pending)
                 raise owner[ref]._wg._error(owner[ref]._method, rank_of[ref], e) from e
         if not ready and deadline is not None and time.monotonic() >= deadline:
             # every side still waiting is named (and marked failed): which one holds the others up is not known

@@ -151,6 +151,7 @@ def test_killed_rollout_worker_is_rebuilt_and_the_run_finishes(assets, tmp_path)
     assert logged_steps(out) == [1, 2, 3, 4]
     rebuilt = [line for line in err.splitlines() if "the rollout pool is rebuilt" in line]
     assert len(rebuilt) == 1, err[-3000:]
+    assert "Unhandled error" not in err, "the failed send's error was left for Ray to print: " + err[-3000:]
     assert "worker group 'rollout'" in rebuilt[0] and "its worker process died" in rebuilt[0], rebuilt[0]
 
 
