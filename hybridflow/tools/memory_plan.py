@@ -144,12 +144,13 @@ def stages_in_flight(mg, micro_batches: int) -> float:
     return min(micro_batches * v, 2 * (p - 1) + (v - 1) * p + 1) / v
 
 
-def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width: int, trainable=True,
-              lora=None) -> Role:
+def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width: int, *, rollout_n: int,
+              trainable=True, lora=None) -> Role:
     """Per-GPU bytes of a megatron role. Dense parameters are split over TP x PP and their optimizer state
     over DP; routed experts over expert TP x EP x PP and theirs over the expert-data-parallel ranks
     (n / (etp x ep x pp)), as megatron's distributed optimizer shards each kind in its own group. ``lora``
-    (model.lora with rank > 0): the adapters are added to the params and alone have gradients and optimizer state."""
+    (model.lora with rank > 0): the adapters are added to the params and alone have gradients and optimizer state.
+    ``rollout_n``: samples per prompt; a mini-batch of ``ppo_mini_batch_size`` prompts trains that many rows each."""
     mg = cfg_role.megatron
     layout = ParallelLayout.of(name, mg, n, "")
     tp, etp = layout.tp * layout.pp, layout.etp * layout.ep * layout.pp  # the groups each kind is split over
@@ -174,7 +175,8 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
     items["optimizer"] = sharded * ((4 if by < 4 else 0) + 8 * (1 - offloaded_fraction(cfg_role.optim)))
     off |= {k for k, flag in (("grads", mg.grad_offload), ("optimizer", mg.optimizer_offload)) if flag}
     b, fb = cfg_role.ppo_micro_batch_size_per_gpu, cfg_role.log_prob_micro_batch_size_per_gpu
-    in_flight = stages_in_flight(mg, max(1, cfg_role.ppo_mini_batch_size // max(1, layout.dp) // b))
+    rows = cfg_role.ppo_mini_batch_size * rollout_n // max(1, layout.dp)  # per rank, as role_ops trains them
+    in_flight = stages_in_flight(mg, max(1, rows // b))
     train = activation_bytes(shape, b, seq, mg, out_width, True, in_flight)
     fwd = activation_bytes(shape, fb, seq, mg, out_width, False)
     label = f"backward {b} x {seq} tokens" if train >= fwd else f"forward {fb} x {seq} tokens"
@@ -202,12 +204,13 @@ def _roles(cfg, run, shape: Shape, P: int, P_c: int, rm_shape: Shape | None) -> 
     """Every role of the run, the actor first, and the critic's (None without a critic)."""
     seq, n = run.longest_row, run.actor.world
     lora = cfg.model.lora if cfg.model.lora.rank else None
-    roles = [make_role("actor", cfg.actor, P, shape, seq, n, shape.vocab, lora=lora)]
+    roles = [make_role("actor", cfg.actor, P, shape, seq, n, shape.vocab, rollout_n=cfg.rollout.n, lora=lora)]
     if run.needs.reference and lora is None:  # with LoRA the reference is the actor with its adapters off
-        roles.append(make_role("ref", cfg.actor, P, shape, seq, n, shape.vocab, trainable=False))
+        roles.append(make_role("ref", cfg.actor, P, shape, seq, n, shape.vocab, rollout_n=cfg.rollout.n,
+                               trainable=False))
     critic = None
     if run.critic is not None:
-        critic = make_role("critic", cfg.critic, P_c, shape, seq, run.critic.world, 1)
+        critic = make_role("critic", cfg.critic, P_c, shape, seq, run.critic.world, 1, rollout_n=cfg.rollout.n)
         critic.on_actor_gpus = run.pool("critic") is run.pool("actor_rollout_ref")
         roles.append(critic)
     if cfg.reward_model.enable:

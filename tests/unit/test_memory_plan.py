@@ -250,7 +250,7 @@ def test_moe_counts_and_expert_sharding():
     experts = mp.expert_params(shape)
     assert experts == 48 * 128 * 3 * 2048 * 768
     cfg = load_experiment(["configs/gsm8k_qwen3_30b_a3b_gspo.yaml"], [])
-    role = mp.make_role("actor", cfg.actor, mp.count_params(shape), shape, 1024, 16, shape.vocab)
+    role = mp.make_role("actor", cfg.actor, mp.count_params(shape), shape, 1024, 16, shape.vocab, rollout_n=cfg.rollout.n)
     dense = mp.count_params(shape) - experts
     per_gpu = dense / 2 + experts / 8  # TP 2; EP 8 x expert TP 1
     assert role.items["params"] == per_gpu * 2  # bf16
@@ -403,3 +403,16 @@ def test_the_rollout_pool_counts_its_feed_and_the_trainer_its_feeds():
     r = mp.plan(cfg, mp._read_shape(mp.find_shapes(cfg.model.path, None)), 80)
     assert "NCCL buffers (1 communicator: checkpoint-engine feed)" in rows(r, "rollout GPUs (separate pool)")
     assert "NCCL buffers (3 communicators: actor tensor 2, actor data 2, checkpoint-engine feed)" in rows(r, "training")
+
+
+def test_pipeline_activations_count_every_sample_of_the_mini_batch(tiny):
+    """A mini-batch of 8 prompts x 8 samples over DP 2 in micro-batches of 4 is 8 micro-batches per rank (role_ops
+    trains ppo_mini_batch_size x rollout.n rows), so 1F1B holds 4 on the first of 4 pipeline stages; counting prompts
+    only (1 micro-batch) undercounted them 4x."""
+    cfg = tiny("actor.megatron.pipeline_model_parallel_size=4", "actor.ppo_mini_batch_size=8", "rollout.n=8",
+               "actor.ppo_micro_batch_size_per_gpu=4", "actor.log_prob_micro_batch_size_per_gpu=1", "data.batch_size=8",
+               "resources.n_workers=8")
+    shape, mg = mp.Shape.from_hf(TINY), cfg.actor.megatron
+    role = mp.make_role("actor", cfg.actor, TINY_P, shape, 8, 8, shape.vocab, rollout_n=cfg.rollout.n)
+    assert role.activations == mp.activation_bytes(shape, 4, 8, mg, shape.vocab, True, in_flight=4)
+    assert role.activations > mp.activation_bytes(shape, 4, 8, mg, shape.vocab, True, in_flight=1)
