@@ -25,7 +25,7 @@ def run(seed: int, variant: str, root: Path, extra: list[str]) -> dict:
     d = root / str(seed)
     out = d / variant
     cmd = [sys.executable, "-m", "hybridflow.trainer.main", "--config", CONFIG, f"trainer.seed={seed}",
-           f"prepare.data_dir={d}/data", f"prepare.base_model_dir={d}/base", f"model.path={d}/sft",
+           f"prepare.data_dir={d}/data", f"prepare.base_model_dir={d}/base", f"model.path={d}/sft_model",
            f"data.train_files=[{d}/data/train.parquet]", f"data.val_files=[{d}/data/val.parquet]",
            f"trainer.output_dir={out}", "trainer.save_hf_at_end=false", *VARIANTS[variant], *extra]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

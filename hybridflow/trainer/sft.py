@@ -102,8 +102,8 @@ def train_sequences(model_dir: str, out_dir: str, sequences: list[tuple[list[int
                     lr: float, batch_size: int, seed: int, log_every: int = 100, target_accuracy: float | None = None,
                     evaluate=None, eval_every: int = 20, rng: random.Random | None = None) -> dict:
     """Fine-tune on (ids, loss mask) ``sequences`` for at most ``steps`` steps, stopping once ``evaluate(model)``
-    (checked every ``eval_every`` steps) reaches ``target_accuracy``; save to ``out_dir``; returns {"steps",
-    "dev_accuracy"}. ``rng`` draws the batches (default: seeded with ``seed``)."""
+    (checked every ``eval_every`` steps, more often near the target: ``_every``) reaches ``target_accuracy``; save
+    to ``out_dir``; returns {"steps", "dev_accuracy"}. ``rng`` draws the batches (default: seeded with ``seed``)."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -121,7 +121,8 @@ def train_sequences(model_dir: str, out_dir: str, sequences: list[tuple[list[int
         opt.step()
         if step % log_every == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
-        if evaluate is not None and target_accuracy is not None and step % eval_every == 0:
+        checks = evaluate is not None and target_accuracy is not None
+        if checks and step % _every(eval_every, accuracy, target_accuracy) == 0:
             accuracy = evaluate(model)
             bar.set_postfix(loss=f"{loss.item():.3f}", dev_acc=f"{accuracy:.3f}")
             if accuracy >= target_accuracy:
@@ -137,6 +138,15 @@ def train_sequences(model_dir: str, out_dir: str, sequences: list[tuple[list[int
     state = revert_weight_conversion(model, {k: v.detach() for k, v in model.state_dict().items()})
     save_hf_folder(out_dir, model.config, state, tokenizer)
     return {"steps": done, "dev_accuracy": accuracy}
+
+
+def _every(eval_every: int, accuracy: float | None, target: float) -> int:
+    """Steps between two checks of the stopping rule: ``eval_every``, and a fifth of it once the accuracy is half the
+    target. The tiny models' greedy accuracy jumps near there (measured on the quickstart: 0.31 -> 0.49 between two
+    checks 10 steps apart), so checks 10 apart stopped it anywhere from the target to 0.15 above it, a held-out
+    accuracy of 0.37-0.56 over three seeds; 2 apart, 0.39-0.45."""
+    near = accuracy is not None and accuracy >= target / 2
+    return max(1, eval_every // 5) if near else eval_every
 
 
 def main(argv=None) -> int:

@@ -113,7 +113,7 @@ def run(good, tmp_path, *overrides, capsys):
 CASES = {
     # data files
     "fewer rows than a batch": (lambda g, t: [f"data.train_files=[{_write(t / 'few.parquet', prompt=['Q: 1+1= A:'], answer=['2'])}]"],
-                                "data.train_files: 1 prompts cannot fill one batch of data.batch_size=64"),
+                                "data.train_files: 1 prompts cannot fill one batch of data.batch_size=128"),
     "missing prompt column": (lambda g, t: [f"data.train_files=[{_write(t / 'x.parquet', question=['a'], answer=['2'])}]"],
                               "column 'prompt' missing"),
     "prompt_key not a column": (lambda g, t: ["data.prompt_key=question"], "column 'question' missing"),
@@ -312,9 +312,9 @@ CASES = {
         lambda g, t: ["rollout.multi_turn.enable=true",
                       f"rollout.multi_turn.tool_config_path={(t / 'none.yaml').write_text('tools: []') and t / 'none.yaml'}"],
         "rollout.multi_turn.tool_config_path: {t}/none.yaml lists no tools (tools: []); name at least one"),
-    "mini batch vs data batch": (lambda g, t: ["actor.ppo_mini_batch_size=48"], "actor.ppo_mini_batch_size (48 prompts) must divide data.batch_size (64)"),
+    "mini batch vs data batch": (lambda g, t: ["actor.ppo_mini_batch_size=48"], "actor.ppo_mini_batch_size (48 prompts) must divide data.batch_size (128)"),
     # sizes that would make an endless first step
-    "absurd rollout.n": (lambda g, t: ["rollout.n=10000000"], "rollout.n: data.batch_size x rollout.n = 640,000,000 "
+    "absurd rollout.n": (lambda g, t: ["rollout.n=10000000"], "rollout.n: data.batch_size x rollout.n = 1,280,000,000 "
                                                                "sequences of up to 22 tokens need ~"),
 }
 
@@ -361,7 +361,8 @@ def test_prompts_the_tokenizer_cannot_represent_are_counted_in_one_warning(good,
     prompts = ["Q: 1+1= A:"] * 64 + ["Q: 1€1= A:", "Q: 2+2= A:", "Q: 1é1= A:"]  # € and é: not in its vocab
     train = _write(tmp_path / "train.parquet", prompt=prompts, answer=["2"] * len(prompts))
     with caplog.at_level(logging.WARNING, logger="hybridflow.trainer.preflight"):
-        checked = check_run(_load(good, tmp_path, f"data.train_files=[{train}]"))
+        checked = check_run(_load(good, tmp_path, f"data.train_files=[{train}]", "data.batch_size=64",
+                                  "actor.ppo_mini_batch_size=64"))
     assert len(checked.train_data) == len(prompts)  # kept: a warning, not an error
     assert [r.getMessage() for r in caplog.records] == [
         f"data.train_files: 2 prompts in {train} hold characters the tokenizer of {good}/model cannot represent "

@@ -17,7 +17,7 @@ def load(*overrides):
 
 def test_quickstart_and_base_load():
     cfg = load()
-    assert cfg.prepare.enable and cfg.data.batch_size == 64 and resolve(cfg).needs.critic
+    assert cfg.prepare.enable and cfg.data.batch_size == 128 and resolve(cfg).needs.critic
     base = load_experiment(["configs/ppo_megatron.yaml"])
     assert base.rollout.dtype == "bfloat16" and base.resources.n_workers == 8
 
@@ -31,9 +31,9 @@ def test_overrides_are_typed():
 @pytest.mark.parametrize("override, message", [
     ("actor.optim.lrr=1e-4", "unknown key 'actor.optim.lrr' in override 'actor.optim.lrr=1e-4'; did you mean 'actor.optim.lr'?"),
     ("data.batch_size=abc", "key 'data.batch_size' expects int, got str 'abc'"),
-    ("actor.ppo_micro_batch_size_per_gpu=48", "actor.ppo_mini_batch_size x rollout.n (64 sequences) must split into "
+    ("actor.ppo_micro_batch_size_per_gpu=48", "actor.ppo_mini_batch_size x rollout.n (128 sequences) must split into "
      "the actor's 1 data-parallel ranks and then into micro-batches of actor.ppo_micro_batch_size_per_gpu (48)"),
-    ("data.batch_size=48", "actor.ppo_mini_batch_size (64 prompts) must divide data.batch_size (48)"),
+    ("data.batch_size=48", "actor.ppo_mini_batch_size (128 prompts) must divide data.batch_size (48)"),
     ("actor.ppo_micro_batch_size_per_gpu=0", "actor: ppo_micro_batch_size_per_gpu must be >= 1, got 0"),
     ("critic.placement=elsewhere", "key 'critic.placement' expects one of ['colocated', 'separate']"),
     ("algorithm.adv_estimator=gaee", "algorithm: unknown advantage estimator 'gaee'; known:"),

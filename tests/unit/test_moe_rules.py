@@ -18,7 +18,7 @@ MOE = "configs/quickstart_moe_cpu.yaml"  # R3 on
 DENSE = SimpleNamespace(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                         hidden_size=64, intermediate_size=128, vocab_size=128)
 SEPARATE = ["schedule.mode=separate_async", "resources.rollout_n_workers=1", "schedule.parameter_sync_step=1",
-            "data.batch_size=32"]
+            "data.batch_size=32", "actor.ppo_mini_batch_size=32"]
 
 
 def test_verl_keys_translate():

@@ -284,7 +284,7 @@ def test_a_huge_rollout_n_is_one_warning_before_start(n, warned, good, caplog):
     from hybridflow.trainer.main import load
     from hybridflow.trainer.preflight import check_step_fits
 
-    cfg = load(["--config", QUICKSTART, f"rollout.n={n}"])
+    cfg = load(["--config", QUICKSTART, f"rollout.n={n}", "data.batch_size=64", "actor.ppo_mini_batch_size=64"])
     with caplog.at_level("WARNING", logger="hybridflow.trainer.preflight"):
         check_step_fits(cfg, AutoConfig.from_pretrained(good / "model"), resolve(cfg))
     lines = [r.getMessage() for r in caplog.records]

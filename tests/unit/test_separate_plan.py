@@ -107,7 +107,7 @@ ASYNC = ["schedule.mode=separate_async", "resources.rollout_n_workers=1", "sched
     (["resources.rollout_n_workers=2"], "resources.rollout_n_workers \\(2\\) sizes the rollout pool"),
     (["schedule.mode=colocate_async", "resources.rollout_n_workers=1"], "colocate_async rolls out on the actor's workers"),
     (ASYNC[:-1] + ["schedule.parameter_sync_step=4"],
-     "data.batch_size \\(64\\) must equal schedule.parameter_sync_step \\(4\\) x actor.ppo_mini_batch_size \\(64\\)"),
+     "data.batch_size \\(128\\) must equal schedule.parameter_sync_step \\(4\\) x actor.ppo_mini_batch_size \\(128\\)"),
     (ASYNC + ["rollout.checkpoint_engine.backend=nccl"], "backend 'nccl' needs GPU workers"),
     (ASYNC + ["rollout.tensor_model_parallel_size=2"], "resources.rollout_n_workers \\(1\\) is not divisible by"),
     (["schedule.mode=colocate_async", "schedule.partial_rollout=false"],
