@@ -436,20 +436,20 @@ def check_checkpoint_fits(cfg: ExperimentConfig, model, plan: RunPlan, path: Pat
                               f"model.path ({cfg.model.path}) has {getattr(model, key)}")
     if plan.critic is not None and not (path / "critic").is_dir():
         raise ConfigError(f"resume: {path} has no critic, but this config trains one")
-    check_same_adapters(cfg, path)
+    import yaml
+
+    saved_cfg = yaml.safe_load((path / checkpoint.CONFIG_FILE).read_text()) or {}  # the run config it was saved by
+    check_same_adapters(cfg, saved_cfg, path)
     if families.is_moe(model):
-        check_same_expert_layout(plan, path)
+        check_same_expert_layout(plan, saved_cfg, path)
 
 
-def check_same_expert_layout(plan: RunPlan, path: Path) -> None:
+def check_same_expert_layout(plan: RunPlan, saved: dict, path: Path) -> None:
     """A MoE checkpoint's optimizer state resumes only at the expert-parallel size it was saved at: megatron-core
     0.16.1 chains a second optimizer for the experts' parameters where EP > 1 (their ``allreduce`` is False;
     optimizer/__init__.py ``get_megatron_optimizer``), and its load cannot map one chain onto the other (measured
     here EP 2 -> 1: ``KeyError 'pre_wd_mult'``; EP 1 -> 2: ``Expected 2 entries in state dict``). Between two EP
-    sizes > 1 it is not verified either, so any change is refused."""
-    import yaml
-
-    saved = yaml.safe_load((path / checkpoint.CONFIG_FILE).read_text()) or {}
+    sizes > 1 it is not verified either, so any change is refused. ``saved``: the checkpoint's run config."""
     for layout in (plan.actor, plan.critic):
         if layout is None:
             continue
@@ -461,12 +461,10 @@ def check_same_expert_layout(plan: RunPlan, path: Path) -> None:
                               "start a new output_dir from an export of it (model.path)")
 
 
-def check_same_adapters(cfg: ExperimentConfig, path: Path) -> None:
+def check_same_adapters(cfg: ExperimentConfig, saved_cfg: dict, path: Path) -> None:
     """A checkpoint resumes only into the parameters it holds: LoRA adapters of its rank, or the full model (the
     load otherwise fails deep in megatron's dist_checkpointing, as if the checkpoint were damaged)."""
-    import yaml
-
-    saved = (yaml.safe_load((path / checkpoint.CONFIG_FILE).read_text()) or {}).get("model", {}).get("lora", {}) or {}
+    saved = saved_cfg.get("model", {}).get("lora", {}) or {}
     was, now = int(saved.get("rank", 0) or 0), cfg.model.lora.rank
     if was == now:
         return
