@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 import torch
@@ -15,18 +14,15 @@ from hybridflow.protocol import Batch
 from hybridflow.rewards import SourceRouter, on_last_token
 from hybridflow.rewards.custom import adapt_to_scorer, load_custom_reward_function
 from hybridflow.rewards.overlong import overlong_penalty
-from hybridflow.controller import WorkerGroupError
-from hybridflow.trainer.ahead import MAX_RECOVERIES, AheadRollouts, lag_metrics, look_ahead, push_weights
+from hybridflow.trainer.ahead import lag_metrics
 from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.dynamic_sampling import fill_batch
 from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, as_group_ids, group_prompts,
                                           response_lengths, rollout_metrics, sample_seeds, score_responses)
 from hybridflow.trainer.metrics import Timer
 from hybridflow.trainer.placement import WorkerGroups
+from hybridflow.trainer.sources import make_source
 from hybridflow.util import mean_by_key
-
-
-log = logging.getLogger(__name__)
 
 
 def training_scorer(cfg):
@@ -51,15 +47,7 @@ class PPODriver:
         the prompts as preflight loaded and checked them (every row's source has a scorer)."""
         self.cfg, self.needs, self.tokenizer = cfg, plan.needs, tokenizer
         self.actor_rollout, self.critic, self.reward_model = workers.actor_rollout, workers.critic, workers.reward_model
-        # what generates: the hybrid engine (sync), or the standalone rollout pool fed by the checkpoint engine
-        self.workers, self.generator, self.rollout_pool = workers, workers.generator, workers.rollout
-        self.partial_on_pool = plan.rollout_spec is not None and plan.rollout_spec.partial_rollout
-        self.version = 0  # the policy version the rollout engines hold: the actor after this many updates
-        self._warmed_up = False  # colocate_async: its warm-up batches are in flight
-        sc = cfg.schedule
-        self.ahead = (AheadRollouts(self.rollout_pool, look_ahead(sc.num_warmup_batches, sc.max_off_policy_threshold),
-                                    self.prepare_ahead, self.rebuild_rollout_pool, serving=self.partial_on_pool)
-                      if self.rollout_pool is not None else None)
+        self.source = make_source(cfg, plan, workers, self.prepare)  # where the samples come from (sources.py)
         self.train_data, self.val_data = train_data, val_data
         self.train_scorer = training_scorer(cfg)  # training reward and validation accuracy
         # dynamic sampling's own prompt stream, for a caller of step() that passes none (the Trainer passes its
@@ -67,7 +55,7 @@ class PPODriver:
         self._more_prompts = None
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
-        self.push_weights(0)  # vLLM starts with dummy weights: deliver the actor's
+        self.source.push(0)  # vLLM starts with dummy weights: deliver the actor's
 
     # The paper's few-line PPO: generate, score, prepare experience, update critic and actor, and push
     # the new actor weights into the rollout engine.
@@ -99,7 +87,7 @@ class PPODriver:
         with t("update_actor"):
             metrics.update(mean_by_key(self.actor_rollout.update_actor(batch)))
         with t("reshard"):
-            metrics.update(self.push_weights(step))
+            metrics.update(self.source.push(step))
         metrics.update(rollout_metrics(batch))
         return metrics, int(batch.tensors["attention_mask"].sum())
 
@@ -111,14 +99,10 @@ class PPODriver:
         def generate(prompts: Batch, gen: int) -> Batch:
             label = step if gen == 0 else f"{step}.{gen}"  # the generation's name in group ids and seeds
             with t("gen"):
-                if self.ahead is not None:  # separate_async: generated ahead on the rollout pool
-                    batch, waited = self.ahead.take(prompts, label, self._prompt_stream(more_prompts))
-                    waited["async/wait_rollout_s"] += metrics.get("async/wait_rollout_s", 0.0)  # all of a step's
-                    metrics.update(waited)
-                elif cfg.schedule.mode == "colocate_async":  # partial rollouts carried from step to step
-                    batch = self.actor_rollout.generate(self.carried_rows(prompts, label, more_prompts))
-                else:
-                    batch = self.actor_rollout.generate(self.prepare(prompts, label))
+                batch, waited = self.source.take(prompts, label, lambda: self._prompt_stream(more_prompts))
+                if "async/wait_rollout_s" in waited:  # all of a step's generations
+                    waited["async/wait_rollout_s"] += metrics.get("async/wait_rollout_s", 0.0)
+                metrics.update(waited)
             metrics.update(batch.meta.pop("memory", {}))
             if cfg.rollout.multi_turn.enable:
                 metrics.update(agent_metrics(batch.tensors, batch.non_tensors))
@@ -137,22 +121,9 @@ class PPODriver:
                                          batch_size=cfg.data.batch_size, metric=fg.metric,
                                          max_num_gen_batches=fg.max_num_gen_batches)
             metrics.update(sampling)
-        if cfg.schedule.mode != "sync":  # the trained rows' policy versions (dynamic sampling: from several batches)
-            metrics.update(lag_metrics(batch, self.version, cfg.schedule.max_off_policy_threshold, step))
+        if self.source.off_policy:  # the trained rows' policy versions (dynamic sampling: from several batches)
+            metrics.update(lag_metrics(batch, self.source.version, cfg.schedule.max_off_policy_threshold, step))
         return batch, metrics
-
-    def carried_rows(self, prompts: Batch, step, more_prompts: Iterator[Batch] | None) -> Batch:
-        """colocate_async: this generation's new rows (at the first step, with num_warmup_batches more batches in
-        flight) and how many complete groups each generation replica returns: one batch's worth. ``step``: the
-        generation's label (a step's further generation batches under dynamic sampling are ``<step>.<k>``), which
-        keeps their group ids apart from the groups still carried."""
-        batches = [self.prepare(prompts, step)]
-        if not self._warmed_up:  # the first step of this process (a resumed run starts with none in flight)
-            stream = self._prompt_stream(more_prompts)
-            batches += [self.prepare(next(stream), f"{step}w{i}") for i in range(int(self.cfg.schedule.num_warmup_batches))]
-            self._warmed_up = True
-        rows = Batch.concat(batches) if len(batches) > 1 else batches[0]
-        return rows.replace(meta={"groups_to_finish": self.cfg.data.batch_size // self._dp_size()})
 
     def _prompt_stream(self, more_prompts: Iterator[Batch] | None) -> Iterator[Batch]:
         """``more_prompts``, or for a caller without its prompt stream a seeded shuffled stream of our own."""
@@ -171,57 +142,10 @@ class PPODriver:
         rows.tensors["sample_seed"] = sample_seeds(self.cfg.trainer.seed, prompts.non_tensors["uid"], n)
         return rows
 
-    def prepare_ahead(self, prompts: Batch, step) -> Batch:
-        """separate_async's rows; with partial rollouts, how many complete groups each rollout replica returns."""
-        rows = self.prepare(prompts, step)
-        if not self.partial_on_pool:
-            return rows
-        return rows.replace(meta={"groups_to_finish": self.cfg.data.batch_size // self._dp_size()})
-
-    def push_weights(self, version: int) -> dict:
-        """The actor's weights (policy ``version``: after that many updates) into the rollout engines: the hybrid
-        engine's in-place transition, or the checkpoint engine to the rollout pool (rebuilt, and the push
-        repeated, when one of its worker processes died: ``rebuild_rollout_pool``)."""
-        if self.rollout_pool is None:
-            self.version = version
-            return self.actor_rollout.sync_weights(version)[0]
-        rebuilt = False
-        for attempt in range(MAX_RECOVERIES + 1):
-            try:
-                metrics = push_weights(self.actor_rollout, self.rollout_pool, version)
-                self.version = version
-                if rebuilt and self.ahead is not None:  # generated under the weights just pushed
-                    self.ahead.reissue(self.rollout_pool)
-                return metrics
-            except WorkerGroupError:
-                # either side may report first: a receiver's death also breaks the sender's broadcast, so the
-                # warning names the dead receiver, whichever error surfaced
-                dead = self.rollout_pool.dead_ranks()
-                if attempt == MAX_RECOVERIES or not dead or self.actor_rollout.dead_ranks():
-                    raise
-                self.rebuild_rollout_pool(self.rollout_pool.died("receive_weights", dead), push=False)
-                rebuilt = True
-        raise AssertionError("unreachable")
-
-    def rebuild_rollout_pool(self, error: WorkerGroupError, push: bool = True) -> None:
-        """A standalone rollout worker died: the run goes on. Its group is rebuilt in the same pool and reconnected
-        to the checkpoint engine; with ``push`` it is given the current weights and the batches in flight are
-        re-issued to it (else the caller pushes and re-issues). One warning line says so."""
-        in_flight = 0 if self.ahead is None else self.ahead.in_flight_count()
-        log.warning("%s: the rollout pool is rebuilt, given the actor's current weights and %d in-flight batch(es) "
-                    "again", error.summary, in_flight)
-        self.actor_rollout.failed = False  # its send failed only because its receiver died (checked by the caller)
-        self.workers.rebuild_rollout()
-        self.rollout_pool = self.generator = self.workers.rollout
-        if push:
-            push_weights(self.actor_rollout, self.rollout_pool, self.version)
-            if self.ahead is not None:
-                self.ahead.reissue(self.rollout_pool)
-
     def in_flight_batches(self) -> int:
         """Prompt batches drawn but not yet trained on (generating ahead): a checkpoint's data position excludes
         them, so the resumed run generates them again, under the checkpoint's weights."""
-        return 0 if self.ahead is None else len(self.ahead.in_flight)
+        return self.source.in_flight()
 
     def add_old_log_probs(self, batch: Batch, t: Timer) -> Batch:
         """The old log-probs: vLLM's own in rollout_correction.bypass_mode, none when the update's own are them
@@ -317,9 +241,13 @@ class PPODriver:
         if self.critic is not None:
             self.critic.load_checkpoint(path, restore_rng)
         self.kl_ctrl.value = state["kl_coef"]
-        if self.ahead is not None:
-            self.ahead.drop_in_flight()  # generated under weights before the loaded ones (none at start)
-        self.push_weights(state["step"])
+        self.source.drop_in_flight()  # generated under weights before the loaded ones (none at start)
+        self.source.push(state["step"])
+
+    @property
+    def generator(self):
+        """The worker group that generates validation and greedy-baseline rows (the source's)."""
+        return self.source.generator
 
     def _dp_size(self) -> int:
         return self.generator.dispatch_infos("rollout")[0]["dp_size"]

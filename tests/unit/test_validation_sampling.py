@@ -5,6 +5,8 @@ the real response layout; the engine's use of the settings is vLLM's SamplingPar
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from hybridflow.trainer.main import load
@@ -61,7 +63,7 @@ def _driver(assets, *overrides):
     driver = PPODriver.__new__(PPODriver)  # the driver's validation alone: no worker groups started
     driver.cfg, driver.tokenizer, driver.train_scorer = cfg, tokenizer, training_scorer(cfg)
     driver.val_data = PromptDataset.from_config(cfg.data.val_files, tokenizer, cfg.data)
-    driver.generator = _Rollout(tokenizer, cfg.data.max_response_length)
+    driver.source = SimpleNamespace(generator=_Rollout(tokenizer, cfg.data.max_response_length))
     return driver
 
 

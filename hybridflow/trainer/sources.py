@@ -1,0 +1,183 @@
+"""Where a step's samples come from, one class per ``schedule.mode``, behind one small interface (``SampleSource``):
+the driver asks for a step's batch (``take``), hands over the new weights (``push``) and asks what is in flight, and
+names no mode. Chosen once from the run plan (``make_source``); a new placement is a new class here plus its pool,
+spec and rules in plan/.
+
+- ``HybridEngine`` (sync): the actor's colocated vLLM engines generate the step's prompts; the push is the 3D
+  resharding engine's in-place transition.
+- ``CarriedGeneration`` (colocate_async): the same engines, stepping their requests a call at a time and carrying
+  unfinished responses into the next step (partial rollouts; workers/carry.py).
+- ``RolloutPool`` (separate_async): a standalone vLLM pool generating ahead of the trainer (trainer/ahead.py),
+  fed by the checkpoint engine, rebuilt when one of its worker processes dies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from hybridflow.controller import WorkerGroupError
+from hybridflow.protocol import Batch
+from hybridflow.trainer.ahead import MAX_RECOVERIES, AheadRollouts, look_ahead, push_weights
+from hybridflow.trainer.placement import WorkerGroups
+
+log = logging.getLogger(__name__)
+
+Prepare = Callable[[Batch, object], Batch]  # (prompts, label) -> the rows to generate (group ids, seeds, rollout.n)
+Stream = Callable[[], Iterator[Batch]]  # the further prompt batches (warm-up batches, look-ahead)
+
+
+class SampleSource(Protocol):
+    off_policy: bool  # its samples may lag the trainer's policy version (their lag is logged and bounded)
+    version: int  # the policy version its engines hold: the actor after this many updates
+
+    @property
+    def generator(self):
+        """The worker group that generates validation and greedy-baseline rows."""
+
+    def take(self, prompts: Batch, label, stream: Stream) -> tuple[Batch, dict]:
+        """The generated rows of a step's ``prompts`` (``label``: the generation's name in group ids) and metrics."""
+
+    def push(self, version: int) -> dict:
+        """The actor's weights of policy ``version`` into the engines that generate; returns the sync's metrics."""
+
+    def in_flight(self) -> int:
+        """Prompt batches drawn but not yet trained on (a checkpoint's data position excludes them)."""
+
+    def drop_in_flight(self) -> int:
+        """Forget those batches (after a checkpoint load: generated under older weights); returns how many."""
+
+
+class HybridEngine:
+    """sync: the colocated engines generate each step's prompts with the weights just pushed."""
+
+    off_policy = False
+
+    def __init__(self, workers: WorkerGroups, prepare: Prepare):
+        self.actor_rollout, self.prepare, self.version = workers.actor_rollout, prepare, 0
+
+    @property
+    def generator(self):
+        return self.actor_rollout
+
+    def take(self, prompts: Batch, label, stream: Stream) -> tuple[Batch, dict]:
+        return self.actor_rollout.generate(self.prepare(prompts, label)), {}
+
+    def push(self, version: int) -> dict:
+        self.version = version
+        return self.actor_rollout.sync_weights(version)[0]
+
+    def in_flight(self) -> int:
+        return 0
+
+    def drop_in_flight(self) -> int:
+        return 0
+
+
+class CarriedGeneration(HybridEngine):
+    """colocate_async: the colocated engines carry unfinished responses from step to step (partial rollouts)."""
+
+    off_policy = True
+
+    def __init__(self, workers: WorkerGroups, prepare: Prepare, groups_per_replica: Callable[[], int],
+                 warmup_batches: int):
+        super().__init__(workers, prepare)
+        self.groups_per_replica, self.warmup_batches = groups_per_replica, warmup_batches
+        self._warmed_up = False  # its warm-up batches are in flight
+
+    def take(self, prompts: Batch, label, stream: Stream) -> tuple[Batch, dict]:
+        return self.actor_rollout.generate(self.carried_rows(prompts, label, stream)), {}
+
+    def carried_rows(self, prompts: Batch, label, stream: Stream) -> Batch:
+        """This generation's new rows (at the first step, with num_warmup_batches more batches in flight) and how
+        many complete groups each generation replica returns: one batch's worth. ``label``: the generation's name
+        (a step's further generation batches under dynamic sampling are ``<step>.<k>``), which keeps their group ids
+        apart from the groups still carried."""
+        batches = [self.prepare(prompts, label)]
+        if not self._warmed_up:  # the first step of this process (a resumed run starts with none in flight)
+            more = stream()
+            batches += [self.prepare(next(more), f"{label}w{i}") for i in range(self.warmup_batches)]
+            self._warmed_up = True
+        rows = Batch.concat(batches) if len(batches) > 1 else batches[0]
+        return rows.replace(meta={"groups_to_finish": self.groups_per_replica()})
+
+
+class RolloutPool:
+    """separate_async: a standalone rollout pool generates ahead and is fed by the checkpoint engine; a pool whose
+    worker process died is rebuilt and the run goes on (``rebuild``)."""
+
+    off_policy = True
+
+    def __init__(self, workers: WorkerGroups, prepare: Prepare, groups_per_replica: Callable[[], int], depth: int,
+                 serving: bool):
+        """``serving``: the pool serves admitted rows continuously (partial rollouts): each batch says how many
+        complete groups each replica returns."""
+        self.workers, self.prepare, self.groups_per_replica, self.serving = workers, prepare, groups_per_replica, serving
+        self.version = 0
+        self.ahead = AheadRollouts(workers.rollout, depth, self._rows, self.rebuild, serving=serving)
+
+    @property
+    def generator(self):
+        return self.workers.rollout
+
+    def _rows(self, prompts: Batch, label) -> Batch:
+        rows = self.prepare(prompts, label)
+        return rows.replace(meta={"groups_to_finish": self.groups_per_replica()}) if self.serving else rows
+
+    def take(self, prompts: Batch, label, stream: Stream) -> tuple[Batch, dict]:
+        return self.ahead.take(prompts, label, stream())
+
+    def push(self, version: int) -> dict:
+        """The checkpoint engine's push (rebuilt, and the push repeated, when one of the pool's worker processes
+        died)."""
+        rebuilt = False
+        for attempt in range(MAX_RECOVERIES + 1):
+            try:
+                metrics = push_weights(self.workers.actor_rollout, self.workers.rollout, version)
+                self.version = version
+                if rebuilt:  # generated under the weights just pushed
+                    self.ahead.reissue(self.workers.rollout)
+                return metrics
+            except WorkerGroupError:
+                # either side may report first: a receiver's death also breaks the sender's broadcast, so the
+                # warning names the dead receiver, whichever error surfaced
+                dead = self.workers.rollout.dead_ranks()
+                if attempt == MAX_RECOVERIES or not dead or self.workers.actor_rollout.dead_ranks():
+                    raise
+                self.rebuild(self.workers.rollout.died("receive_weights", dead), push=False)
+                rebuilt = True
+        raise AssertionError("unreachable")
+
+    def rebuild(self, error: WorkerGroupError, push: bool = True) -> None:
+        """A standalone rollout worker died: the run goes on. Its group is rebuilt in the same pool and reconnected
+        to the checkpoint engine; with ``push`` it is given the current weights and the batches in flight are
+        re-issued to it (else the caller pushes and re-issues). One warning line says so."""
+        log.warning("%s: the rollout pool is rebuilt, given the actor's current weights and %d in-flight batch(es) "
+                    "again", error.summary, self.in_flight())
+        self.workers.actor_rollout.failed = False  # its send failed only because its receiver died (checked above)
+        self.workers.rebuild_rollout()
+        if push:
+            push_weights(self.workers.actor_rollout, self.workers.rollout, self.version)
+            self.ahead.reissue(self.workers.rollout)
+
+    def in_flight(self) -> int:
+        return self.ahead.in_flight_count()
+
+    def drop_in_flight(self) -> int:
+        return self.ahead.drop_in_flight()
+
+
+def make_source(cfg, plan, workers: WorkerGroups, prepare: Prepare) -> SampleSource:
+    """The sample source of ``schedule.mode``; ``prepare`` makes a step's rows from its prompts."""
+    sc = cfg.schedule
+
+    def groups_per_replica() -> int:  # one batch's worth of complete groups from each generation replica
+        return cfg.data.batch_size // workers.generator.dispatch_infos("rollout")[0]["dp_size"]
+
+    if sc.mode == "separate_async":
+        return RolloutPool(workers, prepare, groups_per_replica, look_ahead(sc.num_warmup_batches,
+                           sc.max_off_policy_threshold), serving=plan.rollout_spec.partial_rollout)
+    if sc.mode == "colocate_async":
+        return CarriedGeneration(workers, prepare, groups_per_replica, int(sc.num_warmup_batches))
+    return HybridEngine(workers, prepare)
