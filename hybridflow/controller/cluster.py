@@ -42,6 +42,15 @@ MAX_TEMP_DIR_BYTES = AF_UNIX_PATH_MAX - len(RAY_SOCKET_TAIL)
 HEALTH_CHECKS = {"gcs_rpc_server_reconnect_timeout_s": 5, "health_check_period_ms": 1000,
                  "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
 
+# No idle Python workers started with the cluster: the raylet prestarts one per CPU for the first driver
+# (ray_config_def.h: prestart_worker_first_driver), but our workers carry their own runtime env (rank, master
+# port), so Ray never hands them those processes; they only took CPU from the start-up that matters.
+NO_PRESTART = {"prestart_worker_first_driver": False}
+
+# The watcher runs as a file, not `-m hybridflow.controller.reaper`: that imports the hybridflow and controller
+# packages (torch, Ray: ~3 s of CPU during the cluster's start-up) for a loop that needs only psutil.
+REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+
 
 class RayHandle:
     """What `start_ray` set up; `shutdown()` (or `with`) undoes it."""
@@ -166,7 +175,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None,
         # torchinductor_*; a worker stopped by ray.kill never cleans up) goes with the cluster.
         with environ(TMPDIR=worker_tmp_dir(temp_dir)), ray_daemons.own_session(), \
                 ray_daemons.keep_sigterm_handler():
-            system_config = {**HEALTH_CHECKS, **init_kwargs.pop("_system_config", {})}
+            system_config = {**HEALTH_CHECKS, **NO_PRESTART, **init_kwargs.pop("_system_config", {})}
             ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                            log_to_driver=True, _temp_dir=temp_dir, _system_config=system_config, **init_kwargs)
     except BaseException:  # e.g. SIGTERM while starting (Ray's handler exits): stop what had started
@@ -183,7 +192,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None,
     procs = [p for p in me.children(recursive=True) if p.pid not in before]
     # Outside our process group and session: a terminal's Ctrl-C or a kill of the driver's group leaves
     # the watcher to do its one job.
-    reaper = subprocess.Popen([sys.executable, "-m", "hybridflow.controller.reaper", str(me.pid),
+    reaper = subprocess.Popen([sys.executable, REAPER, str(me.pid),
                                temp_dir if owns else "-", *map(str, (p.pid for p in procs))],
                               start_new_session=True, stdin=subprocess.DEVNULL)
     log.info("embedded Ray at %s (temp_dir %s, pids %s)", ctx.address_info["address"],

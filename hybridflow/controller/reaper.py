@@ -6,7 +6,9 @@ session: while the driver lives it keeps a fresh list of the cluster's process t
 gone it stops every process on that list (by PID and start time, so a reused PID is never hit) and removes
 the temp dir. A clean ``RayHandle.shutdown`` stops the watcher first.
 
-    python -m hybridflow.controller.reaper DRIVER_PID TEMP_DIR|- RAY_PID...
+    python hybridflow/controller/reaper.py DRIVER_PID TEMP_DIR|- RAY_PID...
+
+It imports nothing of hybridflow (run as a file: the packages' imports would cost seconds of CPU).
 """
 
 from __future__ import annotations
