@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.megatron import checkpoint_files, lora
-from hybridflow.patches import megatron_core
+from hybridflow.patches import megatron_core, megatron_save
 
 _METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 _SCHEDULER = "lr_scheduler"
@@ -42,6 +42,7 @@ def save_role(role, path: str) -> None:
     from megatron.core import dist_checkpointing
 
     os.makedirs(path, exist_ok=True)  # every rank: the folder must exist before any rank writes
+    megatron_save.in_process_results_queue()  # not megatron's spawned Manager: ~2 s off the first save
     torch.distributed.barrier()
     with role.resident(training=role.optimizer is not None), megatron_core.cpu_scope():
         dist_checkpointing.save(_sharded_state_dict(role, loading=False), path,

@@ -103,4 +103,5 @@ def check_versions() -> None:
 
 def _declare_all() -> None:
     # The patch modules declare at import and import their libraries lazily: this stays cheap.
-    from hybridflow.patches import megatron_core, ray_daemons, torch_cuda, transformers_rope, vllm_engine  # noqa: F401
+    from hybridflow.patches import (megatron_core, megatron_save, ray_daemons, torch_cuda,  # noqa: F401
+                                    transformers_rope, vllm_engine)
