@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from hybridflow import device
 from hybridflow.protocol import Batch
-from hybridflow.rollout.vllm_rollout import EngineRequests, SamplingSettings
+from hybridflow.rollout.engine_requests import EngineRequests
+from hybridflow.rollout.vllm_rollout import SamplingSettings
 from hybridflow.workers.carry import SampleSet
 
 log = logging.getLogger(__name__)
