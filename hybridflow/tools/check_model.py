@@ -48,7 +48,7 @@ from hybridflow.resharding.transition import Resharder, TransitionStats
 from hybridflow.resharding.vllm_layout import check_supported, to_checkpoint_names
 from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
 from hybridflow.spawn import run_ranks
-from hybridflow.trainer.preflight import check_weight_shapes
+from hybridflow.trainer.model_files import check_weight_shapes
 from hybridflow.workers import row_layout
 from hybridflow.workers.common import load_hf_folder, open_hf_folder
 
@@ -264,7 +264,7 @@ def _formula_bytes(state: dict, cfg, tp: int, pp: int, ep: int, rollout_tp: int,
 def _read_folder(model_dir: str):
     """The HF config, after the checks train's preflight makes of a model folder: config.json readable, the
     architecture and RoPE supported, every safetensors file's header readable and its shapes config.json's
-    (a truncated or garbage file is one line naming it, trainer/preflight.py check_weight_shapes)."""
+    (a truncated or garbage file is one line naming it, trainer/model_files.py check_weight_shapes)."""
     from pathlib import Path
 
     from transformers import AutoConfig

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridflow import device, families
+from hybridflow import device
 from hybridflow.agent.chat import ChatFormat
 from hybridflow.agent.parsers import get_parser
 from hybridflow.agent.tools import check_tool_config, tool_schemas
@@ -19,14 +18,15 @@ from hybridflow.device import DTYPES
 from hybridflow.megatron import lr_schedule
 from hybridflow.megatron.checkpoint_files import resolve_dist_checkpoint
 from hybridflow.megatron.optimizer_config import check_optimizer_overrides
-from hybridflow.megatron.model import (check_grouped_gemm_dtype, check_rope_supported, check_transformer_config,
-                                       check_transformer_overrides)
+from hybridflow.megatron.model import check_grouped_gemm_dtype, check_transformer_config, check_transformer_overrides
 from hybridflow.plan import RunPlan, model_shape, resolve
 from hybridflow.resharding.vllm_layout import check_supported
 from hybridflow.rewards.routing import SourceRouter
 from hybridflow.rollout.vllm_rollout import check_engine_kwargs
-from hybridflow.trainer import checkpoint
-from hybridflow.trainer.lora_checks import check_adapter, check_lora_targets, header_shapes
+from hybridflow.trainer.lora_checks import check_adapter, check_lora_targets
+from hybridflow.trainer.model_files import check_model_folder
+from hybridflow.trainer.ray_checks import check_ray
+from hybridflow.trainer.resume_checks import resume_checkpoint
 from hybridflow.trainer.run_lock import RunLock
 from hybridflow.trainer.tracking import wandb_falls_back_offline
 
@@ -257,97 +257,6 @@ def load_prompts(cfg: ExperimentConfig, tokenizer):
     return loaded["data.train_files"], loaded.get("data.val_files")
 
 
-def check_model_folder(cfg: ExperimentConfig):
-    """model.path holds a readable config whose RoPE megatron reproduces, safetensors weights and a
-    tokenizer, and the model's context fits the longest prompt plus response; returns (HF config, tokenizer)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    path = cfg.model.path
-    if not os.path.isdir(path):
-        raise ConfigError(f"model.path: not a model folder: {path}")
-    try:
-        model = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path: cannot read {path}/config.json ({str(e).splitlines()[0][:120]})") from None
-    try:
-        check_rope_supported(model)
-    except ValueError as e:
-        raise ConfigError(f"model.path: {e} in {path}/config.json") from None
-    if not list(Path(path).glob("*.safetensors")):
-        raise ConfigError(f"model.path: no *.safetensors weights in {path}")
-    check_weight_shapes(path, model)
-    # Without its files AutoTokenizer quietly builds an empty tokenizer from config.json alone.
-    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise ConfigError(f"model.path: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json) in {path}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as e:
-        raise ConfigError(f"model.path: no usable tokenizer in {path} ({str(e).splitlines()[0][:120]})") from None
-    if len(tokenizer) < 2 or tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
-        raise ConfigError(f"model.path: the tokenizer in {path} is empty or lacks pad/eos tokens (tokenizer files missing?)")
-    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if longest > model.max_position_embeddings:
-        raise ConfigError(f"data.max_prompt_length + data.max_response_length ({longest}) exceeds the model's "
-                          f"max_position_embeddings ({model.max_position_embeddings}) in {path}")
-    return model, tokenizer
-
-
-def check_weight_shapes(path: str, model) -> None:
-    """The safetensors headers parse and cover their files, and hold the embedding and attention shapes
-    config.json implies: a vocab, hidden size or head count that disagrees with the weights (or a truncated
-    or garbage file) fails here in one line, not in a worker loading them. Reads the headers only
-    (``safe_open`` memory-maps; no tensor is loaded)."""
-    try:
-        shapes, file_of = header_shapes(path)
-    except ConfigError as e:
-        raise ConfigError(f"model.path: {e}") from None
-    hidden, heads, kv_heads = model.hidden_size, model.num_attention_heads, model.num_key_value_heads
-    head_dim = getattr(model, "head_dim", None) or hidden // heads  # as hybridflow.megatron.convert derives it
-    head = f"head_dim {head_dim}" + ("" if getattr(model, "head_dim", None) else f" (hidden_size / {heads} heads)")
-    vocab = f"[vocab_size {model.vocab_size}, hidden_size {hidden}]"
-    expected = {"model.embed_tokens.weight": ([model.vocab_size, hidden], vocab)}
-    if not getattr(model, "tie_word_embeddings", False):
-        expected["lm_head.weight"] = ([model.vocab_size, hidden], vocab)
-    for i in range(model.num_hidden_layers):
-        attn = f"model.layers.{i}.self_attn."
-        expected[attn + "q_proj.weight"] = ([heads * head_dim, hidden],
-                                            f"[num_attention_heads {heads} x {head}, hidden_size {hidden}]")
-        expected[attn + "k_proj.weight"] = ([kv_heads * head_dim, hidden],
-                                            f"[num_key_value_heads {kv_heads} x {head}, hidden_size {hidden}]")
-    for name, (shape, meaning) in expected.items():
-        if name not in shapes:
-            raise ConfigError(f"model.path: the safetensors in {path} lack {name}, which its config.json "
-                              f"({model.num_hidden_layers} layers) needs")
-        if shapes[name] != shape:
-            raise ConfigError(f"model.path: {name} in {path}/{file_of[name]} has shape {shapes[name]}, but "
-                              f"config.json says {meaning}")
-    check_declared_weights(path, model, file_of)
-
-
-# Tensors a checkpoint may hold that no conversion reads: old rotary caches, a tied model's saved output layer.
-_UNREAD = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^lm_head\.weight$")
-
-
-def check_declared_weights(path: str, model, file_of: dict) -> None:
-    """The checkpoint holds exactly the tensors its family declares (hybridflow/families): one that no
-    conversion reads (a variant such as Llama's attention_bias, whose o_proj bias megatron's layers here do
-    not have) would be dropped silently, one missing would fail in every worker."""
-    family = families.FAMILIES.get(getattr(model, "model_type", None))
-    if family is None:  # refused by name with the supported list (megatron.model.check_architecture)
-        return
-    declared = family.hf_names(model)
-    unread = sorted(n for n in file_of if n not in declared and not _UNREAD.search(n))
-    if unread:
-        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
-        raise ConfigError(f"model.path: {path}/{file_of[unread[0]]} holds {unread[0]}{more}, which hybridflow's "
-                          f"{family.architecture} does not have: a variant of it (e.g. attention_bias, mlp_bias) "
-                          "that conversion would drop")
-    missing = sorted(declared - set(file_of))
-    if missing:
-        raise ConfigError(f"model.path: the safetensors in {path} lack {missing[0]}, which its config.json "
-                          f"({model.num_hidden_layers} layers) needs")
-
-
 def check_output_dir(path: str, save_hf: bool = True) -> None:
     """output_dir, and the checkpoints/ (and actor_hf/ export) folders in it when they exist, take files:
     found now, not at the first save or the final export."""
@@ -389,91 +298,6 @@ def check_prepare_target(cfg: ExperimentConfig) -> None:
                           f"prepare.model_dir={cfg.model.path})")
 
 
-def resume_checkpoint(cfg: ExperimentConfig, model, plan: RunPlan) -> Path | None:
-    """The checkpoint this run continues from (``trainer.resume_mode``, verl's: auto | disable | resume_path
-    with ``resume_from_path``), or None for a fresh run; a fresh run never overwrites another run's metrics
-    in the same output_dir (verl would append to them: a deliberate difference)."""
-    t = cfg.trainer
-    metrics = Path(t.output_dir) / "metrics.jsonl"
-    ran_before = metrics.is_file() and metrics.stat().st_size > 0
-    if t.resume_mode == "disable":
-        if ran_before or checkpoint.complete_checkpoints(t.output_dir):
-            raise ConfigError(f"trainer.output_dir: {t.output_dir} already holds a run; continue it with "
-                              "trainer.resume_mode=auto, choose another output_dir, or delete its metrics.jsonl and "
-                              "checkpoints/ to start over there")
-        return None
-    if t.resume_mode == "auto":
-        path = checkpoint.newest_whole(t.output_dir)  # a damaged newest one is passed over with a warning
-        if path is None and ran_before:
-            raise ConfigError(f"trainer.output_dir: {t.output_dir} holds a run with no complete checkpoint to "
-                              "resume; choose another output_dir, or delete its metrics.jsonl to start over there")
-    else:
-        path = Path(t.resume_from_path)
-        if not checkpoint.is_complete(path):
-            raise ConfigError(f"trainer.resume_from_path: {t.resume_from_path} is not a complete checkpoint "
-                              f"(no {checkpoint.STATE_FILE}; expected .../checkpoints/step_<k>)")
-        if (damage := checkpoint.find_damage(path)) is not None:
-            raise ConfigError(f"trainer.resume_from_path: checkpoint {t.resume_from_path} is damaged: {damage}")
-    if path is not None:
-        check_checkpoint_fits(cfg, model, plan, path)
-        for role in ("actor", "critic"):  # megatron-core 0.16's HybridDeviceOptimizer cannot load its state back
-            if getattr(cfg, role).optim.override_optimizer_config.get("optimizer_cpu_offload"):
-                raise ConfigError(f"{role}.optim.override_optimizer_config.optimizer_cpu_offload: resuming from {path} "
-                                  "is not supported with it (megatron-core 0.16's HybridDeviceOptimizer cannot load "
-                                  "its Adam state); resume without it")
-    return path
-
-
-def check_checkpoint_fits(cfg: ExperimentConfig, model, plan: RunPlan, path: Path) -> None:
-    """The checkpoint holds this model's architecture and every role the config trains."""
-    from transformers import AutoConfig
-
-    saved = AutoConfig.from_pretrained(str(path / "hf"))
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                "intermediate_size"):
-        if getattr(saved, key) != getattr(model, key):
-            raise ConfigError(f"trainer.resume_from_path: {path} holds a model with {key}={getattr(saved, key)}, "
-                              f"model.path ({cfg.model.path}) has {getattr(model, key)}")
-    if plan.critic is not None and not (path / "critic").is_dir():
-        raise ConfigError(f"resume: {path} has no critic, but this config trains one")
-    import yaml
-
-    saved_cfg = yaml.safe_load((path / checkpoint.CONFIG_FILE).read_text()) or {}  # the run config it was saved by
-    check_same_adapters(cfg, saved_cfg, path)
-    if families.is_moe(model):
-        check_same_expert_layout(plan, saved_cfg, path)
-
-
-def check_same_expert_layout(plan: RunPlan, saved: dict, path: Path) -> None:
-    """A MoE checkpoint's optimizer state resumes only at the expert-parallel size it was saved at: megatron-core
-    0.16.1 chains a second optimizer for the experts' parameters where EP > 1 (their ``allreduce`` is False;
-    optimizer/__init__.py ``get_megatron_optimizer``), and its load cannot map one chain onto the other (measured
-    here EP 2 -> 1: ``KeyError 'pre_wd_mult'``; EP 1 -> 2: ``Expected 2 entries in state dict``). Between two EP
-    sizes > 1 it is not verified either, so any change is refused. ``saved``: the checkpoint's run config."""
-    for layout in (plan.actor, plan.critic):
-        if layout is None:
-            continue
-        was = int(((saved.get(layout.role) or {}).get("megatron") or {}).get("expert_model_parallel_size") or 1)
-        if was != layout.ep:
-            raise ConfigError(f"resume: {path} was saved at {layout.role}.megatron.expert_model_parallel_size {was}, "
-                              f"this run has {layout.ep}: the experts' optimizer state resumes only at the EP size it "
-                              f"was saved at; resume with {layout.role}.megatron.expert_model_parallel_size={was}, or "
-                              "start a new output_dir from an export of it (model.path)")
-
-
-def check_same_adapters(cfg: ExperimentConfig, saved_cfg: dict, path: Path) -> None:
-    """A checkpoint resumes only into the parameters it holds: LoRA adapters of its rank, or the full model (the
-    load otherwise fails deep in megatron's dist_checkpointing, as if the checkpoint were damaged)."""
-    saved = saved_cfg.get("model", {}).get("lora", {}) or {}
-    was, now = int(saved.get("rank", 0) or 0), cfg.model.lora.rank
-    if was == now:
-        return
-    kind = {True: "LoRA adapters of rank {}", False: "the full model"}
-    raise ConfigError(f"resume: {path} trained {kind[bool(was)].format(was)} (model.lora.rank {was}), this run "
-                      f"trains {kind[bool(now)].format(now)} (model.lora.rank {now}): resume with model.lora.rank={was}, "
-                      "or start a new output_dir")
-
-
 def check_resources(cfg: ExperimentConfig, plan: RunPlan) -> None:
     """An embedded Ray cluster must hold every bundle; asking for more waits for Ray's 120 s timeout."""
     if cfg.ray.address is not None:
@@ -488,9 +312,6 @@ def check_resources(cfg: ExperimentConfig, plan: RunPlan) -> None:
         if needed["GPU"] > gpus:
             raise ConfigError(f"resources: the worker pools need {needed['GPU']:g} GPUs (n_workers x "
                               f"gpus_per_worker), this machine has {gpus}")
-
-
-_RAY_CONNECT_TIMEOUT_S = 5
 
 
 def check_step_fits(cfg: ExperimentConfig, model, plan: RunPlan) -> None:
@@ -549,87 +370,6 @@ def warn_long_rollout(cfg: ExperimentConfig, plan: RunPlan, kv_tokens: int | Non
                     "long; lower rollout.n or data.batch_size for shorter steps", r.n, f"{rows:,}", d.batch_size,
                     r.n, rounds, at_once, replicas)
     return rounds
-
-
-def check_ray(cfg: ExperimentConfig) -> None:
-    """A joined cluster answers at ray.address; an embedded cluster's temp_dir can hold Ray's sockets."""
-    if cfg.ray.address is not None:
-        check_ray_address(cfg.ray.address)
-    elif cfg.ray.temp_dir is not None:
-        check_ray_temp_dir(cfg.ray.temp_dir)
-
-
-def check_ray_address(address: str) -> None:
-    """A TCP connection to the cluster's GCS (or Ray client server) within a few seconds; ray.init would
-    otherwise retry for a minute and end in a traceback."""
-    import socket
-
-    if address == "local":  # ray.init starts a cluster of its own
-        return
-    if address == "auto":
-        # ray.init's own lookup: RAY_ADDRESS, the cluster `ray start` recorded, a local GCS process
-        # (ray/_private/services.py canonicalize_bootstrap_address_or_die)
-        from ray._private.services import canonicalize_bootstrap_address_or_die
-
-        try:
-            address = canonicalize_bootstrap_address_or_die("auto")
-        except ConnectionError:
-            raise ConfigError("ray.address: 'auto' finds no running Ray cluster on this node (no RAY_ADDRESS, no "
-                              "`ray start`); start one or give its host:port") from None
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"ray.address: expected host:port, ray://host:port or auto, got {address!r}")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=_RAY_CONNECT_TIMEOUT_S):
-            pass
-    except OSError as e:
-        reason = e.strerror or str(e) or type(e).__name__
-        raise ConfigError(f"ray.address: no Ray cluster answers at {host}:{port} within "
-                          f"{_RAY_CONNECT_TIMEOUT_S} s ({reason})") from None
-    check_speaks_ray(address, f"{host}:{port}")
-
-
-def check_speaks_ray(address: str, host_port: str) -> None:
-    """What answers TCP at ``host_port`` is Ray: one gRPC call a Ray GCS serves (``ray://``: any gRPC
-    answer, the client server's methods differ) within a few seconds. A proxy, a web server or another
-    program would make ray.init retry for ~25 s and end in a ConnectionError traceback. Any gRPC status but
-    "unavailable", "timed out" and (for a GCS) "unimplemented" is Ray's: e.g. UNAUTHENTICATED, whose cause
-    ray.init names itself."""
-    import grpc
-
-    client = address.startswith("ray://")
-    method = "/ray.rpc.NodeInfoGcsService/GetClusterId"  # what ray.init asks a GCS first (empty request)
-    with grpc.insecure_channel(host_port) as channel:
-        call = channel.unary_unary(method, request_serializer=bytes, response_deserializer=bytes)
-        try:
-            call(b"", timeout=_RAY_CONNECT_TIMEOUT_S)
-            return
-        except grpc.RpcError as e:
-            code, details = e.code(), e.details() or ""
-    bad = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-           *(() if client else (grpc.StatusCode.UNIMPLEMENTED,)))
-    if code in bad:
-        what = "a Ray client server" if client else "a Ray cluster (its GCS)"
-        details = " ".join(details.split())
-        details = details if len(details) <= 160 else details[:157] + "..."
-        raise ConfigError(f"ray.address: {host_port} answers, but not as {what}: {code.name} ({details}); check "
-                          "the address and port")
-
-
-def check_ray_temp_dir(temp_dir: str) -> None:
-    path = Path(os.path.abspath(temp_dir))
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"ray.temp_dir: {temp_dir} is a file; Ray needs a folder there")
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"ray.temp_dir: cannot create or write {temp_dir} ({existing} is not a writable folder)")
-    from hybridflow.controller.cluster import AF_UNIX_PATH_MAX, MAX_TEMP_DIR_BYTES, RAY_SOCKET_TAIL  # lazy: Ray
-
-    longest = len(str(path).encode()) + len(RAY_SOCKET_TAIL)
-    if longest > AF_UNIX_PATH_MAX:
-        raise ConfigError(f"ray.temp_dir: {temp_dir} is too long: Ray's socket paths in it reach {longest} bytes "
-                          f"(<temp_dir>{RAY_SOCKET_TAIL}), over the {AF_UNIX_PATH_MAX}-byte limit of Unix sockets; "
-                          f"keep the absolute path within {MAX_TEMP_DIR_BYTES} bytes")
 
 
 def check_trackers(cfg: ExperimentConfig) -> None:

@@ -9,7 +9,8 @@ import yaml
 
 from hybridflow.config import ConfigError
 from hybridflow.plan import load_experiment
-from hybridflow.trainer.preflight import check_checkpoint_fits, run_plan
+from hybridflow.trainer.preflight import run_plan
+from hybridflow.trainer.resume_checks import check_checkpoint_fits
 from hybridflow.trainer import checkpoint
 
 

@@ -28,7 +28,7 @@ def _cfg(model_path):
     ("dynamic", {"rope_type": "dynamic", "factor": 2.0}),
 ])
 def test_unsupported_rope_type_is_one_line(tmp_path, rope_type, rope_scaling):
-    from hybridflow.trainer.preflight import check_model_folder
+    from hybridflow.trainer.model_files import check_model_folder
 
     folder = _model_folder(tmp_path / "model", rope_scaling)
     with pytest.raises(ConfigError) as e:

@@ -237,7 +237,7 @@ def not_ray(request):
 
 @pytest.mark.parametrize("scheme, what", [("", "a Ray cluster (its GCS)"), ("ray://", "a Ray client server")])
 def test_a_ray_address_that_is_not_ray_is_refused_within_seconds(not_ray, scheme, what):
-    from hybridflow.trainer.preflight import check_ray_address
+    from hybridflow.trainer.ray_checks import check_ray_address
 
     start = time.monotonic()
     with pytest.raises(ConfigError) as raised:
@@ -251,7 +251,7 @@ def test_a_ray_address_that_is_not_ray_is_refused_within_seconds(not_ray, scheme
 
 def test_a_silent_ray_address_is_refused_after_the_connect_timeout():
     """A server that accepts and never answers: the gRPC call's deadline, not Ray's minute of retries."""
-    from hybridflow.trainer.preflight import _RAY_CONNECT_TIMEOUT_S, check_ray_address
+    from hybridflow.trainer.ray_checks import _RAY_CONNECT_TIMEOUT_S, check_ray_address
 
     with socket.create_server(("127.0.0.1", 0)) as server:
         start = time.monotonic()

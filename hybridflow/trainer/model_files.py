@@ -1,0 +1,105 @@
+"""model.path's files checked before any worker starts: a readable config whose RoPE megatron reproduces,
+safetensors whose headers match it, and a tokenizer (a part of trainer/preflight.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from hybridflow import families
+from hybridflow.config import ConfigError
+from hybridflow.config.schema import ExperimentConfig
+from hybridflow.megatron.model import check_rope_supported
+from hybridflow.trainer.lora_checks import header_shapes
+
+
+def check_model_folder(cfg: ExperimentConfig):
+    """model.path holds a readable config whose RoPE megatron reproduces, safetensors weights and a
+    tokenizer, and the model's context fits the longest prompt plus response; returns (HF config, tokenizer)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = cfg.model.path
+    if not os.path.isdir(path):
+        raise ConfigError(f"model.path: not a model folder: {path}")
+    try:
+        model = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: cannot read {path}/config.json ({str(e).splitlines()[0][:120]})") from None
+    try:
+        check_rope_supported(model)
+    except ValueError as e:
+        raise ConfigError(f"model.path: {e} in {path}/config.json") from None
+    if not list(Path(path).glob("*.safetensors")):
+        raise ConfigError(f"model.path: no *.safetensors weights in {path}")
+    check_weight_shapes(path, model)
+    # Without its files AutoTokenizer quietly builds an empty tokenizer from config.json alone.
+    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ConfigError(f"model.path: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json) in {path}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"model.path: no usable tokenizer in {path} ({str(e).splitlines()[0][:120]})") from None
+    if len(tokenizer) < 2 or tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
+        raise ConfigError(f"model.path: the tokenizer in {path} is empty or lacks pad/eos tokens (tokenizer files missing?)")
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if longest > model.max_position_embeddings:
+        raise ConfigError(f"data.max_prompt_length + data.max_response_length ({longest}) exceeds the model's "
+                          f"max_position_embeddings ({model.max_position_embeddings}) in {path}")
+    return model, tokenizer
+
+
+def check_weight_shapes(path: str, model) -> None:
+    """The safetensors headers parse and cover their files, and hold the embedding and attention shapes
+    config.json implies: a vocab, hidden size or head count that disagrees with the weights (or a truncated
+    or garbage file) fails here in one line, not in a worker loading them. Reads the headers only
+    (``safe_open`` memory-maps; no tensor is loaded)."""
+    try:
+        shapes, file_of = header_shapes(path)
+    except ConfigError as e:
+        raise ConfigError(f"model.path: {e}") from None
+    hidden, heads, kv_heads = model.hidden_size, model.num_attention_heads, model.num_key_value_heads
+    head_dim = getattr(model, "head_dim", None) or hidden // heads  # as hybridflow.megatron.convert derives it
+    head = f"head_dim {head_dim}" + ("" if getattr(model, "head_dim", None) else f" (hidden_size / {heads} heads)")
+    vocab = f"[vocab_size {model.vocab_size}, hidden_size {hidden}]"
+    expected = {"model.embed_tokens.weight": ([model.vocab_size, hidden], vocab)}
+    if not getattr(model, "tie_word_embeddings", False):
+        expected["lm_head.weight"] = ([model.vocab_size, hidden], vocab)
+    for i in range(model.num_hidden_layers):
+        attn = f"model.layers.{i}.self_attn."
+        expected[attn + "q_proj.weight"] = ([heads * head_dim, hidden],
+                                            f"[num_attention_heads {heads} x {head}, hidden_size {hidden}]")
+        expected[attn + "k_proj.weight"] = ([kv_heads * head_dim, hidden],
+                                            f"[num_key_value_heads {kv_heads} x {head}, hidden_size {hidden}]")
+    for name, (shape, meaning) in expected.items():
+        if name not in shapes:
+            raise ConfigError(f"model.path: the safetensors in {path} lack {name}, which its config.json "
+                              f"({model.num_hidden_layers} layers) needs")
+        if shapes[name] != shape:
+            raise ConfigError(f"model.path: {name} in {path}/{file_of[name]} has shape {shapes[name]}, but "
+                              f"config.json says {meaning}")
+    check_declared_weights(path, model, file_of)
+
+
+# Tensors a checkpoint may hold that no conversion reads: old rotary caches, a tied model's saved output layer.
+_UNREAD = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^lm_head\.weight$")
+
+
+def check_declared_weights(path: str, model, file_of: dict) -> None:
+    """The checkpoint holds exactly the tensors its family declares (hybridflow/families): one that no
+    conversion reads (a variant such as Llama's attention_bias, whose o_proj bias megatron's layers here do
+    not have) would be dropped silently, one missing would fail in every worker."""
+    family = families.FAMILIES.get(getattr(model, "model_type", None))
+    if family is None:  # refused by name with the supported list (megatron.model.check_architecture)
+        return
+    declared = family.hf_names(model)
+    unread = sorted(n for n in file_of if n not in declared and not _UNREAD.search(n))
+    if unread:
+        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+        raise ConfigError(f"model.path: {path}/{file_of[unread[0]]} holds {unread[0]}{more}, which hybridflow's "
+                          f"{family.architecture} does not have: a variant of it (e.g. attention_bias, mlp_bias) "
+                          "that conversion would drop")
+    missing = sorted(declared - set(file_of))
+    if missing:
+        raise ConfigError(f"model.path: the safetensors in {path} lack {missing[0]}, which its config.json "
+                          f"({model.num_hidden_layers} layers) needs")
