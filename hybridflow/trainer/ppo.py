@@ -21,7 +21,7 @@ from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, a
                                           response_lengths, rollout_metrics, sample_seeds, score_responses)
 from hybridflow.trainer.metrics import Timer
 from hybridflow.trainer.placement import WorkerGroups
-from hybridflow.trainer.sources import make_source
+from hybridflow.trainer.sources import generation_dp, make_source
 from hybridflow.util import mean_by_key
 
 
@@ -250,4 +250,4 @@ class PPODriver:
         return self.source.generator
 
     def _dp_size(self) -> int:
-        return self.generator.dispatch_infos("rollout")[0]["dp_size"]
+        return generation_dp(self.generator)
