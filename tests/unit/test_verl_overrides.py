@@ -13,16 +13,8 @@ import yaml
 
 from hybridflow.config import ConfigError, config_to_dict, flat_items
 from hybridflow.config.schema import ExperimentConfig
-from hybridflow.config.verl import (
-    DIFFERENCES,
-    MUST_AGREE,
-    NO_EFFECT,
-    NO_EFFECT_SECTIONS,
-    RENAMED,
-    _ours,
-    split_argv,
-    translate,
-)
+from hybridflow.config.verl import split_argv, translate
+from hybridflow.config.verl_keys import DIFFERENCES, MUST_AGREE, NO_EFFECT, NO_EFFECT_SECTIONS, RENAMED, _ours
 from hybridflow.trainer.main import dry_run, load
 
 EXAMPLES = Path(__file__).parent.parent / "fixtures" / "verl_examples"
