@@ -269,21 +269,11 @@ def _estimator_kwargs(name: str, fn: Any, offered: Dict[str, Any]) -> Dict[str, 
 
 
 def compute_advantage(
-    name: str,
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    *,
-    values: Optional[Tensor] = None,
-    index: Any = None,
-    reward_baselines: Optional[Tensor] = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    old_log_probs: Optional[Tensor] = None,
-    sum_pi_squared: Optional[Tensor] = None,
-    rollout_is_weights: Optional[Tensor] = None,
-    reward_components: Any = None,
-    reward_weights: Optional[Sequence[float]] = None,
+    name: str, token_level_rewards: Tensor, response_mask: Tensor, *, values: Optional[Tensor] = None,
+    index: Any = None, reward_baselines: Optional[Tensor] = None, gamma: float = 1.0, lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True, old_log_probs: Optional[Tensor] = None,
+    sum_pi_squared: Optional[Tensor] = None, rollout_is_weights: Optional[Tensor] = None,
+    reward_components: Any = None, reward_weights: Optional[Sequence[float]] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Run the advantage estimator registered as ``name``.
 
@@ -310,17 +300,8 @@ def compute_advantage(
     """
     fn = ADVANTAGE_ESTIMATORS.get(name)
     _check_same_shape(token_level_rewards, response_mask)
-    offered = dict(
-        values=values,
-        index=index,
-        reward_baselines=reward_baselines,
-        gamma=gamma,
-        lam=lam,
-        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-        old_log_probs=old_log_probs,
-        sum_pi_squared=sum_pi_squared,
-        rollout_is_weights=rollout_is_weights,
-        reward_components=reward_components,
-        reward_weights=reward_weights,
-    )
+    offered = dict(values=values, index=index, reward_baselines=reward_baselines, gamma=gamma, lam=lam,
+                   norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, old_log_probs=old_log_probs,
+                   sum_pi_squared=sum_pi_squared, rollout_is_weights=rollout_is_weights,
+                   reward_components=reward_components, reward_weights=reward_weights)
     return fn(token_level_rewards, response_mask, **_estimator_kwargs(name, fn, offered))

@@ -102,17 +102,9 @@ def _dual_clip(advantages: Tensor, clip_pg_losses1: Tensor, clip_ratio_c: float,
 
 @register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(
-    old_log_prob: Tensor,
-    log_prob: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    global_batch: GlobalBatch | None = None,
-    clip_ratio_low: float | None = None,
-    clip_ratio_high: float | None = None,
-    clip_ratio_c: float | None = None,
+    old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, *,
+    loss_agg_mode: str = "token-mean", config: Any = None, global_batch: GlobalBatch | None = None,
+    clip_ratio_low: float | None = None, clip_ratio_high: float | None = None, clip_ratio_c: float | None = None,
     rollout_is_weights: Tensor | None = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """PPO clipped surrogate with asymmetric clip and dual clip.
@@ -150,9 +142,5 @@ def compute_policy_loss_vanilla(
     pg_losses, pg_clipfrac_lower = _dual_clip(advantages, clip_pg_losses1, clip_ratio_c, response_mask, ratio.dtype)
     pg_losses = weighted(pg_losses, rollout_is_weights)
     loss = aggregate_loss(pg_losses, response_mask, loss_agg_mode, global_batch)
-    metrics = {
-        "pg_clipfrac": pg_clipfrac.detach(),
-        "ppo_kl": ppo_kl.detach(),
-        "pg_clipfrac_lower": pg_clipfrac_lower.detach(),
-    }
-    return loss, metrics
+    return loss, {"pg_clipfrac": pg_clipfrac.detach(), "ppo_kl": ppo_kl.detach(),
+                  "pg_clipfrac_lower": pg_clipfrac_lower.detach()}

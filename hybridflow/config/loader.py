@@ -226,22 +226,29 @@ class _Builder:
             raise ConfigError(f"{_dotted(path)}: {msg}" if path else msg) from e
         return obj
 
+    def _convert_union(self, tp: Any, v: Any, path: Key) -> Any:
+        args = get_args(tp)
+        if v is None and type(None) in args:
+            return None
+        members = [a for a in args if a is not type(None)]
+        if len(members) == 1:  # Optional[X]: X's own, more precise errors
+            return self.convert(members[0], v, path)
+        for member in members:
+            try:
+                return self.convert(member, v, path)
+            except ConfigError:
+                continue
+        raise self.type_error(path, _type_name(tp), v)
+
+    def _convert_items(self, item_types, v, path: Key) -> list:
+        return [self.convert(t, x, path + (f"[{i}]",)) for i, (t, x) in enumerate(zip(item_types, v))]
+
     def convert(self, tp: Any, v: Any, path: Key) -> Any:
         origin, args = get_origin(tp), get_args(tp)
         if tp is Any or tp is object:
             return v
         if origin in (Union, types.UnionType):
-            if v is None and type(None) in args:
-                return None
-            members = [a for a in args if a is not type(None)]
-            if len(members) == 1:  # Optional[X]: X's own, more precise errors
-                return self.convert(members[0], v, path)
-            for member in members:
-                try:
-                    return self.convert(member, v, path)
-                except ConfigError:
-                    continue
-            raise self.type_error(path, _type_name(tp), v)
+            return self._convert_union(tp, v, path)
         if origin is Literal:
             if any(type(v) is type(a) and v == a for a in args):
                 return v
@@ -268,9 +275,7 @@ class _Builder:
             kind = origin or tp
             fixed = kind is tuple and args and args[-1] is not Ellipsis  # tuple[int, str]
             if isinstance(v, (list, tuple)) and (not fixed or len(v) == len(args)):
-                item_types = args if fixed else [args[0] if args else Any] * len(v)
-                items = [self.convert(t, x, path + (f"[{i}]",))
-                         for i, (t, x) in enumerate(zip(item_types, v))]
+                items = self._convert_items(args if fixed else [args[0] if args else Any] * len(v), v, path)
                 return tuple(items) if kind is tuple else items
         elif tp is dict or origin is dict:
             if isinstance(v, dict):

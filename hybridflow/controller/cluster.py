@@ -140,6 +140,32 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
+def _embedded_temp_dir(temp_dir: str | None) -> str:
+    """The embedded cluster's temp dir, made: a fresh short one under /tmp for None."""
+    if temp_dir is None:
+        temp_dir = tempfile.mkdtemp(prefix="hybridflow_ray_", dir="/tmp")
+    temp_dir = os.path.abspath(temp_dir)
+    if len(temp_dir.encode()) > MAX_TEMP_DIR_BYTES:
+        raise ValueError(f"Ray temp_dir {temp_dir!r} is {len(temp_dir.encode())} bytes; keep it <= "
+                         f"{MAX_TEMP_DIR_BYTES} (Unix socket paths inside it are length-limited)")
+    os.makedirs(temp_dir, exist_ok=True)
+    return temp_dir
+
+
+def _stop_started(me: psutil.Process, before: set, temp_dir: str | None) -> None:
+    """After a failed start: Ray shut down, the processes it started (children of ``me`` not in ``before``) killed,
+    ``temp_dir`` (where it was ours) removed."""
+    if ray.is_initialized():
+        ray.shutdown()
+    started = [p for p in me.children(recursive=True) if p.pid not in before]
+    for p in started:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(started, timeout=5)
+    if temp_dir is not None:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def start_ray(address: str | None = None, num_cpus: int | None = None,
               temp_dir: str | None = None, **init_kwargs) -> RayHandle:
     """Start an embedded single-node cluster (address None) or join one.
@@ -160,13 +186,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None,
         return RayHandle(ctx.address_info.get("address", address), None, [], False)
 
     owns = temp_dir is None
-    if owns:
-        temp_dir = tempfile.mkdtemp(prefix="hybridflow_ray_", dir="/tmp")
-    temp_dir = os.path.abspath(temp_dir)
-    if len(temp_dir.encode()) > MAX_TEMP_DIR_BYTES:
-        raise ValueError(f"Ray temp_dir {temp_dir!r} is {len(temp_dir.encode())} bytes; keep it <= "
-                         f"{MAX_TEMP_DIR_BYTES} (Unix socket paths inside it are length-limited)")
-    os.makedirs(temp_dir, exist_ok=True)
+    temp_dir = _embedded_temp_dir(temp_dir)
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     try:
@@ -179,15 +199,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None,
             ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                            log_to_driver=True, _temp_dir=temp_dir, _system_config=system_config, **init_kwargs)
     except BaseException:  # e.g. SIGTERM while starting (Ray's handler exits): stop what had started
-        if ray.is_initialized():
-            ray.shutdown()
-        started = [p for p in me.children(recursive=True) if p.pid not in before]
-        for p in started:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        psutil.wait_procs(started, timeout=5)
-        if owns:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+        _stop_started(me, before, temp_dir if owns else None)
         raise
     procs = [p for p in me.children(recursive=True) if p.pid not in before]
     # Outside our process group and session: a terminal's Ctrl-C or a kill of the driver's group leaves

@@ -69,19 +69,7 @@ class Resharder:
         self.me = self.plan.ranks[self.rank]
         from megatron.core import parallel_state as ps
 
-        ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
-        self.num_experts = families.num_experts(hf_config)
-        # Experts reach the generation layout through their own exchange (see _exchange_experts) wherever
-        # they are not split like a dense MLP over the TP group alone (one EP rank, expert TP = TP).
-        self.expert_exchange = bool(self.num_experts) and (ep > 1 or etp != train.t)
-        if self.expert_exchange and etp > 1:
-            raise ValueError(f"resharding a MoE model with expert_model_parallel_size {ep} needs "
-                             f"expert_tensor_parallel_size 1 (got {etp})")
-        if self.expert_exchange and scheme == "gather_all":
-            raise ValueError("rollout.resharding 'gather_all' does not gather experts across expert-parallel "
-                             "ranks; use 'hybrid'")
-        self.ep_group = ps.get_expert_model_parallel_group() if self.expert_exchange else None
-
+        self._check_experts(hf_config, scheme)
         # the plan's d counts context-parallel ranks too (same weights; megatron's order tp-cp-dp-pp)
         actual = (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(with_context_parallel=True),
                   ps.get_pipeline_model_parallel_rank())
@@ -90,23 +78,7 @@ class Resharder:
                                f"{train.coords(self.rank)} but megatron's groups at {actual}")
         self.tie = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1  # which layers each stage holds
-        # Two group sets, created by all ranks in the same order (new_group is collective): the
-        # micro-DP groups exchange TP-split tensors; inside them, "stage slices" (members at the same
-        # TP offset, one per stage) exchange the tensors megatron replicates across TP (norms), which
-        # only members of other stages need.
-        self.micro_group = self.slice_group = None
-        for members in sorted({rp.micro_dp_group for rp in self.plan.ranks}):
-            group = dist.new_group(list(members))
-            if self.rank in members:
-                self.micro_group = group
-        self.slice_members = tuple(r for r in self.me.micro_dp_group
-                                   if train.coords(r)[0] % self.plan.tp_block == self._offset(self.rank))
-        for members in sorted({tuple(r for r in rp.micro_dp_group
-                                     if train.coords(r)[0] % self.plan.tp_block == self._offset(rp.rank))
-                               for rp in self.plan.ranks}):
-            group = dist.new_group(list(members))
-            if self.rank in members:
-                self.slice_group = group
+        self._new_groups()
         local = _local_shard(module)
         self.device = next(iter(local.values())).device
         meta = self._meta(local)
@@ -118,6 +90,39 @@ class Resharder:
         metas = [None] * len(self.slice_members)
         dist.all_gather_object(metas, replicated, group=self.slice_group)
         self.replicated_meta = dict(zip(self.slice_members, metas))
+
+    def _check_experts(self, hf_config, scheme: str) -> None:
+        """Whether a MoE model's experts take their own exchange, and the layouts that exchange refuses."""
+        from megatron.core import parallel_state as ps
+
+        ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+        self.num_experts = families.num_experts(hf_config)
+        # Experts reach the generation layout through their own exchange (see _exchange_experts) wherever
+        # they are not split like a dense MLP over the TP group alone (one EP rank, expert TP = TP).
+        self.expert_exchange = bool(self.num_experts) and (ep > 1 or etp != self.plan.train.t)
+        if self.expert_exchange and etp > 1:
+            raise ValueError(f"resharding a MoE model with expert_model_parallel_size {ep} needs "
+                             f"expert_tensor_parallel_size 1 (got {etp})")
+        if self.expert_exchange and scheme == "gather_all":
+            raise ValueError("rollout.resharding 'gather_all' does not gather experts across expert-parallel "
+                             "ranks; use 'hybrid'")
+        self.ep_group = ps.get_expert_model_parallel_group() if self.expert_exchange else None
+
+    def _new_groups(self) -> None:
+        """Two group sets, created by all ranks in the same order (new_group is collective): the micro-DP groups
+        exchange TP-split tensors; inside them, "stage slices" (members at the same TP offset, one per stage)
+        exchange the tensors megatron replicates across TP (norms), which only members of other stages need."""
+        self.micro_group = self.slice_group = None
+        for members in sorted({rp.micro_dp_group for rp in self.plan.ranks}):
+            group = dist.new_group(list(members))
+            if self.rank in members:
+                self.micro_group = group
+        self.slice_members = tuple(r for r in self.me.micro_dp_group if self._offset(r) == self._offset(self.rank))
+        for members in sorted({tuple(r for r in rp.micro_dp_group if self._offset(r) == self._offset(rp.rank))
+                               for rp in self.plan.ranks}):
+            group = dist.new_group(list(members))
+            if self.rank in members:
+                self.slice_group = group
 
     def _offset(self, rank: int) -> int:
         return self.plan.train.coords(rank)[0] % self.plan.tp_block

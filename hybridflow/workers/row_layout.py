@@ -109,19 +109,7 @@ def token_micro_batches(batch: Batch, budget: TokenBudget, extra_keys=(), seq_mu
     if thd and share_prompts:
         raise ValueError("packed-sequence (THD) attention is causal per sequence: it cannot share prompts")
     P, _ = prompt_and_response_width(batch)
-    mask = batch.tensors["attention_mask"].bool()
-    lengths = mask.sum(1)
-    longest = int(lengths.max())
-    if longest > budget.max_tokens:
-        row = int(lengths.argmax())
-        raise ValueError(f"{budget.key} ({budget.max_tokens}) is less than the longest row ({longest} tokens, "
-                         f"row {row}): it must hold at least one prompt + response")
-    units = _units(batch, P, budget.max_tokens, share_prompts)
-    if count is not None and count > len(units):  # more micro-batches than units: one row each
-        if count > len(batch):
-            raise ValueError(f"{count} micro-batches agreed for {len(batch)} rows: the data-parallel ranks hold "
-                             "different numbers of rows")
-        units = [(r, r + 1, int(lengths[r])) for r in range(len(batch))]
+    units = _budget_units(batch, P, budget, share_prompts, count)
     parts = token_partitions([cost for _, _, cost in units], budget.max_tokens, count or 1)
     selected = batch.select(tensor_keys=[*MODEL_INPUTS, *extra_keys])
     out, order = [], []
@@ -134,6 +122,24 @@ def token_micro_batches(batch: Batch, budget: TokenBudget, extra_keys=(), seq_mu
         out.append({**d, **{k: mb.tensors[k] for k in extra_keys}})
         order.extend(rows)
     return out, torch.tensor(order, dtype=torch.long)
+
+
+def _budget_units(batch: Batch, P: int, budget: TokenBudget, share_prompts: bool, count: int | None) -> list:
+    """``token_micro_batches``' units (first row, end row, tokens), each within the budget; one row each where the
+    ranks agreed on more micro-batches than there are units."""
+    lengths = batch.tensors["attention_mask"].bool().sum(1)
+    longest = int(lengths.max())
+    if longest > budget.max_tokens:
+        row = int(lengths.argmax())
+        raise ValueError(f"{budget.key} ({budget.max_tokens}) is less than the longest row ({longest} tokens, "
+                         f"row {row}): it must hold at least one prompt + response")
+    units = _units(batch, P, budget.max_tokens, share_prompts)
+    if count is not None and count > len(units):  # more micro-batches than units: one row each
+        if count > len(batch):
+            raise ValueError(f"{count} micro-batches agreed for {len(batch)} rows: the data-parallel ranks hold "
+                             "different numbers of rows")
+        units = [(r, r + 1, int(lengths[r])) for r in range(len(batch))]
+    return units
 
 
 def restore(outputs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -256,38 +262,10 @@ def _packed_rows(mb: Batch, P: int, layout: list[list[tuple[int, int]]], seq_mul
     place = torch.full(mask.shape, -1, dtype=torch.long)  # each cell's place in its packed row (until flattened)
     rows, units, segments, positions, bounds = [], [], [], [], [0]
     for r, row_units in enumerate(layout):
-        tokens, unit, seg, pos, at = [], [], [], [], 0
-        for u, (first, end) in enumerate(row_units):
-            prompt = ids[first, :P][mask[first, :P]]
-            base = at
-            tokens.append(prompt)
-            seg.append(torch.zeros(len(prompt), dtype=torch.long))
-            pos.append(torch.arange(len(prompt)))
-            at += len(prompt)
-            for i in range(first, end):
-                resp = ids[i, P:][mask[i, P:]]
-                tokens.append(resp)
-                seg.append(torch.full((len(resp),), i - first + 1))
-                pos.append(len(prompt) + torch.arange(len(resp)))
-                # the prompt's last token predicts the first response token; each response token the next
-                index[i, 0] = base + len(prompt) - 1
-                index[i, 1:len(resp)] = at + torch.arange(max(len(resp) - 1, 0))
-                place[i, mask[i] & (torch.arange(mask.shape[1]) < P)] = base + torch.arange(len(prompt))
-                place[i, P:][mask[i, P:]] = at + torch.arange(len(resp))
-                sample_row[i] = r
-                at += len(resp)
-            pad = -(at - base) % unit_multiple  # trailing, seen by no real token (THD under CP)
-            if pad:
-                tokens.append(torch.zeros(pad, dtype=ids.dtype))
-                seg.append(torch.full((pad,), -1))
-                pos.append(at - base + torch.arange(pad))
-                at += pad
-            unit.append(torch.full((at - base,), u))
-            bounds.append(at)
-        rows.append(torch.cat(tokens))
-        units.append(torch.cat(unit))
-        segments.append(torch.cat(seg))
-        positions.append(torch.cat(pos))
+        packed = _pack_row(ids, mask, P, row_units, unit_multiple, index, place, bounds)
+        sample_row[[i for first, end in row_units for i in range(first, end)]] = r
+        for out, t in zip((rows, units, segments, positions), packed):
+            out.append(t)
     length = max(len(r) for r in rows)
     length += -length % seq_multiple
     pad = lambda ts, v: torch.stack([torch.nn.functional.pad(t, (0, length - len(t)), value=v)  # noqa: E731
@@ -304,6 +282,41 @@ def _packed_rows(mb: Batch, P: int, layout: list[list[tuple[int, int]]], seq_mul
         return d
     d["packed_mask"] = _unit_mask(pad(units, -1), pad(segments, -1))  # -1: padding
     return d
+
+
+def _pack_row(ids, mask, P: int, row_units: list[tuple[int, int]], unit_multiple: int, index, place,
+              bounds: list) -> tuple:
+    """One packed row of ``_packed_rows``: its (tokens, unit, segment, position) per cell. Fills ``index`` (where
+    each response token's predictor sits) and ``place`` (each cell's place in the row) for the row's samples, and
+    appends each unit's end to ``bounds``."""
+    tokens, unit, seg, pos, at = [], [], [], [], 0
+    for u, (first, end) in enumerate(row_units):
+        prompt = ids[first, :P][mask[first, :P]]
+        base = at
+        tokens.append(prompt)
+        seg.append(torch.zeros(len(prompt), dtype=torch.long))
+        pos.append(torch.arange(len(prompt)))
+        at += len(prompt)
+        for i in range(first, end):
+            resp = ids[i, P:][mask[i, P:]]
+            tokens.append(resp)
+            seg.append(torch.full((len(resp),), i - first + 1))
+            pos.append(len(prompt) + torch.arange(len(resp)))
+            # the prompt's last token predicts the first response token; each response token the next
+            index[i, 0] = base + len(prompt) - 1
+            index[i, 1:len(resp)] = at + torch.arange(max(len(resp) - 1, 0))
+            place[i, mask[i] & (torch.arange(mask.shape[1]) < P)] = base + torch.arange(len(prompt))
+            place[i, P:][mask[i, P:]] = at + torch.arange(len(resp))
+            at += len(resp)
+        pad = -(at - base) % unit_multiple  # trailing, seen by no real token (THD under CP)
+        if pad:
+            tokens.append(torch.zeros(pad, dtype=ids.dtype))
+            seg.append(torch.full((pad,), -1))
+            pos.append(at - base + torch.arange(pad))
+            at += pad
+        unit.append(torch.full((at - base,), u))
+        bounds.append(at)
+    return torch.cat(tokens), torch.cat(unit), torch.cat(seg), torch.cat(pos)
 
 
 def _unit_mask(unit: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
