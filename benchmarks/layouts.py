@@ -42,14 +42,14 @@ def _rank(rank, world, hf_dir, tp, pp, steps):
 
     from hybridflow.config.schema import Actor, Optim
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
 
     parallel.init_model_parallel(tp, pp, seed=1)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     cfg, state = load_hf_folder(hf_dir)
-    role = MegatronRole(cfg, state, optim=OptimSettings(lr=1e-5), sequence_parallel=tp > 1)
+    role = MegatronRole(cfg, state, ModelBuild(sequence_parallel=tp > 1), optim=OptimSettings(lr=1e-5))
     batch = workload()
     shard = batch.chunk(dp)[dp_rank]
     actor_cfg = Actor(optim=Optim(lr=1e-5), ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_gpu=4)

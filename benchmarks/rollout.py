@@ -168,7 +168,7 @@ def greedy_agreement(rollout, hf: HF, prompt_ids: list[list[int]], n: int) -> di
 
 
 def run_cell(size_name: str, size: dict, n: int, a, prompts: list[str], affinity: set) -> dict:
-    from hybridflow.rollout.vllm_rollout import VLLMRollout
+    from hybridflow.rollout.vllm_rollout import EngineSettings, VLLMRollout
     from hybridflow.workers.common import load_hf_folder
 
     dtype = getattr(torch, a.dtype)
@@ -177,7 +177,8 @@ def run_cell(size_name: str, size: dict, n: int, a, prompts: list[str], affinity
         prompt_ids = [tok(p)["input_ids"] for p in prompts]
         assert max(map(len, prompt_ids)) <= PROMPT_BUDGET
         start = time.perf_counter()
-        rollout = VLLMRollout(tmp, max_model_len=PROMPT_BUDGET + n, kv_cache_gib=1, dtype=a.dtype, seed=0)
+        rollout = VLLMRollout(tmp, EngineSettings(kv_cache_gib=1, dtype=a.dtype), max_model_len=PROMPT_BUDGET + n,
+                              seed=0)
         rollout.wake_up(["weights"])  # what sync_weights does first (a no-op on CPU)
         rollout.update_weights(load_hf_folder(tmp)[1])
         rollout.wake_up(["weights", "kv_cache"])

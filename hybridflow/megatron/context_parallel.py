@@ -9,7 +9,7 @@ data-parallel ranks: megatron's DDP reduces gradients over the data x context gr
 Attention crosses ranks. On GPU Transformer Engine's attention does it (megatron's TE spec hands it the CP
 group and ``cp_comm_type``; causal rows, megatron slicing the rotary table per rank). megatron's local
 ``DotProductAttention`` asserts ``context_parallel_size == 1`` (transformer/dot_product_attention.py), so on
-CPU ``patches.megatron_core.gathered_kv_attention`` stands in (a declared patch): it all-gathers K and V over the CP group and
+CPU ``patches.megatron_layers.gathered_kv_attention`` stands in (a declared patch): it all-gathers K and V over the CP group and
 applies an explicit mask of this rank's queries against every key in gathered order
 (workers/row_layout.split_for_context_parallel builds it, from the causal mask or a packed one), so shared
 prompts and token-budget packing work under CP too.
@@ -69,10 +69,10 @@ class _SumOverRanks(torch.autograd.Function):
 
 
 def gathered_kv_attention():
-    """The local spec's core attention under CP (patches/megatron_core.py), on this process's CP group."""
-    from hybridflow.patches import megatron_core
+    """The local spec's core attention under CP (patches/megatron_layers.py), on this process's CP group."""
+    from hybridflow.patches import megatron_layers
 
-    return megatron_core.gathered_kv_attention(_group)
+    return megatron_layers.gathered_kv_attention(_group)
 
 
 def sum_over_ranks(x: torch.Tensor) -> torch.Tensor:

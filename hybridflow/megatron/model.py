@@ -12,7 +12,7 @@ from hybridflow import device
 from hybridflow import families
 from hybridflow.megatron import context_parallel
 from hybridflow.families import SUPPORTED_ARCHS, head_dim, is_moe, moe_layer_pattern, qk_layernorm, qkv_bias
-from hybridflow.patches import megatron_core
+from hybridflow.patches import megatron_core, megatron_layers
 from hybridflow.patches.transformers_rope import hf_inverse_frequencies
 
 
@@ -102,7 +102,7 @@ def _use_hf_rope_frequencies(rope, hf_config) -> None:
     (model_executor/layers/rotary_embedding get_rope)."""
     kind = _rope_parameters(hf_config).get("rope_type", "default")
     if kind != "default":
-        megatron_core.set_rope_inverse_frequencies(rope, hf_inverse_frequencies(hf_config, kind, rope.inv_freq.device))
+        megatron_layers.set_rope_inverse_frequencies(rope, hf_inverse_frequencies(hf_config, kind, rope.inv_freq.device))
 
 
 # TransformerConfig fields hybridflow sets itself, and where each comes from: an override of one is refused
@@ -229,21 +229,7 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
     check_rope_supported(hf_config)
     on_gpu = device.has_gpu()
     base = dict(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
-        num_attention_heads=hf_config.num_attention_heads,
-        num_query_groups=hf_config.num_key_value_heads,
-        kv_channels=head_dim(hf_config),
-        normalization="RMSNorm",
-        layernorm_epsilon=hf_config.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=qkv_bias(hf_config),
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        **_architecture_fields(hf_config),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
@@ -253,7 +239,6 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
-        qk_layernorm=qk_layernorm(hf_config),
         # a dense model ignores the expert layout (megatron refuses EP without experts)
         expert_model_parallel_size=ep if is_moe(hf_config) else 1,
         expert_tensor_parallel_size=(etp or tp) if is_moe(hf_config) else tp,
@@ -270,9 +255,31 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         use_cpu_initialization=not on_gpu,
-        **_moe_fields(hf_config),
     )
     return TransformerConfig(**{**base, **extra})
+
+
+def _architecture_fields(hf_config) -> dict:
+    """The TransformerConfig fields the HF architecture fixes (Qwen2/Llama-style blocks, their MoE layers)."""
+    return dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=head_dim(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=qkv_bias(hf_config),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        qk_layernorm=qk_layernorm(hf_config),
+        **_moe_fields(hf_config),
+    )
 
 
 def te_available() -> bool:
@@ -311,7 +318,7 @@ def layer_spec(config):
     if grouped:  # megatron's GroupedMLP (the local spec's only grouped experts: LocalSpecProvider.grouped_mlp_modules)
         megatron_core.torch_grouped_gemm()
     if config.sequence_parallel:
-        megatron_core.allow_sequence_parallel_torch_norm()
+        megatron_layers.allow_sequence_parallel_torch_norm()
     # The local spec's RMSNorm layer norms are WrappedTorchNorm with or without Apex
     # (backends.LocalSpecProvider.layer_norm(rms_norm=True)).
     spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe)

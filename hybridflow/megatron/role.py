@@ -16,12 +16,11 @@ import torch
 import torch.distributed as dist
 
 from hybridflow import device
-from hybridflow.families import weights
-from hybridflow.megatron import convert, lora, lr_schedule, parallel, routing, virtual_stages
-from hybridflow.megatron.routing import ModelRouting
+from hybridflow.megatron import convert, hf_export, lora, lr_schedule, parallel, virtual_stages
+from hybridflow.megatron.routing import RoleRouting
 from hybridflow.megatron.model import build_gpt, moe_layer_pattern_of, te_available, transformer_config_from_hf
 from hybridflow.megatron.offload import Offloader, optimizer_tensors
-from hybridflow.patches import megatron_core
+from hybridflow.patches import megatron_core, megatron_layers
 from hybridflow.util import mean_by_key
 
 
@@ -78,55 +77,68 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return -tensor_parallel.vocab_parallel_cross_entropy(own, labels)
 
 
+@dataclass(frozen=True)
+class ModelBuild:
+    """How a role's megatron model is built (the layout comes from this process's megatron groups)."""
+
+    value_head: bool = False  # a value model: a scalar head instead of the vocabulary
+    dtype: torch.dtype = torch.float32
+    sequence_parallel: bool = False
+    transformer_overrides: dict | None = None  # megatron.override_transformer_config
+    # the MoE routers can record and replay their top-k (megatron/routing.py): a micro-batch with routed_experts
+    # replays them
+    routing_replay: bool = False
+    # the base weights are frozen and adapters train (megatron/lora.py); the optimizer holds the adapters only
+    lora_settings: lora.LoRASettings | None = None
+
+    def transformer_config(self, hf_config, shard: convert.Shard):
+        replay = {"moe_enable_routing_replay": True} if self.routing_replay else {}
+        return transformer_config_from_hf(
+            hf_config, tp=shard.tp_size, pp=shard.pp_size, ep=shard.ep_size, cp=shard.cp_size, vpp=shard.vpp_size,
+            etp=shard.expert_tp[1], sequence_parallel=self.sequence_parallel, params_dtype=self.dtype,
+            overrides={**(self.transformer_overrides or {}), **replay})
+
+
 class MegatronRole:
     """A GPT policy or value model sharded over this process's megatron groups, on this worker's device."""
 
-    def __init__(self, hf_config, hf_state_dict: Mapping | None, *, value_head: bool = False,
-                 optim: OptimSettings | None = None, dtype: torch.dtype = torch.float32,
-                 sequence_parallel: bool = False, offload: OffloadSettings = OffloadSettings(),
-                 transformer_overrides: dict | None = None, routing_replay: bool = False,
-                 lora_settings: lora.LoRASettings | None = None, start_weights: Callable | None = None):
-        """``routing_replay``: the MoE routers can record and replay their top-k (megatron/routing.py): a
-        micro-batch with ``routed_experts`` replays them. ``lora_settings``: the base weights are frozen and
-        adapters train (megatron/lora.py); the optimizer holds the adapters only. ``start_weights(role)``: loads
-        weights that do not come from ``hf_state_dict`` (a megatron dist checkpoint, a peft adapter) into the built
-        model before the optimizer is made: a 16-bit model's fp32 main parameters are copies taken then, and the
-        first step would write them back over anything loaded later."""
+    def __init__(self, hf_config, hf_state_dict: Mapping | None, build: ModelBuild = ModelBuild(), *,
+                 optim: OptimSettings | None = None, offload: OffloadSettings = OffloadSettings(),
+                 start_weights: Callable | None = None):
+        """``hf_state_dict`` None: weights come from a checkpoint (megatron.checkpoint.load_role) or ``start_weights``.
+        ``optim`` None: a frozen model (reference, export). ``start_weights(role)``: loads weights that do not come
+        from ``hf_state_dict`` (a megatron dist checkpoint, a peft adapter) into the built model before the optimizer
+        is made: a 16-bit model's fp32 main parameters are copies taken then, and the first step would write them
+        back over anything loaded later."""
         self.hf_config = hf_config
-        self.value_head = value_head
+        self.value_head = build.value_head
         self.shard = parallel.current_shard()
         self.device = device.current()
-        self.tf_config = transformer_config_from_hf(  # overrides: megatron.override_transformer_config
-            hf_config, tp=self.shard.tp_size, pp=self.shard.pp_size, ep=self.shard.ep_size, cp=self.shard.cp_size,
-            vpp=self.shard.vpp_size, etp=self.shard.expert_tp[1], sequence_parallel=sequence_parallel,
-            params_dtype=dtype, overrides={**(transformer_overrides or {}),
-                                           **({"moe_enable_routing_replay": True} if routing_replay else {})})
-        chunks = virtual_stages.build_chunks(partial(build_gpt, hf_config, self.tf_config, value_head=value_head,
+        self.tf_config = build.transformer_config(hf_config, self.shard)
+        chunks = virtual_stages.build_chunks(partial(build_gpt, hf_config, self.tf_config, value_head=build.value_head,
                                                      device=self.device), self.shard.vpp_size)
         # the stage as one module by name (conversion, resharding, checkpoints, export); the schedule runs the chunks
         self.module = virtual_stages.as_one_module(chunks)
-        if hf_state_dict is not None:  # None: weights come from a checkpoint (megatron.checkpoint.load_role)
+        if hf_state_dict is not None:
             convert.load_into(self.module, convert.hf_to_megatron(hf_state_dict, hf_config, self.shard,
-                                                                  value_head=value_head))
-        if lora_settings is not None:  # before DDP: gradient buffers and optimizer state for the adapters only
-            lora.add_adapters(self.module, lora_settings, self.tf_config)
-        self.chunks, self.optimizer = chunks, None
+                                                                  value_head=build.value_head))
+        if build.lora_settings is not None:  # before DDP: gradient buffers and optimizer state for the adapters only
+            lora.add_adapters(self.module, build.lora_settings, self.tf_config)
+        self.chunks, self.optimizer, self.scheduler = chunks, None, None
         if start_weights is not None:
             start_weights(self)
-        self.scheduler = None
         if optim is None:
             for chunk in chunks:
                 chunk.requires_grad_(False).eval()
         else:
-            self.chunks, self.optimizer = self._wrap_for_training(chunks, optim, dtype)
+            self.chunks, self.optimizer = self._wrap_for_training(chunks, optim, build.dtype)
         params = lambda: list(self.module.parameters())  # noqa: E731
         self._offloaders = {
             "params": Offloader(params),
             "optimizer": Offloader(lambda: optimizer_tensors(self.optimizer) if self.optimizer else [], exclude=params),
         }
         self.offload_settings = offload
-        self.routing = ModelRouting(self.module, self.tf_config.sequence_parallel) if routing_replay else None
-        self._recording, self._routed = False, None
+        self.routing = RoleRouting(self.module, self.tf_config, self.shard.pp_size) if build.routing_replay else None
         # Rows of one GRPO group may share one packed prompt (workers/row_layout.shared_prompt_rows) where attention
         # honours an arbitrary mask: megatron's local spec with its torch softmax (masked_softmax_fusion off)
         # on CPU, one pipeline stage. On GPU the attention kernels apply the causal mask only
@@ -228,14 +240,15 @@ class MegatronRole:
 
         def forward_step(data_iter, model):
             mb = device.to_device(next(data_iter))
-            self._route(mb)
+            if self.routing is not None:
+                self.routing.before_forward(mb)
             packed = mb.get("packed_mask")  # shared-prompt or token-budget rows on CPU (row_layout)
             bare = model.module if hasattr(model, "module") else model  # under DDP
-            with megatron_core.rope_at_positions(bare, mb["position_ids"]) if packed is not None else contextlib.nullcontext():
+            with megatron_layers.rope_at_positions(bare, mb["position_ids"]) if packed is not None else contextlib.nullcontext():
                 out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=packed,
                             **_packed_sequences(mb))
-            if self._routed is not None:  # this stage's routing of the micro-batch, before the next one's
-                self._routed.append(device.to_host(self.routing_outputs(mb)))
+            if self.routing is not None:
+                self.routing.after_forward(mb)
             return out, partial(loss_fn, mb)
 
         data = iter(micro_batches)
@@ -254,73 +267,18 @@ class MegatronRole:
         replay the outputs also hold, per input row, ``routed_experts`` [n, T, L, k] (what the routers chose)
         when ``record_routes``, and where the micro-batch replays routes ``routing_differing`` / ``routing_counted``
         [n]: token-layers whose own top-k differed from the replayed one / were replayed. Every pipeline stage
-        routes its own layers: their parts meet on the last stage (``_routing_of_all_stages``)."""
+        routes its own layers: their parts meet on the last stage (``RoleRouting.of_all_stages``)."""
         def loss_fn(mb, output):
             with torch.no_grad():
                 return torch.zeros((), device=output.device), device.to_host(output_fn(mb, output))
 
         for chunk in self.chunks:
             chunk.eval()
-        self._recording = record_routes and self.routing is not None
-        self._routed = [] if self.routing is not None else None
-        try:
-            with torch.no_grad(), self.resident():
-                outs = self._run_schedule(micro_batches, loss_fn, forward_only=True)
-                routed = self._routing_of_all_stages(self._routed)
-        finally:
-            self._recording, self._routed = False, None
-            if self.routing is not None:
-                self.routing.clear()
+        recording = self.routing.forward_pass(record_routes) if self.routing is not None else contextlib.nullcontext()
+        with recording as routed, torch.no_grad(), self.resident():
+            outs = self._run_schedule(micro_batches, loss_fn, forward_only=True)
+            routed = self.routing.of_all_stages(routed) if routed is not None else None
         return [{**o, **r} for o, r in zip(outs, routed)] if routed else outs
-
-    def _routing_of_all_stages(self, routed: list[dict] | None) -> list[dict] | None:
-        """Each micro-batch's routing outputs (``routing_outputs``) of every pipeline stage merged: the recorded
-        routes by maximum (a stage leaves other stages' layers ``NO_ROUTE``), the counts summed."""
-        if not routed or self.shard.pp_size == 1:
-            return routed
-        from megatron.core import parallel_state as ps
-
-        for r in routed:
-            for key, value in r.items():
-                merged = device.to_device(value.to(torch.int32 if key == "routed_experts" else torch.float64))
-                dist.all_reduce(merged, op=dist.ReduceOp.MAX if key == "routed_experts" else dist.ReduceOp.SUM,
-                                group=ps.get_pipeline_model_parallel_group())
-                r[key] = device.to_host(merged).to(value.dtype)
-        return routed
-
-    def _route(self, mb: dict) -> None:
-        """Set the routers up for this micro-batch's forward: replay its ``routed_experts``, record, or neither."""
-        if self.routing is None:
-            return
-        if "routed_experts" in mb:
-            self.routing.replay(routing.to_layout(mb["routed_experts"], mb["token_position"], *mb["input_ids"].shape))
-        elif self._recording:
-            self.routing.record()
-        else:
-            self.routing.clear()
-
-    def routing_outputs(self, mb: dict) -> dict:
-        """Per input row of the micro-batch this stage just forwarded, for its own layers: how many of the routes
-        replayed differed from the routers' own choice, or the routes recorded (``forward``); every TP rank of the
-        stage calls it."""
-        if self.routing is None:
-            return {}
-        rows, pos = mb["input_ids"].shape[0], mb["token_position"]
-        if "routed_experts" in mb:
-            cells = routing.routed_cells(mb["routed_experts"], pos)
-            if not self.routing.routers:  # a stage of dense layers only
-                return {"routing_differing": torch.zeros(len(pos), dtype=torch.float64),
-                        "routing_counted": torch.zeros(len(pos), dtype=torch.float64)}
-            differ = routing.from_layout(self.routing.differing(rows), pos, 0)
-            return {"routing_differing": (differ * cells).sum(1).double(),
-                    "routing_counted": cells.sum(1).double() * len(self.routing.layers)}
-        if self._recording:
-            if not self.routing.routers:  # a stage of dense layers only: the other stages' routes
-                shape = (*pos.shape, self.tf_config.num_layers, self.tf_config.moe_router_topk)
-                return {"routed_experts": torch.full(shape, routing.NO_ROUTE, dtype=torch.int16)}
-            routes = self.routing.recorded(rows, self.tf_config.num_layers)
-            return {"routed_experts": routing.from_layout(routes, pos, routing.NO_ROUTE)}
-        return {}
 
     def train(self, steps: Iterable[tuple[list[dict], Callable]]) -> list[dict]:
         """One optimizer step per (micro-batches, ``loss_fn(mb, output) -> (loss, metrics)``) of ``steps``,
@@ -375,111 +333,13 @@ class MegatronRole:
     # --- export -----------------------------------------------------------------------------------
 
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, host tensor) of the whole model, yielded on global rank 0 only, one layer at a time.
-
-        Every rank of the role must exhaust the iterator together. Only data-parallel rank 0 moves dense
-        weights: each tensor's TP shards are gathered onto TP rank 0, which converts the layer to HF names;
-        other pipeline stages broadcast their converted layers to the first stage. Experts live on the
-        expert-parallel ranks (expert-data-parallel rank 0 holds one copy of each): each expert tensor is
-        gathered over the expert-TP group, then over the EP group onto data-parallel rank 0. No rank ever
-        holds more than its own shard plus one layer.
-        """
-        from megatron.core import parallel_state as ps
-
-        has_experts = bool(self.tf_config.num_moe_experts)
-        expert_only = ps.get_data_parallel_rank() != 0  # joins the expert gathers of its own stage only
-        if expert_only and not (has_experts and ps.get_expert_data_parallel_rank() == 0):
-            return
-        with self.resident():
-            local = convert.local_state_dict(self.module)
-            chunks = _layer_chunks(local)
-            tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
-            tp_rank, stage = self.shard.tp_rank, self.shard.pp_rank
-            pp_ranks = dist.get_process_group_ranks(pp_group)
-            if expert_only:
-                for names in chunks:
-                    self._gathered_chunk(local, names, tp_group, experts_only=True)
-                return
-            # TP rank 0 of every stage walks all stages' chunks (the pipeline broadcast); the other TP
-            # ranks only join the gathers of their own stage.
-            counts = {stage: len(chunks)}
-            if self.shard.pp_size > 1 and tp_rank == 0:
-                every = [None] * self.shard.pp_size
-                dist.all_gather_object(every, len(chunks), group=pp_group)
-                counts = dict(enumerate(every))
-            for s, n in counts.items():
-                for i in range(n):
-                    hf = self._gathered_chunk(local, chunks[i], tp_group) if s == stage else None
-                    if tp_rank != 0:
-                        continue
-                    if self.shard.pp_size > 1:
-                        box = [hf]
-                        dist.broadcast_object_list(box, src=pp_ranks[s], group=pp_group)
-                        hf = box[0]
-                    if dist.get_rank() == 0:
-                        yield from hf.items()
-
-    @staticmethod
-    def _gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor | None:
-        """``tensor`` of every member of ``group`` concatenated along ``dim`` on the group's first rank."""
-        size = dist.get_world_size(group)
-        if size == 1:
-            return tensor
-        first = dist.get_rank(group) == 0
-        parts = [torch.empty_like(tensor) for _ in range(size)] if first else None
-        dist.gather(tensor.contiguous(), parts, dst=dist.get_process_group_ranks(group)[0], group=group)
-        return torch.cat(parts, dim=dim) if first else None
-
-    def _gathered_chunk(self, local: dict, names: list[str], tp_group, experts_only: bool = False) -> dict | None:
-        """The HF tensors (on host) of one chunk of this stage, on TP rank 0 of data-parallel rank 0 (None on
-        the others). Expert tensors are renamed to their global expert index (convert.megatron_to_hf)."""
-        from megatron.core import parallel_state as ps
-
-        full = {}
-        for name in names:
-            tensor = local[name]
-            if convert.is_expert_param(name):
-                tensor = self._gather(tensor, convert.tp_split_dim(name), ps.get_expert_tensor_parallel_group())
-                if tensor is None:
-                    continue
-                per_rank = self.tf_config.num_moe_experts // self.shard.ep_size
-                ep_group = ps.get_expert_model_parallel_group()
-                every = self._gather(tensor[None], 0, ep_group)  # [ep, ...]: one per EP rank, same local index
-                if every is None:
-                    continue
-                pre, i, rest = weights.local_expert(name)
-                for r in range(self.shard.ep_size):
-                    full[f"{pre}local_experts.{r * per_rank + i}.{rest}"] = every[r]
-                continue
-            if experts_only:
-                continue
-            dim = convert.tp_split_dim(name, self.value_head)
-            if self.shard.tp_size > 1 and dim is not None:
-                tensor = self._gather(tensor, dim, tp_group)
-            full[name] = tensor
-        if self.shard.tp_rank != 0 or experts_only:
-            return None
-        hf = convert.megatron_to_hf(full, self.hf_config, self.shard, value_head=self.value_head)
-        # Owned host copies: unsharded tensors are views of the live (maybe soon offloaded) parameters.
-        return {k: v.detach().to("cpu", copy=True) for k, v in hf.items()}
+        """(HF name, host tensor) of the whole model on global rank 0 (megatron/hf_export.py); every rank of the
+        role exhausts it together."""
+        return hf_export.iter_hf_weights(self)
 
     def hf_state_dict(self) -> dict:
         """The full HF state dict on global rank 0 (empty elsewhere); all ranks must call it together."""
         return dict(self.iter_hf_weights())
-
-
-def _layer_chunks(local: dict) -> list[list[str]]:
-    """This stage's parameter names grouped for a streamed export: embedding, each layer, final parts."""
-    layers: dict[int, list[str]] = {}
-    head, tail = [], []
-    for name in sorted(local):
-        if name.startswith("decoder.layers."):
-            layers.setdefault(int(name.split(".")[2]), []).append(name)
-        elif name.startswith("embedding."):
-            head.append(name)
-        else:
-            tail.append(name)
-    return [c for c in (head, *(layers[k] for k in sorted(layers)), tail) if c]
 
 
 def _packed_sequences(mb: dict) -> dict:

@@ -21,10 +21,13 @@ targets: megatron-core 0.16 leaves ``REPLAY_BACKWARD`` to its caller).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 import torch.distributed as dist
+
+from hybridflow import device
 
 @functools.cache
 def _counting_replay():
@@ -136,6 +139,76 @@ class ModelRouting:
             dist.all_gather(parts, x.contiguous(), group=ps.get_tensor_model_parallel_group())
             x = torch.cat(parts)
         return x.transpose(0, 1)
+
+
+class RoleRouting(ModelRouting):
+    """A role's routing state around megatron's schedule: which micro-batch replays, which records, and the
+    per-row outputs of each forward (``forward_pass``), for this pipeline stage's layers."""
+
+    def __init__(self, module: torch.nn.Module, tf_config, pp_size: int):
+        super().__init__(module, tf_config.sequence_parallel)
+        self.num_layers, self.top_k, self.pp_size = tf_config.num_layers, tf_config.moe_router_topk, pp_size
+        self._recording, self._routed = False, None
+
+    @contextlib.contextmanager
+    def forward_pass(self, record: bool):
+        """A forward-only pass over micro-batches: yields the list each micro-batch's ``outputs`` are appended to
+        (``record``: the routes the routers chose, else replay counts where a micro-batch replays)."""
+        self._recording, self._routed = record, []
+        try:
+            yield self._routed
+        finally:
+            self._recording, self._routed = False, None
+            self.clear()
+
+    def before_forward(self, mb: dict) -> None:
+        """Set the routers up for this micro-batch's forward: replay its ``routed_experts``, record, or neither."""
+        if "routed_experts" in mb:
+            self.replay(to_layout(mb["routed_experts"], mb["token_position"], *mb["input_ids"].shape))
+        elif self._recording:
+            self.record()
+        else:
+            self.clear()
+
+    def after_forward(self, mb: dict) -> None:
+        """Keep this stage's routing of the micro-batch inside a ``forward_pass``, before the next one's."""
+        if self._routed is not None:
+            self._routed.append(device.to_host(self.outputs(mb)))
+
+    def outputs(self, mb: dict) -> dict:
+        """Per input row of the micro-batch this stage just forwarded, for its own layers: how many of the routes
+        replayed differed from the routers' own choice, or the routes recorded (``forward_pass``); every TP rank of
+        the stage calls it."""
+        rows, pos = mb["input_ids"].shape[0], mb["token_position"]
+        if "routed_experts" in mb:
+            cells = routed_cells(mb["routed_experts"], pos)
+            if not self.routers:  # a stage of dense layers only
+                return {"routing_differing": torch.zeros(len(pos), dtype=torch.float64),
+                        "routing_counted": torch.zeros(len(pos), dtype=torch.float64)}
+            differ = from_layout(self.differing(rows), pos, 0)
+            return {"routing_differing": (differ * cells).sum(1).double(),
+                    "routing_counted": cells.sum(1).double() * len(self.layers)}
+        if self._recording:
+            if not self.routers:  # a stage of dense layers only: the other stages' routes
+                shape = (*pos.shape, self.num_layers, self.top_k)
+                return {"routed_experts": torch.full(shape, NO_ROUTE, dtype=torch.int16)}
+            return {"routed_experts": from_layout(self.recorded(rows, self.num_layers), pos, NO_ROUTE)}
+        return {}
+
+    def of_all_stages(self, routed: list[dict]) -> list[dict]:
+        """Each micro-batch's ``outputs`` of every pipeline stage merged: the recorded routes by maximum (a stage
+        leaves other stages' layers ``NO_ROUTE``), the counts summed."""
+        if not routed or self.pp_size == 1:
+            return routed
+        from megatron.core import parallel_state as ps
+
+        for r in routed:
+            for key, value in r.items():
+                merged = device.to_device(value.to(torch.int32 if key == "routed_experts" else torch.float64))
+                dist.all_reduce(merged, op=dist.ReduceOp.MAX if key == "routed_experts" else dist.ReduceOp.SUM,
+                                group=ps.get_pipeline_model_parallel_group())
+                r[key] = device.to_host(merged).to(value.dtype)
+        return routed
 
 
 NO_ROUTE = -1  # a batch cell whose token nobody routed: padding, or a response's last token (never fed to vLLM)

@@ -103,5 +103,5 @@ def check_versions() -> None:
 
 def _declare_all() -> None:
     # The patch modules declare at import and import their libraries lazily: this stays cheap.
-    from hybridflow.patches import (megatron_core, megatron_save, ray_daemons, torch_cuda,  # noqa: F401
-                                    transformers_rope, vllm_engine)
+    from hybridflow.patches import (megatron_core, megatron_layers, megatron_save, ray_daemons,  # noqa: F401
+                                    torch_cuda, transformers_rope, vllm_engine, vllm_reload_log)

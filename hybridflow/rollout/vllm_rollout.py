@@ -10,15 +10,15 @@ KV cache freed) so that training gets the memory back; sleep mode does not exist
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
 from hybridflow import device, families
 from hybridflow.config.model import vllm_lora_rank
-from hybridflow.patches import vllm_engine
+from hybridflow.patches import vllm_engine, vllm_reload_log
 from hybridflow.rollout.engine_requests import EngineRequests, SamplingSettings
 from hybridflow.rollout.fused_experts import FusedExperts
 from hybridflow.util import environ
@@ -35,37 +35,6 @@ def _unique_dist_ident() -> str:
     if dist.is_initialized():
         dist.broadcast_object_list(ident, src=0)
     return ident[0]
-
-
-class _ReportOnce(logging.Filter):
-    """vLLM's layerwise reload warns "<layer>: Failed to load weights" at every sync for layers it was given no
-    weights for, and puts their tensors back as they were (reload/layerwise.py), which is right for these: the
-    rotary cos/sin cache is computed, never in a checkpoint, and a FusedMoE's experts are written in place
-    (rollout/fused_experts.py). Let each through once per process, not every step."""
-
-    WHY = {"RotaryEmbedding": "its cos/sin cache is computed, not loaded",
-           "FusedMoE": "its experts are written in place, not loaded"}
-
-    def __init__(self):
-        super().__init__()
-        self.seen: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        layer = message.split(":", 1)[0]
-        if not message.endswith("Failed to load weights") or layer not in self.WHY:
-            return True
-        if message in self.seen:
-            return False
-        self.seen.add(message)
-        record.msg, record.args = f"{message} ({self.WHY[layer]}; reported once)", ()
-        return True
-
-
-def _report_reload_warnings_once() -> None:
-    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if not any(isinstance(f, _ReportOnce) for f in layerwise.filters):
-        layerwise.addFilter(_ReportOnce())
 
 
 def _has_experts(hf_dir: str) -> bool:
@@ -145,19 +114,57 @@ def check_engine_kwargs(engine_kwargs: dict | None) -> dict:
     return kwargs
 
 
-def _engine_kwargs(engine_kwargs: dict | None, sleep_mode: bool, lora_rank: int, **optional) -> dict:
-    """The ``vllm.LLM`` arguments VLLMRollout does not fix: ``engine_kwargs`` (checked by
-    ``check_engine_kwargs``), sleep mode when it is on, vLLM's LoRA for one adapter of ``lora_rank`` (0: none), and
-    each of ``optional`` that is not None (None: vLLM's default)."""
-    kwargs = check_engine_kwargs(engine_kwargs)
-    if sleep_mode:
-        kwargs["enable_sleep_mode"] = True
-    if lora_rank:
-        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(lora_rank))
-    for key, value in optional.items():
-        if value is not None:
-            kwargs[key] = value
-    return kwargs
+@dataclass(frozen=True)
+class EngineSettings:
+    """The vLLM engine's own arguments, as the rollout section gives them (``of``)."""
+
+    tensor_parallel_size: int = 1
+    kv_cache_gib: int = 1  # vLLM-CPU's KV cache (VLLM_CPU_KVCACHE_SPACE)
+    dtype: str = "float32"
+    gpu_memory_utilization: float = 0.4
+    enforce_eager: bool = False  # always eager on CPU
+    free_cache_engine: bool = True  # GPU: sleep outside generation
+    # None: vLLM's defaults
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enable_chunked_prefill: bool | None = None
+    engine_kwargs: dict | None = None  # further vllm.LLM arguments (check_engine_kwargs)
+
+    @classmethod
+    def of(cls, rollout, colocated: bool) -> EngineSettings:
+        """The engine of the ``rollout`` section; only an engine ``colocated`` with training sleeps."""
+        r = rollout
+        return cls(r.tensor_model_parallel_size, r.kv_cache_gib, r.dtype, r.gpu_memory_utilization, r.enforce_eager,
+                   colocated and r.free_cache_engine, r.max_num_batched_tokens, r.max_num_seqs,
+                   r.enable_chunked_prefill, r.engine_kwargs)
+
+    def llm_kwargs(self, sleep_mode: bool, lora_rank: int) -> dict:
+        """The ``vllm.LLM`` arguments VLLMRollout does not fix: ``engine_kwargs`` (checked by
+        ``check_engine_kwargs``), sleep mode when it is on, vLLM's LoRA for one adapter of ``lora_rank`` (0: none),
+        and each optional setting that is not None (None: vLLM's default)."""
+        kwargs = check_engine_kwargs(self.engine_kwargs)
+        if sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        if lora_rank:
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(lora_rank))
+        optional = dict(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                        enable_chunked_prefill=self.enable_chunked_prefill)
+        kwargs.update({k: v for k, v in optional.items() if v is not None})
+        return kwargs
+
+
+def _build_llm(hf_dir: str, engine: EngineSettings, max_model_len: int, seed: int, **kwargs):
+    """vLLM's ``LLM`` with dummy weights, eager on CPU."""
+    from vllm import LLM
+
+    return LLM(model=hf_dir, tokenizer=hf_dir, dtype=engine.dtype, load_format="dummy",
+               enforce_eager=engine.enforce_eager or not device.on_accelerator(), max_model_len=max_model_len,
+               tensor_parallel_size=engine.tensor_parallel_size, seed=seed,
+               gpu_memory_utilization=engine.gpu_memory_utilization, disable_log_stats=True,
+               disable_custom_all_reduce=True,
+               # On GPU this costs FlashInfer's sampler: vLLM falls back to its native top-k/top-p
+               # sampler for processed log-probs (v1/sample/ops/topk_topp_sampler.py, __init__).
+               logprobs_mode="processed_logprobs", **kwargs)
 
 
 class VLLMRollout:
@@ -184,22 +191,17 @@ class VLLMRollout:
 
     The engine holds random weights until the first ``update_weights``."""
 
-    def __init__(self, hf_dir: str, *, max_model_len: int, tensor_parallel_size: int = 1,
-                 kv_cache_gib: int = 1, dtype: str = "float32", seed: int = 0,
-                 gpu_memory_utilization: float = 0.4, enforce_eager: bool = False, free_cache_engine: bool = True,
-                 max_num_batched_tokens: int | None = None, generation_groups: list[tuple[int, ...]] | None = None,
-                 max_num_seqs: int | None = None, enable_chunked_prefill: bool | None = None,
-                 engine_kwargs: dict | None = None, routed_experts: bool = False, lora_rank: int = 0):
+    def __init__(self, hf_dir: str, engine: EngineSettings = EngineSettings(), *, max_model_len: int, seed: int = 0,
+                 generation_groups: list[tuple[int, ...]] | None = None, routed_experts: bool = False,
+                 lora_rank: int = 0):
         # In-process engine: starts in 3-5 s instead of 16-34 s on this machine.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.kv_cache_gib))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-reload INFO lines drown the metrics
-        from vllm import LLM
-
         on_gpu = device.on_accelerator()
-        self.dtype = device.torch_dtype(dtype)
+        self.dtype = device.torch_dtype(engine.dtype)
         # Sleep mode raises on CPU; CUDA graphs do not exist there.
-        self.sleep_mode = on_gpu and free_cache_engine
+        self.sleep_mode = on_gpu and engine.free_cache_engine
         # On CUDA/ROCm vLLM computes with unquantized weights exactly as loaded (UnquantizedLinearMethod and
         # UnquantizedEmbeddingMethod.process_weights_after_loading repack only on CPU and XPU), so its
         # parameters are the vLLM-layout TP shard itself and can be overwritten in place: no
@@ -209,28 +211,21 @@ class VLLMRollout:
         # them as given, the experts are written there directly instead (experts_in_place).
         self.takes_shards = on_gpu and not _has_experts(hf_dir)
         self._asleep: set[str] = set()
-        kwargs = _engine_kwargs(engine_kwargs, self.sleep_mode, lora_rank, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill)
+        kwargs = engine.llm_kwargs(self.sleep_mode, lora_rank)
         self.routed_experts = routed_experts
         self.lora_request = None  # set by the first load_adapter
         if routed_experts and on_gpu:  # its aux-output connector runs in the V2 runner only (config/vllm.py)
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             kwargs["enable_return_routed_experts"] = True
-        self._shm_prefix = self._join_world(kwargs, tensor_parallel_size, on_gpu)
+        tp = engine.tensor_parallel_size
+        self._shm_prefix = self._join_world(kwargs, tp, on_gpu)
         if on_gpu:
-            check_free_memory(gpu_memory_utilization)
+            check_free_memory(engine.gpu_memory_utilization)
         else:
             vllm_engine.eager_logprob_ranks()
-        with self._building(generation_groups, routed_experts and on_gpu and tensor_parallel_size > 1):
-            self.llm = LLM(model=hf_dir, tokenizer=hf_dir, dtype=dtype, load_format="dummy",
-                           enforce_eager=enforce_eager or not on_gpu, max_model_len=max_model_len,
-                           tensor_parallel_size=tensor_parallel_size, seed=seed,
-                           gpu_memory_utilization=gpu_memory_utilization,
-                           enable_prefix_caching=on_gpu or not routed_experts,
-                           disable_log_stats=True, disable_custom_all_reduce=True,
-                           # On GPU this costs FlashInfer's sampler: vLLM falls back to its native top-k/top-p
-                           # sampler for processed log-probs (v1/sample/ops/topk_topp_sampler.py, __init__).
-                           logprobs_mode="processed_logprobs", **kwargs)
+        with self._building(generation_groups, routed_experts and on_gpu and tp > 1):
+            self.llm = _build_llm(hf_dir, engine, max_model_len, seed,
+                                  enable_prefix_caching=on_gpu or not routed_experts, **kwargs)
         self.experts = FusedExperts(self._worker().model_runner.get_model()) if _has_experts(hf_dir) else None
         self._capture = None
         if routed_experts and not on_gpu:
@@ -238,7 +233,7 @@ class VLLMRollout:
             self._capture = vllm_engine.RouteCapture(self._worker().model_runner, hf.num_hidden_layers,
                                                      hf.num_experts_per_tok)
         self.sleep()  # until the first sync: the dummy weights and the KV cache take nothing from training
-        _report_reload_warnings_once()
+        vllm_reload_log.report_reload_warnings_once()
 
     @contextlib.contextmanager
     def _building(self, generation_groups, routes_on_every_rank: bool):

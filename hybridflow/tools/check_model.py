@@ -42,11 +42,11 @@ from hybridflow.families.weights import FINAL_NORM, Split, hf_weight, is_expert
 from hybridflow.config import ConfigError
 from hybridflow.megatron import context_parallel, parallel
 from hybridflow.megatron.model import check_architecture, check_rope_supported, te_available
-from hybridflow.megatron.role import MegatronRole
+from hybridflow.megatron.role import MegatronRole, ModelBuild
 from hybridflow.resharding.plan import HybridPlan, Layout
 from hybridflow.resharding.transition import Resharder, TransitionStats
 from hybridflow.resharding.vllm_layout import check_supported, to_checkpoint_names
-from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
+from hybridflow.rollout.vllm_rollout import EngineSettings, SamplingSettings, VLLMRollout
 from hybridflow.spawn import run_ranks
 from hybridflow.trainer.model_files import check_weight_shapes
 from hybridflow.workers import row_layout
@@ -137,14 +137,14 @@ def _prompts(vocab_size: int) -> torch.Tensor:
     return torch.randint(3, min(vocab_size, 1000), (N_PROMPTS, PROMPT_LEN), generator=g)
 
 
-def _grouped_settings(grouped: bool) -> dict:
-    """MegatronRole arguments for grouped-GEMM experts: megatron's GroupedMLP needs bf16 (TE's does not)."""
+def _grouped_build(grouped: bool) -> ModelBuild:
+    """The model build for grouped-GEMM experts: megatron's GroupedMLP needs bf16 (TE's does not)."""
     from hybridflow.megatron.model import te_available
 
     if not grouped:
-        return {}
-    return {"transformer_overrides": {"moe_grouped_gemm": True},
-            **({} if te_available() else {"dtype": torch.bfloat16})}
+        return ModelBuild()
+    return ModelBuild(transformer_overrides={"moe_grouped_gemm": True},
+                      **({} if te_available() else {"dtype": torch.bfloat16}))
 
 
 def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm, grouped=False, cp=1, vpp=1):
@@ -154,7 +154,7 @@ def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm, grouped=
     device.bind()  # this rank's GPU (LOCAL_RANK = rank) before NCCL meets it; the CPU without one
     parallel.init_model_parallel(tp, pp, seed=0, ep=ep, etp=1 if ep > 1 else None, cp=cp, vpp=vpp)
     cfg, weights = open_hf_folder(model_dir)
-    role = MegatronRole(cfg, weights, **_grouped_settings(grouped))
+    role = MegatronRole(cfg, weights, _grouped_build(grouped))
     ids = _prompts(cfg.vocab_size)
     hidden = {}
     module = role.module
@@ -216,8 +216,8 @@ def _vllm_leg(rank, module, cfg, model_dir, tp, pp, rollout_tp, ids) -> dict:
     plan = HybridPlan(Layout(pp, tp, ps.get_data_parallel_world_size() * ps.get_context_parallel_world_size()), 1,
                       rollout_tp)
     me = plan.ranks[rank]
-    rollout = VLLMRollout(model_dir, max_model_len=PROMPT_LEN + NEW_TOKENS, tensor_parallel_size=rollout_tp,
-                          generation_groups=plan.replicas, enforce_eager=True)  # no CUDA graphs for 3 prompts
+    engine = EngineSettings(tensor_parallel_size=rollout_tp, enforce_eager=True)  # no CUDA graphs for 3 prompts
+    rollout = VLLMRollout(model_dir, engine, max_model_len=PROMPT_LEN + NEW_TOKENS, generation_groups=plan.replicas)
     try:
         resharder, stats = Resharder(module, cfg, plan, "hybrid"), TransitionStats("hybrid")
 
@@ -286,13 +286,8 @@ def _read_folder(model_dir: str):
     return cfg
 
 
-def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int = 1, with_vllm: bool = True,
-          grouped_gemm: bool = False, cp: int = 1, vpp: int = 1) -> dict:
-    """The comparison as numbers (``report`` prints it); raises ValueError (one line) on an unsupported setup.
-    ``vllm_error`` in the result: why the vLLM leg did not run or failed (the megatron comparison stands)."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = _read_folder(model_dir)
+def _check_sizes(cfg, tp: int, pp: int, ep: int, rollout_tp: int, cp: int, vpp: int) -> None:
+    """ValueError (one line) where a parallel size does not fit the model or the check's prompts."""
     check_supported(cfg, rollout_tp)
     for name, size, n in (("--tp", tp, cfg.num_attention_heads), ("--pp", pp, cfg.num_hidden_layers),
                           ("--ep", ep, families.num_experts(cfg) or ep)):
@@ -303,6 +298,28 @@ def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int
                          f"more than the stages) and the model's {cfg.num_hidden_layers} layers to divide by --pp x --vpp")
     if cp < 1 or PROMPT_LEN % (2 * cp):
         raise ValueError(f"--cp {cp}: the {PROMPT_LEN}-token prompts do not split into {2 * cp} equal chunks")
+
+
+def _layer_differences(out, mine: dict, num_layers: int) -> list[tuple]:
+    """(name, max abs difference, scale, finite) of each layer's output against HF's, then the logits'."""
+    layers = []  # (name, max abs diff, scale); the last layer's HF output is only seen after the final norm
+    for i in range(num_layers - 1):
+        ref, got = out.hidden_states[i + 1], mine["hidden"][i]
+        layers.append((f"model.layers.{i}", (got - ref).abs().max().item(), ref.abs().max().item(),
+                       bool(torch.isfinite(got).all())))
+    ref, got = out.logits, mine["logits"].float()
+    layers.append(("logits", (got - ref).abs().max().item(), ref.abs().max().item(), bool(torch.isfinite(got).all())))
+    return layers
+
+
+def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int = 1, with_vllm: bool = True,
+          grouped_gemm: bool = False, cp: int = 1, vpp: int = 1) -> dict:
+    """The comparison as numbers (``report`` prints it); raises ValueError (one line) on an unsupported setup.
+    ``vllm_error`` in the result: why the vLLM leg did not run or failed (the megatron comparison stands)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _read_folder(model_dir)
+    _check_sizes(cfg, tp, pp, ep, rollout_tp, cp, vpp)
     on_gpu = device.has_gpu()
     world = check_ranks_fit(tp, pp, ep, device.accelerator_count(), cp)
     if rollout_tp > world:
@@ -318,13 +335,7 @@ def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         out = hf(input_ids=ids, output_hidden_states=True)
-    layers = []  # (name, max abs diff, scale); the last layer's HF output is only seen after the final norm
-    for i in range(cfg.num_hidden_layers - 1):
-        ref, got = out.hidden_states[i + 1], mine["hidden"][i]
-        layers.append((f"model.layers.{i}", (got - ref).abs().max().item(), ref.abs().max().item(),
-                       bool(torch.isfinite(got).all())))
-    ref, got = out.logits, mine["logits"].float()
-    layers.append(("logits", (got - ref).abs().max().item(), ref.abs().max().item(), bool(torch.isfinite(got).all())))
+    layers = _layer_differences(out, mine, cfg.num_hidden_layers)
     tolerance = REL_TOLERANCE_BF16 if mine["bf16"] else REL_TOLERANCE
     first_bad = next((name for name, diff, scale, finite in layers
                       if not finite or not diff <= tolerance * max(scale, 1.0)), None)

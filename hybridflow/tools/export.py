@@ -96,7 +96,7 @@ def export(ckpt: Path, out_dir: str, merged: bool = False, force: bool = False) 
     from hybridflow.megatron import parallel
     from hybridflow.megatron.checkpoint import load_role
     from hybridflow.config.model import LoRA
-    from hybridflow.megatron.role import MegatronRole
+    from hybridflow.megatron.role import MegatronRole, ModelBuild
     from hybridflow.workers.common import lora_settings, open_hf_folder
     from hybridflow.workers.export import save_hf_folder
 
@@ -111,10 +111,10 @@ def export(ckpt: Path, out_dir: str, merged: bool = False, force: bool = False) 
         parallel.init_model_parallel(1, 1, seed=0)
         lora = LoRA(**saved.get("model", {}).get("lora", {}))
         if not lora.rank:
-            actor = MegatronRole(hf_config, None, dtype=dtype)
+            actor = MegatronRole(hf_config, None, ModelBuild(dtype=dtype))
         else:  # the checkpoint holds the adapters; the frozen base is the run's model
-            actor = MegatronRole(hf_config, open_hf_folder(saved["model"]["path"])[1], dtype=dtype,
-                                 lora_settings=lora_settings(lora, seed=0))
+            actor = MegatronRole(hf_config, open_hf_folder(saved["model"]["path"])[1],
+                                 ModelBuild(dtype=dtype, lora_settings=lora_settings(lora, seed=0)))
         load_role(actor, str(ckpt / "actor"), with_optimizer=False)
         with torch.no_grad():
             if lora.rank and not merged:

@@ -23,8 +23,9 @@ from hybridflow.resharding.transition import Resharder, TransitionStats
 from hybridflow.resharding import checkpoint_engine
 from hybridflow.resharding.separate import SeparatePlan
 from hybridflow.workers import role_ops
-from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoint, lora_settings, offload_settings,
-                                       optim_settings, ref_offload_settings, save_role_checkpoint, start_weights)
+from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoint, lora_settings, model_build,
+                                       offload_settings, optim_settings, ref_offload_settings, save_role_checkpoint,
+                                       start_weights)
 from hybridflow.workers.export import save_hf_folder
 from hybridflow.workers.carry import CarriedGeneration
 from hybridflow.workers.generation import (build_agent_loop, build_vllm_rollout, generate_batch, load_adapters,
@@ -39,21 +40,18 @@ class ActorRolloutRefWorker(Worker):
         self.spec, self.needs, p = spec, spec.needs, spec.process
         mp = spec.actor.megatron
         hf_config, state = init_megatron_worker(self, mp, p.seed, p.model_path, p.dist_timeout_s)
-        dtype = device.torch_dtype(mp.dtype)
         self.replay = mp.router_replay.mode  # MoE routing replay (megatron/routing.py)
-        self.actor = MegatronRole(hf_config, state, optim=optim_settings(spec.actor.optim, mp, p.total_steps,
-                                                                         "actor.optim"),
-                                  dtype=dtype, sequence_parallel=mp.sequence_parallel, offload=offload_settings(mp),
-                                  transformer_overrides=mp.override_transformer_config,
-                                  routing_replay=self.replay != "disabled", lora_settings=lora_settings(spec.lora, p.seed),
-                                  start_weights=start_weights(mp, "actor", spec.lora and spec.lora.adapter_path))
+        self.actor = MegatronRole(
+            hf_config, state, model_build(mp, routing_replay=self.replay != "disabled",
+                                          lora_settings=lora_settings(spec.lora, p.seed)),
+            optim=optim_settings(spec.actor.optim, mp, p.total_steps, "actor.optim"), offload=offload_settings(mp),
+            start_weights=start_weights(mp, "actor", spec.lora and spec.lora.adapter_path))
         # The reference lives in the actor's processes, with the actor's layout and its own param offload; under
         # R3 it replays vLLM's routes too. With LoRA it is the actor with its adapters off: no second copy.
-        self.ref = MegatronRole(hf_config, state, dtype=dtype, sequence_parallel=mp.sequence_parallel,
-                                offload=ref_offload_settings(spec.actor),
-                                transformer_overrides=mp.override_transformer_config,
-                                routing_replay=self.replay == "R3",
-                                start_weights=start_weights(mp, "actor")) if self.needs.reference and not spec.lora else None
+        self.ref = MegatronRole(
+            hf_config, state, model_build(mp, routing_replay=self.replay == "R3"),
+            offload=ref_offload_settings(spec.actor), start_weights=start_weights(mp, "actor"),
+        ) if self.needs.reference and not spec.lora else None
         del state
         from transformers import AutoTokenizer
 

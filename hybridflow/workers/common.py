@@ -10,7 +10,7 @@ from hybridflow.megatron.checkpoint import load_role, load_weights, save_role
 from hybridflow.megatron.checkpoint_files import resolve_dist_checkpoint
 from hybridflow.megatron.hf_weights import HFWeights
 from hybridflow.megatron.lora import LoRASettings
-from hybridflow.megatron.role import OffloadSettings, OptimSettings
+from hybridflow.megatron.role import ModelBuild, OffloadSettings, OptimSettings
 
 
 def open_hf_folder(path: str) -> tuple:
@@ -74,6 +74,15 @@ def load_lora_adapter(role, path: str) -> None:
         raise FileNotFoundError(f"model.lora.adapter_path: no adapter_model.safetensors in {path}")
     parts = lora_peft.from_peft(load_file(file), role.hf_config, role.shard, set(lora.adapters(role.module)))
     lora_peft.load(role.module, parts)
+
+
+def model_build(megatron_cfg, **kw) -> ModelBuild:
+    """A role's model build from its megatron section (dtype, sequence parallelism, transformer overrides); ``kw``
+    adds the role's own (value head, routing replay, adapters)."""
+    from hybridflow import device
+
+    return ModelBuild(dtype=device.torch_dtype(megatron_cfg.dtype), sequence_parallel=megatron_cfg.sequence_parallel,
+                      transformer_overrides=megatron_cfg.override_transformer_config, **kw)
 
 
 def offload_settings(megatron_cfg):

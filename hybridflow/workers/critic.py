@@ -8,8 +8,8 @@ from hybridflow.megatron import parallel
 from hybridflow.megatron.role import MegatronRole
 from hybridflow.protocol import Batch
 from hybridflow.workers import role_ops
-from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoint, offload_settings, optim_settings,
-                                       save_role_checkpoint, start_weights)
+from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoint, model_build, offload_settings,
+                                       optim_settings, save_role_checkpoint, start_weights)
 
 
 class CriticWorker(Worker):
@@ -19,11 +19,10 @@ class CriticWorker(Worker):
         self.spec, p = spec, spec.process
         mp = spec.critic.megatron
         hf_config, state = init_megatron_worker(self, mp, p.seed, p.model_path, p.dist_timeout_s)
-        self.critic = MegatronRole(hf_config, state, value_head=True,
-                                   optim=optim_settings(spec.critic.optim, mp, p.total_steps, "critic.optim"),
-                                   dtype=device.torch_dtype(mp.dtype), sequence_parallel=mp.sequence_parallel,
-                                   offload=offload_settings(mp), transformer_overrides=mp.override_transformer_config,
-                                   start_weights=start_weights(mp, "critic"))  # a policy's: the value head as built
+        self.critic = MegatronRole(  # a policy's weights: the value head as built
+            hf_config, state, model_build(mp, value_head=True), optim=optim_settings(spec.critic.optim, mp,
+                                                                                   p.total_steps, "critic.optim"),
+            offload=offload_settings(mp), start_weights=start_weights(mp, "critic"))
 
     def dispatch_info(self, mesh: str = "train") -> dict:  # noqa: ARG002 (the critic has one mesh)
         return parallel.dispatch_info()

@@ -14,7 +14,7 @@ from hybridflow.agent.tools import load_tools
 from hybridflow.megatron import routing
 from hybridflow.protocol import Batch
 from hybridflow.resharding.vllm_layout import to_checkpoint_names
-from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
+from hybridflow.rollout.vllm_rollout import EngineSettings, SamplingSettings, VLLMRollout
 
 
 def responses_to_batch(prompts: Batch, responses: list[list[int]], max_len: int, pad_id: int,
@@ -102,14 +102,10 @@ def build_vllm_rollout(model_path: str, spec, seed: int, generation_groups, colo
     give its memory to, and sleeping it around a batch generation (validation, a greedy baseline) only moved its
     weights to the host and back."""
     r = spec.rollout
-    return VLLMRollout(
-        model_path, max_model_len=spec.max_prompt_length + spec.max_response_length,
-        tensor_parallel_size=r.tensor_model_parallel_size, kv_cache_gib=r.kv_cache_gib, dtype=r.dtype,
-        gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
-        free_cache_engine=colocated and r.free_cache_engine, max_num_batched_tokens=r.max_num_batched_tokens,
-        max_num_seqs=r.max_num_seqs, enable_chunked_prefill=r.enable_chunked_prefill,
-        engine_kwargs=r.engine_kwargs, seed=seed, generation_groups=generation_groups,
-        routed_experts=r.enable_rollout_routing_replay, lora_rank=adapter_rank(spec))
+    return VLLMRollout(model_path, EngineSettings.of(r, colocated),
+                       max_model_len=spec.max_prompt_length + spec.max_response_length, seed=seed,
+                       generation_groups=generation_groups, routed_experts=r.enable_rollout_routing_replay,
+                       lora_rank=adapter_rank(spec))
 
 
 def adapter_rank(spec) -> int:

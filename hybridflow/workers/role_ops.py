@@ -321,6 +321,25 @@ def _surrogate_loss(old, log_prob, mb: dict, whole: GlobalBatch, actor_cfg, roll
         **weights)
 
 
+def _with_entropy(loss, metrics: dict, logits, mb: dict, whole: GlobalBatch, actor_cfg, temperature: float,
+                  on_policy: bool):
+    """``loss`` less the entropy bonus (``entropy_coeff``, reported as actor/entropy_loss); an on-policy update also
+    reports the entropy (actor/entropy) that the forward it skipped would have."""
+    a, mask = actor_cfg, mb["response_mask"]
+    entropy = None
+    if a.entropy_coeff:
+        entropy = response_entropy(logits, mb, temperature)
+        entropy_loss = aggregate_loss(entropy, mask, a.loss_agg_mode, whole)
+        loss = loss - a.entropy_coeff * entropy_loss
+        metrics["actor/entropy_loss"] = entropy_loss.detach()
+    if on_policy:
+        with torch.no_grad():
+            if entropy is None:
+                entropy = response_entropy(logits, mb, temperature)
+            metrics["actor/entropy"] = masked_mean(entropy, mask)
+    return loss
+
+
 def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rollout_n: int = 1,
                   rollout_correction=None, temperature: float = 1.0) -> dict:
     """PPO clipped policy loss (- entropy_coeff x entropy, + optional KL-to-reference loss) over mini-batches of
@@ -353,19 +372,9 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
             with torch.no_grad():
                 metrics.update(mismatch_metrics(log_prob.detach(), mb["rollout_log_probs"], mask,
                                                 2.0 if rc is None else rc.rollout_is_threshold))
-        entropy = None
-        if a.entropy_coeff:
-            entropy = response_entropy(logits, mb, temperature)
-            entropy_loss = aggregate_loss(entropy, mask, a.loss_agg_mode, whole)
-            loss = loss - a.entropy_coeff * entropy_loss
-            metrics["actor/entropy_loss"] = entropy_loss.detach()
-        if on_policy:
-            with torch.no_grad():
-                if entropy is None:
-                    entropy = response_entropy(logits, mb, temperature)
-                metrics["actor/entropy"] = masked_mean(entropy, mask)
+        loss = _with_entropy(loss, metrics, logits, mb, whole, a, temperature, on_policy)
         if "routed_experts" in mb:  # routing replay: the share of replayed routes the routers would not choose
-            r = role.routing_outputs(mb)
+            r = role.routing.outputs(mb)
             metrics["actor/routing_replay/update_differing_fraction"] = (r["routing_differing"].sum()
                                                                          / r["routing_counted"].sum().clamp(min=1))
         if a.use_kl_loss:  # verl's actor/kl_loss and actor/kl_coef

@@ -19,7 +19,7 @@ def _rank_fn(rank, world, hf_dir, critic_dir, ckpt_dir, dtype_name, save, cp=1, 
     world is TP (x ``cp``: context parallel), or with ``vpp`` pipeline stages of that many virtual stages each."""
     from hybridflow.megatron import parallel
     from hybridflow.megatron.checkpoint import load_role, save_role
-    from hybridflow.megatron.role import MegatronRole, OffloadSettings, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OffloadSettings, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
 
@@ -34,8 +34,8 @@ def _rank_fn(rank, world, hf_dir, critic_dir, ckpt_dir, dtype_name, save, cp=1, 
     actor_cfg, critic_cfg = _settings()
     # Offloaded optimizer state on the saving side: save and load see it resident all the same.
     offload = OffloadSettings(params=save, grads=save, optimizer=save)
-    actor = MegatronRole(cfg, state, dtype=dtype, optim=OptimSettings(lr=1e-3), offload=offload)
-    critic = MegatronRole(cfg, critic_state, value_head=True, dtype=dtype, optim=OptimSettings(lr=1e-3))
+    actor = MegatronRole(cfg, state, ModelBuild(dtype=dtype), optim=OptimSettings(lr=1e-3), offload=offload)
+    critic = MegatronRole(cfg, critic_state, ModelBuild(value_head=True, dtype=dtype), optim=OptimSettings(lr=1e-3))
 
     def update():
         return {**role_ops.update_policy(actor, batch, actor_cfg, dp_size=1),
@@ -125,7 +125,7 @@ def _schedule_rank_fn(rank, world, hf_dir, ckpt_dir, save):
     """save: SCHEDULE_STEPS updates with a checkpoint after SAVED_AFTER; else: load it, then the rest."""
     from hybridflow.megatron import parallel
     from hybridflow.megatron.checkpoint import load_role, save_role
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
 
@@ -134,7 +134,7 @@ def _schedule_rank_fn(rank, world, hf_dir, ckpt_dir, save):
     batch = uneven_batch()
     actor_cfg, _ = _settings()
     optim = OptimSettings(lr=1e-3, schedule=_schedule(), use_distributed_optimizer=True)
-    actor = MegatronRole(cfg, state, dtype=torch.float32, optim=optim)
+    actor = MegatronRole(cfg, state, ModelBuild(dtype=torch.float32), optim=optim)
     lrs, metrics = [], []
     for step in range(SCHEDULE_STEPS):
         if step == SAVED_AFTER:

@@ -25,7 +25,7 @@ def _rank_fn(rank, world, hf_dir, ckpt, save):
     from megatron.core import dist_checkpointing
 
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.patches import megatron_core
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder, start_weights
@@ -40,7 +40,7 @@ def _rank_fn(rank, world, hf_dir, ckpt, save):
             os.makedirs(f"{ckpt}/{folder}", exist_ok=True)
         torch.distributed.barrier()
         for folder, (prefix, dtype) in folders.items():
-            role = MegatronRole(cfg, state, dtype=dtype)
+            role = MegatronRole(cfg, state, ModelBuild(dtype=dtype))
             with megatron_core.cpu_scope():
                 dist_checkpointing.save(role.module.sharded_state_dict(prefix=prefix), f"{ckpt}/{folder}")
         if rank == 0:
@@ -51,10 +51,10 @@ def _rank_fn(rank, world, hf_dir, ckpt, save):
         m = SimpleNamespace(use_dist_checkpointing=True, dist_checkpointing_path=f"{ckpt}/{folder}",
                             dist_checkpointing_prefix=prefix)
         actor = MegatronRole(cfg, None, start_weights=start_weights(m, "actor"))
-        critic = MegatronRole(cfg, None, value_head=True, start_weights=start_weights(m, "critic"))
+        critic = MegatronRole(cfg, None, ModelBuild(value_head=True), start_weights=start_weights(m, "critic"))
         out[folder] = {"actor": actor.hf_state_dict(), "critic": critic.hf_state_dict()}
     m = SimpleNamespace(use_dist_checkpointing=True, dist_checkpointing_path=f"{ckpt}/bf16", dist_checkpointing_prefix="")
-    actor = MegatronRole(cfg, None, dtype=torch.bfloat16, start_weights=start_weights(m, "actor"),
+    actor = MegatronRole(cfg, None, ModelBuild(dtype=torch.bfloat16), start_weights=start_weights(m, "actor"),
                          optim=OptimSettings(lr=0.0, use_distributed_optimizer=True))
     loaded = actor.hf_state_dict()
     role_ops.update_policy(actor, uneven_batch(), _settings()[0], dp_size=1)
@@ -63,7 +63,7 @@ def _rank_fn(rank, world, hf_dir, ckpt, save):
     from tests.distributed.test_lora import _settings as lora_settings
 
     off = SimpleNamespace(use_dist_checkpointing=False)
-    actor = MegatronRole(cfg, state, dtype=torch.bfloat16, lora_settings=lora_settings()[1],
+    actor = MegatronRole(cfg, state, ModelBuild(dtype=torch.bfloat16, lora_settings=lora_settings()[1]),
                          start_weights=start_weights(off, "actor", f"{ckpt}/adapter"),
                          optim=OptimSettings(lr=0.0, use_distributed_optimizer=True))
     role_ops.update_policy(actor, uneven_batch(), _settings()[0], dp_size=1)

@@ -60,7 +60,7 @@ def _rank_fn(rank, world, hf_dir, tp, pp, cp=1):
 
     from hybridflow.config.schema import Actor, Critic
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.protocol import Batch
     from hybridflow.workers import role_ops, row_layout
     from hybridflow.workers.common import load_hf_folder
@@ -77,10 +77,10 @@ def _rank_fn(rank, world, hf_dir, tp, pp, cp=1):
             continue
         dynamic = micro == BUDGET
         budget = row_layout.TokenBudget(BUDGET, "test") if dynamic else micro
-        kw = dict(sequence_parallel=tp > 1)
         optim = OptimSettings(lr=1e-2, eps=1e-3, clip_grad=1e9)  # the gradient itself is compared
-        policy = MegatronRole(cfg, state, optim=optim, **kw)
-        critic = MegatronRole(cfg, _critic_state(state, cfg), value_head=True, optim=optim, **kw)
+        policy = MegatronRole(cfg, state, ModelBuild(sequence_parallel=tp > 1), optim=optim)
+        critic = MegatronRole(cfg, _critic_state(state, cfg), ModelBuild(value_head=True, sequence_parallel=tp > 1),
+                              optim=optim)
         policy.shares_prompts = critic.shares_prompts = shared
         policy.packs_sequences = critic.packs_sequences = thd
         lp = role_ops.log_probs(policy, shard, budget, with_entropy=True)
@@ -246,7 +246,7 @@ def test_expert_parallel_ranks_agree_on_the_micro_batch_count(case_results):
 def _entropy_rank_fn(rank, world, hf_dir, tp):
     from hybridflow.config.schema import Actor
     from hybridflow.megatron import convert, parallel
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.protocol import Batch
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
@@ -254,7 +254,7 @@ def _entropy_rank_fn(rank, world, hf_dir, tp):
     parallel.init_model_parallel(tp, 1, seed=1)
     cfg, state = load_hf_folder(hf_dir)
     shard = grouped_batch()
-    policy = MegatronRole(cfg, state, optim=OptimSettings(lr=1e-2, clip_grad=1e9), sequence_parallel=tp > 1)
+    policy = MegatronRole(cfg, state, ModelBuild(sequence_parallel=tp > 1), optim=OptimSettings(lr=1e-2, clip_grad=1e9))
     # zero advantages and no KL: the policy loss has no gradient, the step's is the entropy bonus's alone
     batch = Batch(tensors={**shard.tensors, "advantages": torch.zeros_like(shard.tensors["advantages"])})
     actor = Actor(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_gpu=5, ppo_epochs=1, entropy_coeff=1.0)

@@ -23,7 +23,7 @@ def _rank_fn(rank, world, root, ep):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import open_hf_folder
 
@@ -35,7 +35,8 @@ def _rank_fn(rank, world, root, ep):
     for arch in ARCHS:
         cfg, weights = open_hf_folder(f"{root}/{arch}")
         for grouped in (False, True):
-            role = MegatronRole(cfg, weights, dtype=torch.bfloat16, transformer_overrides={"moe_grouped_gemm": grouped},
+            role = MegatronRole(cfg, weights,
+                                ModelBuild(dtype=torch.bfloat16, transformer_overrides={"moe_grouped_gemm": grouped}),
                                 optim=OptimSettings(lr=1e-3, eps=1e-3, use_distributed_optimizer=dp > 1))
             experts = type(role.module.decoder.layers[0].mlp.experts).__name__
             loaded = role.hf_state_dict()

@@ -65,7 +65,7 @@ def _rank_fn(rank, world, hf_dir, tp, pp, cp=1, vpp=1):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import convert, parallel
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
     from hybridflow.workers.export import save_hf_folder
@@ -79,8 +79,8 @@ def _rank_fn(rank, world, hf_dir, tp, pp, cp=1, vpp=1):
     # between layouts stays noise instead of flipping the sign of near-zero gradients.
     optim = OptimSettings(lr=1e-3, eps=1e-3, use_distributed_optimizer=dp > 1)
     seq_parallel = tp > 1
-    actor = MegatronRole(cfg, state, optim=optim, sequence_parallel=seq_parallel)
-    critic = MegatronRole(cfg, critic_state, value_head=True, optim=optim, sequence_parallel=seq_parallel)
+    actor = MegatronRole(cfg, state, ModelBuild(sequence_parallel=seq_parallel), optim=optim)
+    critic = MegatronRole(cfg, critic_state, ModelBuild(value_head=True, sequence_parallel=seq_parallel), optim=optim)
     shard = rollout_batch().chunk(dp)[dp_rank]
 
     out = {"dp_rank": dp_rank, "collect": parallel.dispatch_info()["collect"]}

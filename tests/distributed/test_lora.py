@@ -62,15 +62,16 @@ def _gathered(actor, tp, grads: bool):
 
 def _rank_fn(rank, world, root, tp, pp, recompute):
     from hybridflow.megatron import lora, lora_peft, parallel
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
 
     parallel.init_model_parallel(tp, pp, seed=1)
     cfg, state = load_hf_folder(f"{root}/base")
     actor_cfg, settings = _settings()
-    actor = MegatronRole(cfg, state, optim=OptimSettings(lr=1e-3, clip_grad=0.0), sequence_parallel=tp > 1,
-                         lora_settings=settings, transformer_overrides=RECOMPUTE if recompute else None)
+    build = ModelBuild(sequence_parallel=tp > 1, lora_settings=settings,
+                       transformer_overrides=RECOMPUTE if recompute else None)
+    actor = MegatronRole(cfg, state, build, optim=OptimSettings(lr=1e-3, clip_grad=0.0))
     found = lora.adapters(actor.module)
     lora_peft.load(actor.module, lora_peft.from_peft(torch.load(f"{root}/adapter.pt"), cfg, actor.shard, set(found)))
     batch = on_policy_batch()
@@ -216,14 +217,15 @@ def _checkpoint_rank_fn(rank, world, root, ckpt, save):
     """save: two LoRA updates, a checkpoint after the first; else: load it (any layout), then the second update."""
     from hybridflow.megatron import parallel
     from hybridflow.megatron.checkpoint import load_role, save_role
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
 
     parallel.init_model_parallel(world, 1, seed=1)
     cfg, state = load_hf_folder(f"{root}/base")
     actor_cfg, settings = _settings()
-    actor = MegatronRole(cfg, state, optim=OptimSettings(lr=1e-2), sequence_parallel=world > 1, lora_settings=settings)
+    actor = MegatronRole(cfg, state, ModelBuild(sequence_parallel=world > 1, lora_settings=settings),
+                         optim=OptimSettings(lr=1e-2))
     batch = on_policy_batch()
     if save:
         role_ops.update_policy(actor, batch, actor_cfg, 1)

@@ -57,7 +57,7 @@ def _rank_fn(rank, world, root, ckpt, tp, ep):
 
     from hybridflow.megatron import lora, parallel
     from hybridflow.megatron.checkpoint import save_role
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import open_hf_folder
 
@@ -69,12 +69,13 @@ def _rank_fn(rank, world, root, ckpt, tp, ep):
     for arch in ARCHS:
         cfg, weights = open_hf_folder(f"{root}/{arch}")
         optim = OptimSettings(lr=1e-3, clip_grad=0.0, use_distributed_optimizer=False)  # the gradients compared: unclipped
-        actor = MegatronRole(cfg, weights, optim=optim, sequence_parallel=tp > 1, lora_settings=settings,
-                             routing_replay=True)
+        actor = MegatronRole(cfg, weights,
+                             ModelBuild(sequence_parallel=tp > 1, lora_settings=settings, routing_replay=True),
+                             optim=optim)
         experts = [n for n, a in lora.adapters(actor.module).items() if a.expert]
         merged = [actor.hf_state_dict()]
         torch.distributed.broadcast_object_list(merged)  # from global rank 0 to every rank
-        plain = MegatronRole(cfg, merged[0], optim=optim, sequence_parallel=tp > 1, routing_replay=True)
+        plain = MegatronRole(cfg, merged[0], ModelBuild(sequence_parallel=tp > 1, routing_replay=True), optim=optim)
         # both models route every token as the LoRA model's first forward did (routing replay): a near-tie between
         # two experts, broken one way here and the other there by rounding, is not what is compared
         own = role_ops.log_probs(actor, shard, 2, record_routes=True)
@@ -97,15 +98,15 @@ def _rank_fn(rank, world, root, ckpt, tp, ep):
 def _resume_rank_fn(rank, world, root, ckpt):
     from hybridflow.megatron import parallel
     from hybridflow.megatron.checkpoint import load_role
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.workers.common import open_hf_folder
 
     parallel.init_model_parallel(1, 1, seed=1)
     out = {}
     for arch in ARCHS:
         cfg, weights = open_hf_folder(f"{root}/{arch}")
-        actor = MegatronRole(cfg, weights, optim=OptimSettings(lr=1e-3, use_distributed_optimizer=False),
-                             lora_settings=_settings()[1])
+        actor = MegatronRole(cfg, weights, ModelBuild(lora_settings=_settings()[1]),
+                             optim=OptimSettings(lr=1e-3, use_distributed_optimizer=False))
         # the adapters only: megatron chains a dense and an expert optimizer at EP 2 and has one at EP 1, and its
         # param-group matching cannot map one onto the other (optimizer.py _filter_and_reorder_param_groups)
         load_role(actor, f"{ckpt}/{arch}", with_optimizer=False)

@@ -21,10 +21,10 @@ pytestmark = pytest.mark.distributed
 
 def _rank_fn(rank, world, root, merge):
     from hybridflow.megatron import lora, lora_peft, parallel
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.resharding.transition import Resharder, TransitionStats
-    from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
+    from hybridflow.rollout.vllm_rollout import EngineSettings, SamplingSettings, VLLMRollout
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
     from hybridflow.workers.generation import load_adapters, load_generation_shard
@@ -32,11 +32,12 @@ def _rank_fn(rank, world, root, merge):
     parallel.init_model_parallel(2, 1, seed=1)
     cfg, state = load_hf_folder(f"{root}/base")
     actor_cfg, settings = _settings()
-    actor = MegatronRole(cfg, state, optim=OptimSettings(lr=1e-2), sequence_parallel=True, lora_settings=settings)
+    actor = MegatronRole(cfg, state, ModelBuild(sequence_parallel=True, lora_settings=settings),
+                         optim=OptimSettings(lr=1e-2))
     lora_peft.load(actor.module, lora_peft.from_peft(torch.load(f"{root}/adapter.pt"), cfg, actor.shard,
                                                      set(lora.adapters(actor.module))))
     plan = HybridPlan(Layout(1, 2, 1), 1, 2)
-    rollout = VLLMRollout(f"{root}/base", max_model_len=32, tensor_parallel_size=2, seed=0,
+    rollout = VLLMRollout(f"{root}/base", EngineSettings(tensor_parallel_size=2), max_model_len=32, seed=0,
                           generation_groups=plan.replicas, lora_rank=0 if merge else RANK)
     resharder = Resharder(actor.module, cfg, plan, "hybrid")
     syncs = []

@@ -33,7 +33,7 @@ def _fixed_batch():
 
 def _rank_fn(rank, world, hf_dir):
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.role import MegatronRole, OptimSettings, token_log_probs
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings, token_log_probs
     from hybridflow.workers.common import load_hf_folder
 
     parallel.init_model_parallel(1, 1, seed=1)
@@ -48,7 +48,7 @@ def _rank_fn(rank, world, hf_dir):
         return loss, {"loss": loss.detach()}
 
     losses = [m["loss"] for m in policy.train([([mb], loss_fn)] * 3)]
-    value = MegatronRole(cfg, state, value_head=True)
+    value = MegatronRole(cfg, state, ModelBuild(value_head=True))
     v = value.forward([mb], lambda mb, o: {"v": o[..., 0]})[0]["v"]
     return dict(lp=lp, exported=exported, losses=losses, values=v)
 

@@ -28,7 +28,7 @@ def _rank_fn(rank, world, root, tp, pp, ep):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import convert, parallel
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import open_hf_folder
     from hybridflow.workers.export import save_hf_folder
@@ -41,8 +41,8 @@ def _rank_fn(rank, world, root, tp, pp, ep):
     for arch in ARCHS:
         cfg, weights = open_hf_folder(f"{root}/{arch}")
         # Adam's first step is ~lr*sign(g): a large eps keeps it smooth in g (test_layouts.py).
-        actor = MegatronRole(cfg, weights, optim=OptimSettings(lr=1e-3, eps=1e-3, use_distributed_optimizer=dp > 1),
-                             sequence_parallel=tp > 1)
+        actor = MegatronRole(cfg, weights, ModelBuild(sequence_parallel=tp > 1),
+                             optim=OptimSettings(lr=1e-3, eps=1e-3, use_distributed_optimizer=dp > 1))
         res = {"log_probs": role_ops.log_probs(actor, shard, 2)["log_probs"]}
         metrics = role_ops.update_policy(actor, shard, actor_cfg, dp)
         res["loss"] = metrics.get("actor/pg_loss", metrics)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.distributed
 
 def _rank_fn(rank, world, hf_dir):
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
 
@@ -22,14 +22,14 @@ def _rank_fn(rank, world, hf_dir):
     cfg, state = load_hf_folder(hf_dir)
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
-        actor = MegatronRole(cfg, state, dtype=dtype, optim=OptimSettings(lr=1e-3))
+        actor = MegatronRole(cfg, state, ModelBuild(dtype=dtype), optim=OptimSettings(lr=1e-3))
         before = actor.hf_state_dict()
         nan = uneven_batch()
         nan.tensors["advantages"][:] = float("nan")  # every mini-batch
         skipped = role_ops.update_policy(actor, nan, _settings()[0], dp_size=1)
         after_nan = actor.hf_state_dict()
         fine = role_ops.update_policy(actor, uneven_batch(), _settings()[0], dp_size=1)
-        fresh = MegatronRole(cfg, state, dtype=dtype, optim=OptimSettings(lr=1e-3))
+        fresh = MegatronRole(cfg, state, ModelBuild(dtype=dtype), optim=OptimSettings(lr=1e-3))
         role_ops.update_policy(fresh, uneven_batch(), _settings()[0], dp_size=1)
         out[str(dtype)] = dict(before=before, after_nan=after_nan, skipped=skipped, fine=fine,
                                after=actor.hf_state_dict(), fresh=fresh.hf_state_dict())

@@ -77,7 +77,7 @@ def _settings():
 
 def _rank_fn(rank, world, hf_dir, critic_dir):
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.role import MegatronRole, OffloadSettings, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OffloadSettings, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
 
@@ -89,8 +89,8 @@ def _rank_fn(rank, world, hf_dir, critic_dir):
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).split(".")[1]
-        policy = MegatronRole(cfg, state, dtype=dtype)
-        value = MegatronRole(cfg, critic_state, value_head=True, dtype=dtype)
+        policy = MegatronRole(cfg, state, ModelBuild(dtype=dtype))
+        value = MegatronRole(cfg, critic_state, ModelBuild(value_head=True, dtype=dtype))
         got = role_ops.log_probs(policy, batch, 4, with_entropy=True)
         got["values"] = role_ops.values(value, batch, 4)
         want = {**_masked_reference(policy, batch), **_masked_reference(value, batch)}
@@ -106,9 +106,9 @@ def _rank_fn(rank, world, hf_dir, critic_dir):
         for offload in (False, True):
             torch.manual_seed(0)
             settings = OffloadSettings(params=offload, grads=offload, optimizer=offload)
-            actor = MegatronRole(cfg, state, dtype=dtype, optim=OptimSettings(lr=1e-3), offload=settings)
-            critic = MegatronRole(cfg, critic_state, value_head=True, dtype=dtype, optim=OptimSettings(lr=1e-3),
-                                  offload=settings)
+            actor = MegatronRole(cfg, state, ModelBuild(dtype=dtype), optim=OptimSettings(lr=1e-3), offload=settings)
+            critic = MegatronRole(cfg, critic_state, ModelBuild(value_head=True, dtype=dtype),
+                                  optim=OptimSettings(lr=1e-3), offload=settings)
             metrics, counts = [], [_offload_counts(actor, critic)]
             for _ in range(2):
                 metrics.append(role_ops.update_policy(actor, batch, actor_cfg, dp_size=1))
@@ -123,7 +123,8 @@ def _rank_fn(rank, world, hf_dir, critic_dir):
             trained[offload] = dict(idle, metrics=metrics, actor=actor.hf_state_dict(), critic=critic.hf_state_dict(),
                                     log_probs=role_ops.log_probs(actor, batch, 6)["log_probs"])
         out[f"offload_{name}"] = trained
-    out["cache_releases"] = _cache_releases_per_compute(MegatronRole(cfg, critic_state, value_head=True), batch)
+    out["cache_releases"] = _cache_releases_per_compute(MegatronRole(cfg, critic_state,
+                                                                     ModelBuild(value_head=True)), batch)
     return out
 
 

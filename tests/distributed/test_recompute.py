@@ -31,7 +31,7 @@ RECOMPUTED = {"none": "self_attention.core_attention", "full_uniform": "", "full
 def _rank_fn(rank, world, hf_dir, critic_dir):
     from hybridflow.config.schema import Actor, Critic
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.patches import megatron_core
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
@@ -48,10 +48,11 @@ def _rank_fn(rank, world, hf_dir, critic_dir):
     out = {}
     for name, overrides in CONFIGS.items():
         megatron_core.model_parallel_seed(1)  # every config draws the same dropout masks
-        actor = MegatronRole(cfg, state, optim=optim, sequence_parallel=True,
-                             transformer_overrides={**overrides, **DROPOUT})
-        critic = MegatronRole(cfg, critic_state, value_head=True, optim=optim, sequence_parallel=True,
-                              transformer_overrides={**overrides, **DROPOUT})
+        actor = MegatronRole(cfg, state,
+                             ModelBuild(sequence_parallel=True, transformer_overrides={**overrides, **DROPOUT}),
+                             optim=optim)
+        build = ModelBuild(value_head=True, sequence_parallel=True, transformer_overrides={**overrides, **DROPOUT})
+        critic = MegatronRole(cfg, critic_state, build, optim=optim)
         layer = actor.module.decoder.layers[0]
         calls = []
         layer.get_submodule(RECOMPUTED[name]).register_forward_hook(lambda *_: calls.append(1))

@@ -45,7 +45,7 @@ def _rank_fn(rank, world, root, tp, ep, pp):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import open_hf_folder
     from hybridflow.workers.row_layout import TokenBudget
@@ -58,7 +58,7 @@ def _rank_fn(rank, world, root, tp, ep, pp):
     for arch in ARCHS:
         cfg, weights = open_hf_folder(f"{root}/{arch}")
         optim = OptimSettings(lr=1e-3, eps=1e-3, use_distributed_optimizer=dp > 1)
-        actor = MegatronRole(cfg, weights, optim=optim, sequence_parallel=tp > 1, routing_replay=True)
+        actor = MegatronRole(cfg, weights, ModelBuild(sequence_parallel=tp > 1, routing_replay=True), optim=optim)
         assert actor.routing.routers, "no router records or replays"
         own = role_ops.log_probs(actor, shard, 2, record_routes=True)
         routes = [own["routed_experts"]]  # on the last stage; the driver hands the batch to every stage
@@ -77,7 +77,7 @@ def _rank_fn(rank, world, root, tp, ep, pp):
         replayed = role_ops.update_policy(actor, with_routes(routes), actor_cfg, dp)
         res["replayed_update"] = (replayed.get("actor/pg_loss"),  # on the last stage
                                   {k: v.clone() for k, v in actor.hf_state_dict().items()})  # on rank 0
-        plain = MegatronRole(cfg, weights, optim=optim, sequence_parallel=tp > 1)
+        plain = MegatronRole(cfg, weights, ModelBuild(sequence_parallel=tp > 1), optim=optim)
         m = role_ops.update_policy(plain, shard, actor_cfg, dp)
         res["plain_update"] = (m.get("actor/pg_loss"), {k: v.clone() for k, v in plain.hf_state_dict().items()})
         out[arch] = res

@@ -42,10 +42,10 @@ def _rank_fn(rank, world, hf_dir):
     from transformers import AutoTokenizer
 
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.role import MegatronRole
+    from hybridflow.megatron.role import MegatronRole, ModelBuild
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.resharding.transition import Resharder, TransitionStats
-    from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
+    from hybridflow.rollout.vllm_rollout import EngineSettings, SamplingSettings, VLLMRollout
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import open_hf_folder
     from hybridflow.workers.generation import load_generation_shard
@@ -55,10 +55,10 @@ def _rank_fn(rank, world, hf_dir):
     for tp, ep in LAYOUTS:
         parallel.init_model_parallel(tp, 1, seed=1, ep=ep, etp=1 if ep > 1 else None)
         cfg, weights = open_hf_folder(hf_dir)
-        role = MegatronRole(cfg, weights, sequence_parallel=tp > 1, routing_replay=True)
+        role = MegatronRole(cfg, weights, ModelBuild(sequence_parallel=tp > 1, routing_replay=True))
         if rollout is None:  # one engine per process (closing one ends the world it shares): fed once
             plan = HybridPlan(Layout(1, tp, world // tp), 1, 2)
-            rollout = VLLMRollout(hf_dir, max_model_len=32, tensor_parallel_size=2, seed=0,
+            rollout = VLLMRollout(hf_dir, EngineSettings(tensor_parallel_size=2), max_model_len=32, seed=0,
                                   generation_groups=plan.replicas, routed_experts=True)
             rollout.wake_up(["weights"])
             stats = TransitionStats("hybrid")

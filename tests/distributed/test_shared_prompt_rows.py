@@ -47,7 +47,7 @@ def grouped_batch():
 def _rank_fn(rank, world, hf_dir, tp, micro):
     from hybridflow.config.schema import Actor
     from hybridflow.megatron import parallel
-    from hybridflow.megatron.role import MegatronRole, OptimSettings
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.workers import role_ops
     from hybridflow.workers.common import load_hf_folder
 
@@ -57,9 +57,9 @@ def _rank_fn(rank, world, hf_dir, tp, micro):
     actor = Actor(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_gpu=micro, use_kl_loss=True)
     out = {}
     for shared in (False, True):
-        kw = dict(sequence_parallel=tp > 1)
-        policy = MegatronRole(cfg, state, optim=OptimSettings(lr=1e-2, eps=1e-3, clip_grad=1e9), **kw)
-        critic = MegatronRole(cfg, state, value_head=True, **kw)
+        policy = MegatronRole(cfg, state, ModelBuild(sequence_parallel=tp > 1),
+                              optim=OptimSettings(lr=1e-2, eps=1e-3, clip_grad=1e9))
+        critic = MegatronRole(cfg, state, ModelBuild(value_head=True, sequence_parallel=tp > 1))
         policy.shares_prompts = critic.shares_prompts = shared
         lp = role_ops.log_probs(policy, batch, micro, with_entropy=True)
         values = role_ops.values(critic, batch, micro)

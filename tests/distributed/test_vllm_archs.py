@@ -22,7 +22,7 @@ def _rank_fn(rank, world, hf_dir, t_g=2):
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.resharding.transition import Resharder, TransitionStats
     from hybridflow.resharding.vllm_layout import to_checkpoint_names
-    from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
+    from hybridflow.rollout.vllm_rollout import EngineSettings, SamplingSettings, VLLMRollout
     from hybridflow.workers.common import open_hf_folder
 
     parallel.init_model_parallel(1, 1, seed=1, ep=2)  # TP 1 x DP 2, experts split over the two ranks
@@ -40,7 +40,7 @@ def _rank_fn(rank, world, hf_dir, t_g=2):
             for name, param in role.module.named_parameters():
                 if name.endswith("router.weight"):  # decisive routing: no near-tie between two experts
                     param.mul_(20)
-        rollout = VLLMRollout(hf_dir, max_model_len=32, tensor_parallel_size=t_g, seed=0,
+        rollout = VLLMRollout(hf_dir, EngineSettings(tensor_parallel_size=t_g), max_model_len=32, seed=0,
                               generation_groups=plan.replicas)
         resharder = Resharder(role.module, cfg, plan, "hybrid")
         syncs = []

@@ -22,7 +22,7 @@ def _rank_fn(rank, world, hf_dir, p, t):
     from hybridflow.resharding.transition import Resharder, TransitionStats
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.resharding.vllm_layout import to_checkpoint_names
-    from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
+    from hybridflow.rollout.vllm_rollout import EngineSettings, SamplingSettings, VLLMRollout
     from hybridflow.workers.common import load_hf_folder
 
     parallel.init_model_parallel(t, p, seed=1)
@@ -39,7 +39,8 @@ def _rank_fn(rank, world, hf_dir, p, t):
     train = Layout(p, t, ps.get_data_parallel_world_size())
     plan = HybridPlan(train, 1, 2)
     me = plan.ranks[rank]
-    rollout = VLLMRollout(hf_dir, max_model_len=32, tensor_parallel_size=2, seed=0, generation_groups=plan.replicas)
+    rollout = VLLMRollout(hf_dir, EngineSettings(tensor_parallel_size=2), max_model_len=32, seed=0,
+                          generation_groups=plan.replicas)
     resharder = Resharder(role.module, cfg, plan, "hybrid")
     stats = TransitionStats("hybrid")
     rollout.update_weights(to_checkpoint_names(resharder.stream(stats), cfg, k=me.gen_tp_rank, t_g=2, stats=stats))
@@ -121,7 +122,7 @@ def _dp_rank_fn(rank, world, hf_dir):
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.resharding.transition import Resharder, TransitionStats
     from hybridflow.resharding.vllm_layout import to_checkpoint_names
-    from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
+    from hybridflow.rollout.vllm_rollout import EngineSettings, SamplingSettings, VLLMRollout
     from hybridflow.workers.common import load_hf_folder
 
     parallel.init_model_parallel(1, 1, seed=1)  # TP 1 x DP 2
@@ -134,9 +135,10 @@ def _dp_rank_fn(rank, world, hf_dir):
         role.module.output_layer.weight.mul_(30)  # peaked logits: greedy has no near-ties
     plan = HybridPlan(Layout(1, 1, 2), 1, 2)
     me = plan.ranks[rank]
-    rollout = VLLMRollout(hf_dir, max_model_len=32, tensor_parallel_size=2, seed=plan.ranks[rank].replica,
-                          generation_groups=plan.replicas, max_num_seqs=4, enable_chunked_prefill=True,
-                          engine_kwargs={"max_logprobs": 3, "swap_space": None})
+    settings = EngineSettings(tensor_parallel_size=2, max_num_seqs=4, enable_chunked_prefill=True,
+                            engine_kwargs={"max_logprobs": 3, "swap_space": None})
+    rollout = VLLMRollout(hf_dir, settings, max_model_len=32, seed=plan.ranks[rank].replica,
+                          generation_groups=plan.replicas)
     engine = rollout.llm.llm_engine.vllm_config
     options = (engine.scheduler_config.max_num_seqs, engine.scheduler_config.enable_chunked_prefill,
                engine.model_config.max_logprobs)

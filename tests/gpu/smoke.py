@@ -195,14 +195,15 @@ def _sync(rollout, state: dict, cfg) -> str:
 def _reload_rounds(tag: str, model_dir: Path, cfg, rounds: int, cuda_graphs: bool) -> bool:
     import torch
 
-    from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
+    from hybridflow.rollout.vllm_rollout import EngineSettings, SamplingSettings, VLLMRollout
     from tests.gpu.test_gpu_ppo import HFReference
 
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, cfg.vocab_size, (N_PROMPTS, PROMPT_LEN), generator=g).tolist()
     start = time.monotonic()
-    rollout = VLLMRollout(str(model_dir), max_model_len=PROMPT_LEN + NEW_TOKENS, dtype="bfloat16",
-                          gpu_memory_utilization=0.3, enforce_eager=not cuda_graphs, free_cache_engine=True)
+    engine = EngineSettings(dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=not cuda_graphs,
+                            free_cache_engine=True)
+    rollout = VLLMRollout(str(model_dir), engine, max_model_len=PROMPT_LEN + NEW_TOKENS)
     hf = HFReference(model_dir)
     ok = line("PASS", f"{tag} engine", f"vLLM up in {time.monotonic() - start:.1f} s (asleep until the first sync)")
     try:

@@ -10,7 +10,7 @@ from hybridflow.workers import generation
 
 def test_only_an_engine_colocated_with_training_sleeps(monkeypatch):
     built = []
-    monkeypatch.setattr(generation, "VLLMRollout", lambda *args, **kwargs: built.append(kwargs["free_cache_engine"]))
+    monkeypatch.setattr(generation, "VLLMRollout", lambda *args, **kwargs: built.append(args[1].free_cache_engine))
     cfg = load_experiment(["configs/quickstart_cpu.yaml"], ["rollout.free_cache_engine=true"])
     spec = SimpleNamespace(rollout=cfg.rollout, max_prompt_length=16, max_response_length=6)
     generation.build_vllm_rollout("model", spec, seed=0, generation_groups=None, colocated=True)

@@ -1,0 +1,139 @@
+"""megatron-core's layers where the local spec (no Transformer Engine) or HF's models need more than it gives: a
+sequence-parallel torch norm, HF's scaled-RoPE frequencies, rotary positions for packed rows, and context-parallel
+attention (``gathered_kv_attention``). On every device."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import threading
+
+from hybridflow.patches.megatron_core import MCORE
+from hybridflow.patches.registry import declare
+
+SP_TORCH_NORM = declare(
+    "megatron.sequence_parallel_torch_norm", "megatron-core", MCORE,
+    "megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",
+    "the local spec's torch norm asserts `not sequence_parallel` (on GPU too, without Apex/TE); a plain "
+    "norm is right under sequence parallel when megatron all-reduces its weight grads across TP, which it "
+    "does for params marked `sequence_parallel` (finalize_model_grads)")
+ROPE_FREQUENCIES = declare(
+    "megatron.rope_inverse_frequencies", "megatron-core", MCORE,
+    "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.inv_freq",
+    "GPTModel hands RotaryEmbedding only rope_scaling_factor and _apply_scaling hard-codes Llama 3.1's "
+    "low/high frequency factors and original context: set the HF model's own inverse frequencies")
+ROPE_POSITIONS = declare(
+    "megatron.rope_at_positions", "megatron-core", MCORE,
+    "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.forward",
+    "GPTModel rotates by index and reads position ids only for learned embeddings: packed rows whose "
+    "responses continue from one prompt need their own positions (per instance, inside a block)")
+LOCAL_ATTENTION = declare(
+    "megatron.context_parallel_local_attention", "megatron-core", MCORE,
+    "megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
+    "context parallelism without Transformer Engine: megatron's local attention asserts context_parallel_size == 1 "
+    "in __init__; a subclass built as CP 1 gathers K/V over the CP group and relies on forward taking sk != sq "
+    "with an explicit [b, 1, sq, sk] mask")
+_lock = threading.Lock()
+_sp_norm_patched = False
+
+
+def allow_sequence_parallel_torch_norm() -> None:
+    """Build WrappedTorchNorm with sequence_parallel off and mark its params ``sequence_parallel``."""
+    global _sp_norm_patched
+    with _lock:
+        if _sp_norm_patched:
+            return
+        original_new = SP_TORCH_NORM.require()
+
+        def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                normalization="LayerNorm"):
+            sp = config.sequence_parallel
+            config.sequence_parallel = False
+            try:
+                norm = original_new(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma,
+                                    normalization)
+            finally:
+                config.sequence_parallel = sp
+            for p in norm.parameters():
+                setattr(p, "sequence_parallel", sp)
+            return norm
+
+        SP_TORCH_NORM.replace(staticmethod(new))
+        _sp_norm_patched = True
+
+
+def set_rope_inverse_frequencies(rope, inv_freq) -> None:
+    """Give the RotaryEmbedding instance ``rope`` these inverse frequencies (every rotary table megatron
+    builds, ``get_emb``, and ``rope_at_positions`` read ``inv_freq``)."""
+    current = ROPE_FREQUENCIES.require(rope)
+    rope.inv_freq = inv_freq.to(device=current.device, dtype=current.dtype)
+
+
+@contextlib.contextmanager
+def rope_at_positions(model, position_ids):
+    """Rotary embeddings at ``position_ids`` [b, s] for the forwards of the GPTModel ``model`` run inside.
+    Same formula as ``RotaryEmbedding.get_emb`` (non-interleaved), one [s, b, 1, dim] table that
+    ``_apply_rotary_pos_emb_bshd`` broadcasts per row."""
+    import torch
+
+    rope = model.rotary_pos_emb
+    ROPE_POSITIONS.require(rope)
+
+    def at_positions(*_, **__):
+        freqs = position_ids.t()[..., None].to(rope.inv_freq) * rope.inv_freq  # [s, b, dim/2]
+        return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+
+    rope.forward = at_positions  # shadows the (cached) class method for this instance only
+    try:
+        yield
+    finally:
+        del rope.forward
+
+
+@functools.cache
+def gathered_kv_attention(cp_group):
+    """megatron's local ``DotProductAttention`` under context parallelism (hybridflow/megatron/context_parallel.py):
+    K and V [sk, b, g, d] are gathered over the CP group (``cp_group()``) before its own computation; the mask
+    (required: [.., sq, cp * sk], True = masked) says which of them each local query sees."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    LOCAL_ATTENTION.require()
+
+    class GatherSequence(torch.autograd.Function):
+        """[s, ...] on each CP rank -> [cp * s, ...] in rank order. Backward: every rank's queries used every
+        rank's keys, so the gradients are summed over the group, and each rank keeps its own part."""
+
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group, ctx.length = group, x.shape[0]
+            parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, x.contiguous(), group=group)
+            return torch.cat(parts)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.group)
+            rank = dist.get_rank(ctx.group)
+            return grad[rank * ctx.length:(rank + 1) * ctx.length], None
+
+    class GatheredKVAttention(DotProductAttention):
+        def __init__(self, config, *args, **kwargs):
+            # built as CP 1: the assertion is the only use of the CP size there
+            as_one = copy.copy(config)
+            as_one.context_parallel_size = 1
+            super().__init__(as_one, *args, **kwargs)
+            self.cp_group = cp_group()
+
+        def forward(self, query, key, value, attention_mask, *args, **kwargs):
+            if attention_mask is None:
+                raise ValueError("context parallel attention without Transformer Engine needs the mask of its "
+                                 "queries against the gathered keys (row_layout.split_for_context_parallel)")
+            key = GatherSequence.apply(key, self.cp_group)
+            value = GatherSequence.apply(value, self.cp_group)
+            return super().forward(query, key, value, attention_mask, *args, **kwargs)
+
+    return GatheredKVAttention
