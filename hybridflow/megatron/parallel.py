@@ -6,6 +6,13 @@ import torch.distributed as dist
 
 from hybridflow.megatron.convert import Shard
 from hybridflow.patches import megatron_core
+from hybridflow.plan.layout import ParallelLayout
+
+
+def init_layout(layout: ParallelLayout, seed: int, timeout_s: float = 600) -> None:
+    """megatron's groups for the run plan's ``layout`` of this process's role (``init_model_parallel``)."""
+    init_model_parallel(layout.tp, layout.pp, seed, timeout_s, ep=layout.ep, etp=layout.etp, cp=layout.cp,
+                        vpp=layout.vpp)
 
 
 def init_model_parallel(tp: int, pp: int, seed: int, timeout_s: float = 600, ep: int = 1,
@@ -47,6 +54,14 @@ def init_model_parallel(tp: int, pp: int, seed: int, timeout_s: float = 600, ep:
     if vpp > 1:  # the interleaved schedule's two-way exchanges (megatron's shape order crosses them at pp 2)
         megatron_core.fix_shape_exchange_order()
     megatron_core.model_parallel_seed(seed)
+
+
+def current_layout(sequence_parallel: bool = False, role: str = "role") -> ParallelLayout:
+    """The layout of this process's megatron groups, as the run plan would give it (its arithmetic owns the
+    facts derived from it: weight replicas, the sequence multiple, micro-batches, whether experts move)."""
+    s = current_shard()
+    return ParallelLayout(role, dist.get_world_size(), "", s.tp_size, s.pp_size, s.ep_size, s.expert_tp[1], s.cp_size,
+                          s.vpp_size, sequence_parallel and s.tp_size > 1)
 
 
 def current_shard() -> Shard:

@@ -113,6 +113,7 @@ class MegatronRole:
         self.hf_config = hf_config
         self.value_head = build.value_head
         self.shard = parallel.current_shard()
+        self.layout = parallel.current_layout(build.sequence_parallel)
         self.device = device.current()
         self.tf_config = build.transformer_config(hf_config, self.shard)
         chunks = virtual_stages.build_chunks(partial(build_gpt, hf_config, self.tf_config, value_head=build.value_head,

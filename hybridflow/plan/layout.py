@@ -10,6 +10,18 @@ from hybridflow import families
 from hybridflow.config.schema import SEED_LIMIT
 
 
+def context_chunks(cp: int) -> int:
+    """What a micro-batch's length must divide by under context parallel size ``cp``: 2 x cp equal chunks, one
+    early and one late per rank, for causal attention's balance."""
+    return 2 * cp if cp > 1 else 1
+
+
+def mini_batch_rows(prompts: int, n: int, dp: int) -> int:
+    """One data-parallel rank's rows of a mini-batch of ``prompts`` prompts with their ``n`` responses each (verl's
+    meaning of ppo_mini_batch_size), split over ``dp`` ranks."""
+    return prompts * n // dp
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """One megatron role (actor, critic) over ``world`` ranks of the pool named by ``pool_key``."""
@@ -23,13 +35,15 @@ class ParallelLayout:
     etp: int = 1  # expert TP (resolved: the config's None is TP, or 1 when EP > 1)
     cp: int = 1  # context parallel: ranks holding the same weights, each a part of every sequence
     vpp: int = 1  # virtual pipeline stages: each stage's layers in that many chunks
+    sequence_parallel: bool = False  # activations split over the TP ranks along the sequence (TP > 1 only)
 
     @classmethod
     def of(cls, role: str, megatron, world: int, pool_key: str) -> ParallelLayout:
         mp = megatron
-        return cls(role, world, pool_key, mp.tensor_model_parallel_size, mp.pipeline_model_parallel_size,
-                   mp.expert_model_parallel_size, mp.expert_tensor_parallel_size or mp.tensor_model_parallel_size,
-                   mp.context_parallel_size, mp.virtual_pipeline_model_parallel_size or 1)
+        tp = mp.tensor_model_parallel_size
+        return cls(role, world, pool_key, tp, mp.pipeline_model_parallel_size, mp.expert_model_parallel_size,
+                   mp.expert_tensor_parallel_size or tp, mp.context_parallel_size,
+                   mp.virtual_pipeline_model_parallel_size or 1, bool(mp.sequence_parallel) and tp > 1)
 
     @property
     def dp(self) -> int:
@@ -53,6 +67,27 @@ class ParallelLayout:
         if moe:
             groups.update(expert=self.ep, expert_tensor=self.etp, expert_data=self.expert_dp)
         return {name: size for name, size in groups.items() if size > 1}
+
+    @property
+    def context_chunks(self) -> int:
+        """A sequence's length divides by it under context parallelism (``context_chunks``)."""
+        return context_chunks(self.cp)
+
+    @property
+    def sequence_multiple(self) -> int:
+        """A micro-batch's length divides by it: sequence parallel splits it over the TP ranks, CP into chunks."""
+        return (self.tp if self.sequence_parallel else 1) * self.context_chunks
+
+    @property
+    def least_micro_batches(self) -> int:
+        """The fewest micro-batches the role's schedule runs: with virtual pipeline stages more than the pipeline
+        size (megatron's interleaved schedule needs at least that many; with exactly that many, its all-warm-up
+        path at pp 2 crashed a rank here, measured), else 1."""
+        return self.pp + 1 if self.vpp > 1 else 1
+
+    def mini_batch_rows(self, prompts: int, n: int) -> int:
+        """A data-parallel rank's rows of a mini-batch (``mini_batch_rows``)."""
+        return mini_batch_rows(prompts, n, self.dp)
 
     @property
     def moves_experts(self) -> bool:
@@ -115,14 +150,14 @@ class ParallelLayout:
         if batch_size % mini_prompts:
             raise ValueError(f"{self.role}.ppo_mini_batch_size ({mini_prompts} prompts) must divide "
                              f"data.batch_size ({batch_size})")
-        mini = mini_prompts * n
-        if mini % self.dp or (mini // self.dp) % micro:
+        mini, rows = mini_prompts * n, self.mini_batch_rows(mini_prompts, n)
+        if mini % self.dp or rows % micro:
             raise ValueError(f"{self.role}.ppo_mini_batch_size x rollout.n ({mini} sequences) must split into the "
                              f"{self.role}'s {self.dp} data-parallel ranks and then into micro-batches of "
                              f"{self.role}.ppo_micro_batch_size_per_gpu ({micro})")
-        if self.vpp > 1 and mini // self.dp <= self.pp:  # role_ops.least_micro_batches, known from the config
+        if self.vpp > 1 and rows < self.least_micro_batches:  # a row each at least (role_ops.least_micro_batches)
             raise ValueError(f"{self.role}.ppo_mini_batch_size x rollout.n ({mini} sequences) gives each of the "
-                             f"{self.role}'s {self.dp} data-parallel ranks {mini // self.dp} rows: virtual pipeline "
+                             f"{self.role}'s {self.dp} data-parallel ranks {rows} rows: virtual pipeline "
                              f"stages need more than pipeline_model_parallel_size ({self.pp}) micro-batches, a row "
                              "each at least")
 

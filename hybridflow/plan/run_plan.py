@@ -89,4 +89,4 @@ def resolve(cfg, model=None, n_train: int | None = None, *, on_gpu: bool = False
                 layout.check_model(model, cfg.model.path, on_gpu)
     steps = total_steps(cfg, n_train)
     return RunPlan(actor, critic, generation, needs, pools, cfg.data.max_prompt_length + cfg.data.max_response_length,
-                   steps, *role_specs(cfg, needs, steps, actor, generation))
+                   steps, *role_specs(cfg, needs, steps, actor, critic, generation))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from hybridflow.config.model import LoRA
 from hybridflow.config.schema import Actor, Critic, RewardModel, Rollout, RolloutCorrection
+from hybridflow.plan.layout import ParallelLayout
 from hybridflow.plan.needs import Needs
 
 
@@ -25,6 +26,7 @@ class ActorSpec:
     """The actor, its reference and its rollout engine (one process per device)."""
 
     process: ProcessSpec
+    layout: ParallelLayout  # the actor's (and its reference's) megatron groups
     actor: Actor  # layout, optimizer, batching, losses
     rollout: Rollout  # the engine, sampling, multi-turn
     rollout_correction: RolloutCorrection
@@ -65,6 +67,7 @@ class RolloutSpec:
 @dataclass(frozen=True)
 class CriticSpec:
     process: ProcessSpec
+    layout: ParallelLayout
     critic: Critic
     responses_per_prompt: int  # rollout.n: the mini-batch's prompts x this are its sequences
 
@@ -75,18 +78,18 @@ class RewardModelSpec:
     policy_path: str  # the policy's tokenizer decodes the responses the reward model re-tokenizes
 
 
-def role_specs(cfg, needs: Needs, total_steps: int | None, actor_layout, generation) -> tuple[
+def role_specs(cfg, needs: Needs, total_steps: int | None, actor_layout, critic_layout, generation) -> tuple[
         ActorSpec, CriticSpec | None, RewardModelSpec | None, RolloutSpec | None]:
     process = ProcessSpec(cfg.model.path, cfg.trainer.seed, cfg.trainer.dist_timeout_s, total_steps)
     r, d = cfg.rollout, cfg.data
     separate = not generation.colocated
-    actor = ActorSpec(process, cfg.actor, r, cfg.algorithm.rollout_correction, needs, d.max_prompt_length,
+    actor = ActorSpec(process, actor_layout, cfg.actor, r, cfg.algorithm.rollout_correction, needs, d.max_prompt_length,
                       d.max_response_length, d.apply_chat_template_kwargs, r.temperature if r.temperature > 0 else 1.0,
                       generation.world if separate else 0, cfg.schedule.mode == "colocate_async",
                       cfg.schedule.max_off_policy_threshold, cfg.model.lora if cfg.model.lora.rank else None)
     rollout = (RolloutSpec(process, r, d.max_prompt_length, d.max_response_length, d.apply_chat_template_kwargs,
                            (actor_layout.pp, actor_layout.tp, actor_layout.weight_replicas), cfg.schedule.partial_rollout,
                            cfg.schedule.max_off_policy_threshold) if separate else None)
-    critic = CriticSpec(process, cfg.critic, r.n) if needs.critic else None
+    critic = CriticSpec(process, critic_layout, cfg.critic, r.n) if needs.critic else None
     reward_model = RewardModelSpec(cfg.reward_model, cfg.model.path) if cfg.reward_model.enable else None
     return actor, critic, reward_model, rollout

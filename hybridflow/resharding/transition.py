@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hybridflow import families
 from hybridflow.families import weights
-from hybridflow.megatron import convert
+from hybridflow.megatron import convert, parallel
 from hybridflow.resharding import vllm_layout
 from hybridflow.resharding.plan import HybridPlan
 
@@ -95,11 +95,12 @@ class Resharder:
         """Whether a MoE model's experts take their own exchange, and the layouts that exchange refuses."""
         from megatron.core import parallel_state as ps
 
-        ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+        layout = parallel.current_layout()
+        ep, etp = layout.ep, layout.etp
         self.num_experts = families.num_experts(hf_config)
         # Experts reach the generation layout through their own exchange (see _exchange_experts) wherever
         # they are not split like a dense MLP over the TP group alone (one EP rank, expert TP = TP).
-        self.expert_exchange = bool(self.num_experts) and (ep > 1 or etp != self.plan.train.t)
+        self.expert_exchange = bool(self.num_experts) and layout.moves_experts
         if self.expert_exchange and etp > 1:
             raise ValueError(f"resharding a MoE model with expert_model_parallel_size {ep} needs "
                              f"expert_tensor_parallel_size 1 (got {etp})")

@@ -72,6 +72,7 @@ from types import SimpleNamespace
 
 from hybridflow.config import ConfigError
 from hybridflow.plan import ParallelLayout, load_experiment, resolve
+from hybridflow.plan.layout import mini_batch_rows
 from hybridflow.config.model import vllm_lora_rank
 from hybridflow.tools import memory_fixed
 from hybridflow.plan.model_shape import (Shape, count_params, expert_params, kv_bytes_per_token,  # noqa: F401
@@ -175,7 +176,7 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
     items["optimizer"] = sharded * ((4 if by < 4 else 0) + 8 * (1 - offloaded_fraction(cfg_role.optim)))
     off |= {k for k, flag in (("grads", mg.grad_offload), ("optimizer", mg.optimizer_offload)) if flag}
     b, fb = cfg_role.ppo_micro_batch_size_per_gpu, cfg_role.log_prob_micro_batch_size_per_gpu
-    rows = cfg_role.ppo_mini_batch_size * rollout_n // max(1, layout.dp)  # per rank, as role_ops trains them
+    rows = mini_batch_rows(cfg_role.ppo_mini_batch_size, rollout_n, max(1, layout.dp))  # as role_ops trains them
     in_flight = stages_in_flight(mg, max(1, rows // b))
     train = activation_bytes(shape, b, seq, mg, out_width, True, in_flight)
     fwd = activation_bytes(shape, fb, seq, mg, out_width, False)
@@ -273,7 +274,7 @@ def _resharding_buffers(cfg, shape: Shape, P: int, t_g: int | None = None) -> li
         merged = (lora_base_params(shape, lora.targets) / (t * p)
                   + lora_expert_base_params(shape, lora.targets) / (mg_a.expert_model_parallel_size * p))
         buffers.append(("resharding: LoRA-merged weights", merged * by_a))
-    if shape.experts and (mg_a.expert_model_parallel_size > 1 or (mg_a.expert_tensor_parallel_size or t) != t):
+    if shape.experts and ParallelLayout.of("actor", mg_a, 1, "").moves_experts:
         # the expert all-to-all (transition.Resharder._exchange_experts): every expert's 1/t_g slice of the stage
         buffers.append(("resharding: experts in generation form", expert_params(shape) * by_a / (p * t_g)))
     return buffers

@@ -21,7 +21,7 @@ from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, a
                                           response_lengths, rollout_metrics, sample_seeds, score_responses)
 from hybridflow.trainer.metrics import Timer
 from hybridflow.trainer.placement import WorkerGroups
-from hybridflow.trainer.sources import generation_dp, make_source
+from hybridflow.trainer.sources import make_source
 from hybridflow.util import mean_by_key
 
 
@@ -46,6 +46,8 @@ class PPODriver:
         """``plan``: the run plan (what the run needs: a reference, a greedy baseline, the old-log-prob forward);
         the prompts as preflight loaded and checked them (every row's source has a scorer)."""
         self.cfg, self.needs, self.tokenizer = cfg, plan.needs, tokenizer
+        # how many data-parallel shards a training batch and a generation batch split into
+        self.train_dp, self.generation_dp = plan.actor.dp, plan.generation.replicas
         self.actor_rollout, self.critic, self.reward_model = workers.actor_rollout, workers.critic, workers.reward_model
         self.source = make_source(cfg, plan, workers, self.prepare)  # where the samples come from (sources.py)
         self.train_data, self.val_data = train_data, val_data
@@ -64,7 +66,7 @@ class PPODriver:
         """One step on ``prompts``; DAPO's dynamic sampling draws further prompt batches from ``more_prompts``."""
         cfg, algo = self.cfg, self.cfg.algorithm
         batch, metrics = self.rollout(prompts, step, t, more_prompts)
-        batch = balance_batch(batch, cfg, self.actor_rollout.dispatch_infos()[0]["dp_size"], metrics)
+        batch = balance_batch(batch, cfg, self.train_dp, metrics)
         batch = self.add_old_log_probs(batch, t)
         if self.needs.reference:
             with t("ref"):
@@ -215,7 +217,7 @@ class PPODriver:
         for start in range(0, len(self.val_data), self.cfg.data.val_batch_size):
             rows = list(range(start, min(start + self.cfg.data.val_batch_size, len(self.val_data))))
             prompts = self.val_data.batch(rows).repeat(v.n, interleave=True)
-            prompts, pad = prompts.pad_to_divisor(self._dp_size())
+            prompts, pad = prompts.pad_to_divisor(self.generation_dp)
             prompts.meta.update(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k)
             out = score_responses(self.generator.generate(prompts).unpad(pad), self.tokenizer, self.train_scorer)
             scores.append(out.tensors["scores"])
@@ -248,6 +250,3 @@ class PPODriver:
     def generator(self):
         """The worker group that generates validation and greedy-baseline rows (the source's)."""
         return self.source.generator
-
-    def _dp_size(self) -> int:
-        return generation_dp(self.generator)

@@ -28,11 +28,6 @@ Prepare = Callable[[Batch, object], Batch]  # (prompts, label) -> the rows to ge
 Stream = Callable[[], Iterator[Batch]]  # the further prompt batches (warm-up batches, look-ahead)
 
 
-def generation_dp(group) -> int:
-    """How many data-parallel replicas of ``group`` (the one that generates) split a batch of prompts."""
-    return group.dispatch_infos("rollout")[0]["dp_size"]
-
-
 class SampleSource(Protocol):
     off_policy: bool  # its samples may lag the trainer's policy version (their lag is logged and bounded)
     version: int  # the policy version its engines hold: the actor after this many updates
@@ -178,7 +173,7 @@ def make_source(cfg, plan, workers: WorkerGroups, prepare: Prepare) -> SampleSou
     sc = cfg.schedule
 
     def groups_per_replica() -> int:  # one batch's worth of complete groups from each generation replica
-        return cfg.data.batch_size // generation_dp(workers.generator)
+        return cfg.data.batch_size // plan.generation.replicas
 
     if sc.mode == "separate_async":
         return RolloutPool(workers, prepare, groups_per_replica, look_ahead(sc.num_warmup_batches,

@@ -39,7 +39,7 @@ class ActorRolloutRefWorker(Worker):
         super().__init__()
         self.spec, self.needs, p = spec, spec.needs, spec.process
         mp = spec.actor.megatron
-        hf_config, state = init_megatron_worker(self, mp, p.seed, p.model_path, p.dist_timeout_s)
+        hf_config, state = init_megatron_worker(self, spec, mp)
         self.replay = mp.router_replay.mode  # MoE routing replay (megatron/routing.py)
         self.actor = MegatronRole(
             hf_config, state, model_build(mp, routing_replay=self.replay != "disabled",
@@ -55,9 +55,8 @@ class ActorRolloutRefWorker(Worker):
         del state
         from transformers import AutoTokenizer
 
-        shard = self.actor.shard
         # CP ranks hold the same weights as data-parallel ones, numbered inside that dimension (tp-cp-dp-pp)
-        train = Layout(shard.pp_size, shard.tp_size, parallel.dispatch_info()["dp_size"] * shard.cp_size)
+        train = Layout(spec.layout.pp, spec.layout.tp, spec.layout.weight_replicas)
         r = spec.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(p.model_path)
         self.rollout = self.agent = self.feeds = None
@@ -181,7 +180,7 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.DP_COMPUTE_3D)
     def update_actor(self, batch: Batch) -> dict:
         s = self.spec
-        metrics = role_ops.update_policy(self.actor, batch, s.actor, parallel.dispatch_info()["dp_size"], s.rollout.n,
+        metrics = role_ops.update_policy(self.actor, batch, s.actor, s.layout.dp, s.rollout.n,
                                          rollout_correction=s.rollout_correction, temperature=s.logit_temperature)
         return {**metrics, **device.memory_stats("memory/update_actor")}
 

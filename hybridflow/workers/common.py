@@ -99,16 +99,14 @@ def ref_offload_settings(actor_cfg):
     return OffloadSettings(params=actor_cfg.megatron.param_offload if wanted is None else wanted)
 
 
-def init_megatron_worker(worker, megatron_cfg, seed: int, model_path: str, timeout_s: float) -> tuple:
-    """Join the group's torch.distributed world, create megatron's groups for the role's layout, and
-    open the HF weights the role starts from: (HF config, ``HFWeights``, read lazily; None where the role starts from a
-    megatron dist checkpoint)."""
-    worker.init_distributed(timeout_s=timeout_s)
-    parallel.init_model_parallel(megatron_cfg.tensor_model_parallel_size, megatron_cfg.pipeline_model_parallel_size,
-                                 seed=seed, timeout_s=timeout_s, ep=megatron_cfg.expert_model_parallel_size,
-                                 etp=megatron_cfg.expert_tensor_parallel_size, cp=megatron_cfg.context_parallel_size,
-                                 vpp=megatron_cfg.virtual_pipeline_model_parallel_size or 1)
-    config, weights = open_hf_folder(model_path)
+def init_megatron_worker(worker, spec, megatron_cfg) -> tuple:
+    """Join the group's torch.distributed world, create megatron's groups for the role's layout (the run plan's,
+    in ``spec``), and open the HF weights the role starts from: (HF config, ``HFWeights``, read lazily; None where
+    the role starts from a megatron dist checkpoint)."""
+    p = spec.process
+    worker.init_distributed(timeout_s=p.dist_timeout_s)
+    parallel.init_layout(spec.layout, p.seed, p.dist_timeout_s)
+    config, weights = open_hf_folder(p.model_path)
     return config, None if megatron_cfg.use_dist_checkpointing else weights  # start_weights loads them instead
 
 

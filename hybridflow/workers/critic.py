@@ -18,7 +18,7 @@ class CriticWorker(Worker):
         super().__init__()
         self.spec, p = spec, spec.process
         mp = spec.critic.megatron
-        hf_config, state = init_megatron_worker(self, mp, p.seed, p.model_path, p.dist_timeout_s)
+        hf_config, state = init_megatron_worker(self, spec, mp)
         self.critic = MegatronRole(  # a policy's weights: the value head as built
             hf_config, state, model_build(mp, value_head=True), optim=optim_settings(spec.critic.optim, mp,
                                                                                    p.total_steps, "critic.optim"),
@@ -34,7 +34,7 @@ class CriticWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE_3D)
     def update_critic(self, batch: Batch) -> dict:
-        metrics = role_ops.update_value(self.critic, batch, self.spec.critic, parallel.dispatch_info()["dp_size"],
+        metrics = role_ops.update_value(self.critic, batch, self.spec.critic, self.spec.layout.dp,
                                         self.spec.responses_per_prompt)
         return {**metrics, **device.memory_stats("memory/update_critic")}
 

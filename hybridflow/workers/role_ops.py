@@ -16,6 +16,7 @@ from hybridflow.algorithms.rollout_correction import compute_policy_loss_bypass_
 from hybridflow.megatron import virtual_stages
 from hybridflow.megatron.model import te_available
 from hybridflow.megatron.role import MegatronRole, token_log_probs, vocab_parallel_entropy
+from hybridflow.plan.layout import mini_batch_rows
 from hybridflow.protocol import Batch
 from hybridflow.workers import row_layout
 from hybridflow.workers.row_layout import TokenBudget
@@ -113,8 +114,7 @@ def _micro_batches(role: MegatronRole, batch: Batch, micro: int | TokenBudget,
 
 def _laid_out(role: MegatronRole, batch: Batch, micro: int | TokenBudget,
               extra_keys=()) -> tuple[list[dict], torch.Tensor | None]:
-    seq_multiple = ((role.shard.tp_size if role.tf_config.sequence_parallel else 1)
-                    * row_layout.context_parallel_multiple(role.shard.cp_size))
+    seq_multiple = role.layout.sequence_multiple
     if isinstance(micro, TokenBudget):
         # GPU with TE: packed-sequence attention (causal per row, no shared prompts); else an explicit mask
         thd = role.packs_sequences
@@ -123,7 +123,7 @@ def _laid_out(role: MegatronRole, batch: Batch, micro: int | TokenBudget,
         count = _schedule_count(role, count, len(batch))  # the same on every rank: from the agreed count
         return row_layout.token_micro_batches(batch, micro, extra_keys, seq_multiple, share_prompts=share, thd=thd,
                                               count=count,
-                                              unit_multiple=row_layout.context_parallel_multiple(role.shard.cp_size))
+                                              unit_multiple=role.layout.context_chunks)
     least = least_micro_batches(role, batch)
     if -(-len(batch) // micro) < least:  # fewer, smaller micro-batches
         micro = len(batch) // least
@@ -141,15 +141,13 @@ def _schedule_count(role: MegatronRole, count: int, rows: int) -> int:
 
 
 def least_micro_batches(role: MegatronRole, batch: Batch) -> int:
-    """The fewest micro-batches the role's schedule runs: with virtual pipeline stages more than the pipeline
-    size (megatron's interleaved schedule needs at least that many; with exactly that many, its all-warm-up path
-    at pp 2 crashed a rank here, measured), else 1."""
-    if role.shard.vpp_size == 1:
-        return 1
-    if len(batch) <= role.shard.pp_size:
+    """The fewest micro-batches the role's schedule runs (``ParallelLayout.least_micro_batches``), a row each at
+    least."""
+    least = role.layout.least_micro_batches
+    if least > 1 and len(batch) < least:
         raise ValueError(f"virtual pipeline stages need more than pipeline_model_parallel_size "
-                         f"({role.shard.pp_size}) micro-batches; this rank got {len(batch)} rows")
-    return role.shard.pp_size + 1
+                         f"({role.layout.pp}) micro-batches; this rank got {len(batch)} rows")
+    return least
 
 
 def agreed_count(own: int) -> int:
@@ -383,7 +381,7 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
             metrics.update({f"actor/{k}": v for k, v in kl_metrics.items()})
         return loss, metrics
 
-    metrics = _train(role, batch, name="actor", mini_batch_size=a.ppo_mini_batch_size * rollout_n // dp_size,
+    metrics = _train(role, batch, name="actor", mini_batch_size=mini_batch_rows(a.ppo_mini_batch_size, rollout_n, dp_size),
                      micro=_update_batching(a, "actor"), epochs=a.ppo_epochs, keys=keys, loss_fn=loss_fn,
                      loss_scale_factor=a.loss_scale_factor)
     return _role_step_metrics(metrics, "actor")
@@ -400,7 +398,7 @@ def update_value(role: MegatronRole, batch: Batch, critic_cfg, dp_size: int, rol
                                     global_batch=whole)
         return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": clipfrac.detach()}
 
-    metrics = _train(role, batch, name="critic", mini_batch_size=c.ppo_mini_batch_size * rollout_n // dp_size,
+    metrics = _train(role, batch, name="critic", mini_batch_size=mini_batch_rows(c.ppo_mini_batch_size, rollout_n, dp_size),
                      micro=_update_batching(c, "critic"), epochs=c.ppo_epochs,
                      keys=["values", "returns", "response_mask"], loss_fn=loss_fn,
                      loss_scale_factor=c.loss_scale_factor)

@@ -341,7 +341,7 @@ def split_for_context_parallel(mb: dict, size: int, rank: int, explicit_mask: bo
     ``input_ids`` and ``position_ids``, and where its response tokens are: ``response_index`` becomes the local
     position predicting each response token this rank holds, ``cp_owned`` [N, R] marks those (the role_ops
     outputs sum the ranks' parts). A row is cut into 2 x ``size`` chunks (its length divides:
-    ``context_parallel_multiple``); a packed-sequence (THD) row each of its sequences (``cu_seqlens``, each padded
+    ``plan.layout.context_chunks``); a packed-sequence (THD) row each of its sequences (``cu_seqlens``, each padded
     to 2 x ``size``: ``token_micro_batches``' ``unit_multiple``), as Transformer Engine's
     ``thd_get_partitioned_indices`` and megatron's THD rotary (rope_utils ``_get_thd_freqs_on_this_cp_rank``)
     expect. With ``explicit_mask`` (megatron's local attention: ``GatheredKVAttention``) ``packed_mask`` becomes
@@ -369,8 +369,3 @@ def split_for_context_parallel(mb: dict, size: int, rank: int, explicit_mask: bo
         d["cp_owned"] = (at >= 0) & mb["response_valid"].bool()
         d["response_index"] = at.clamp(min=0)
     return d
-
-
-def context_parallel_multiple(size: int) -> int:
-    """What a micro-batch's length must divide by under CP ``size``: 2 x size equal chunks."""
-    return 2 * size if size > 1 else 1

@@ -9,6 +9,7 @@ import torch
 
 from hybridflow.megatron.context_parallel import chunk_positions, gathered_order, positions_held
 from hybridflow.plan import load_experiment, resolve
+from hybridflow.plan.layout import context_chunks
 from hybridflow.protocol import Batch
 from hybridflow.workers import row_layout
 from tests.unit.test_moe_rules import DENSE, MOE, SEPARATE
@@ -43,7 +44,7 @@ def _rows(shared: bool) -> Batch:
 @pytest.mark.parametrize("shared", [False, True], ids=["rotated_rows", "shared_prompts"])
 def test_each_rank_holds_its_chunks_and_the_ranks_together_every_response_token(shared):
     cp = 2
-    (mb,) = row_layout.micro_batches(_rows(shared), 4, seq_multiple=row_layout.context_parallel_multiple(cp),
+    (mb,) = row_layout.micro_batches(_rows(shared), 4, seq_multiple=context_chunks(cp),
                                      share_prompts=shared)
     s = mb["input_ids"].shape[1]
     assert s % (2 * cp) == 0
@@ -98,7 +99,7 @@ def test_packed_sequences_split_per_sequence_as_transformer_engine_does():
     cp = 2
     batch = _rows(False)
     (mb,), _ = row_layout.token_micro_batches(batch, row_layout.TokenBudget(64, "test"), thd=True,
-                                              unit_multiple=row_layout.context_parallel_multiple(cp))
+                                              unit_multiple=context_chunks(cp))
     bounds = mb["cu_seqlens"].tolist()
     lengths = batch.tensors["attention_mask"].sum(1).tolist()
     assert [b - a for a, b in zip(bounds, bounds[1:])] == [n + -n % 4 for n in lengths]

@@ -161,6 +161,13 @@ OWNED = {
     r"\.use_critic\b|critic\.placement ==": "plan/",  # the critic and its pool
     r"n_workers (//|%)|critic_n_workers (//|%)": "plan/",  # pool arithmetic
     r"\"num_experts\"": "families/",  # is it MoE, how many experts
+    # a megatron role's layout (issue 45): each fact is a ParallelLayout property or function of plan/layout.py
+    r"\[\"dp_size\"\] \*|\bdp \* (self\.)?cp\b": "plan/layout.py",  # weight replicas (data x context)
+    r"\bep > 1 or|expert_model_parallel_size > 1 or": "plan/layout.py",  # whether the transition moves experts
+    r"if \w+(\.\w+)*\.sequence_parallel else 1": "plan/layout.py",  # the sequence multiple
+    r"2 \* \w+ if \w+ > 1 else 1": "plan/layout.py",  # context-parallel chunks
+    r"mini_batch_size \* \w+ //|\* rollout_n //": "plan/layout.py",  # a mini-batch's rows per rank
+    r"return .*\bpp(_size)? \+ 1\b": "plan/layout.py",  # the fewest micro-batches with virtual stages
 }
 
 

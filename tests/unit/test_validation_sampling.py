@@ -64,6 +64,7 @@ def _driver(assets, *overrides):
     driver.cfg, driver.tokenizer, driver.train_scorer = cfg, tokenizer, training_scorer(cfg)
     driver.val_data = PromptDataset.from_config(cfg.data.val_files, tokenizer, cfg.data)
     driver.source = SimpleNamespace(generator=_Rollout(tokenizer, cfg.data.max_response_length))
+    driver.generation_dp = 2  # the run plan's generation replicas
     return driver
 
 

@@ -12,7 +12,7 @@ import torch
 
 from hybridflow.megatron.convert import Shard, stage_layers
 from hybridflow.megatron.virtual_stages import microbatch_group_size
-from hybridflow.plan import load_experiment, resolve
+from hybridflow.plan import ParallelLayout, load_experiment, resolve
 from hybridflow.protocol import Batch
 from hybridflow.tools.memory_plan import stages_in_flight
 from hybridflow.workers.role_ops import least_micro_batches
@@ -40,13 +40,14 @@ def test_the_interleaved_schedule_takes_its_micro_batches_in_groups_it_accepts()
 
 
 def test_more_micro_batches_than_stages():
-    role = SimpleNamespace(shard=Shard(pp_size=2, vpp_size=2))
+    role = SimpleNamespace(shard=Shard(pp_size=2, vpp_size=2), layout=ParallelLayout("actor", 2, "", pp=2, vpp=2))
 
     def rows(n: int) -> Batch:
         return Batch.from_dict(tensors={"x": torch.zeros(n, 1)})
 
     assert least_micro_batches(role, rows(4)) == 3
-    assert least_micro_batches(SimpleNamespace(shard=Shard(pp_size=2)), rows(1)) == 1
+    assert least_micro_batches(SimpleNamespace(shard=Shard(pp_size=2), layout=ParallelLayout("actor", 2, "", pp=2)),
+                               rows(1)) == 1
     with pytest.raises(ValueError, match=r"more than pipeline_model_parallel_size \(2\) micro-batches"):
         least_micro_batches(role, rows(2))
 
@@ -94,12 +95,13 @@ def test_the_micro_batch_count_is_rounded_up_to_a_multiple_of_pp_where_the_rows_
     assert interleaved_count(4, 2, rows=8) == 4
     assert interleaved_count(3, 2, rows=3) == 3  # four micro-batches need four rows: megatron's one group stays
     role = SimpleNamespace(shard=Shard(pp_size=2, vpp_size=2), tf_config=SimpleNamespace(sequence_parallel=False),
-                           shares_prompts=False)
+                           shares_prompts=False, layout=ParallelLayout("actor", 2, "", pp=2, vpp=2))
     p, r = 3, 2
     ids = torch.arange(10 * (p + r)).reshape(10, p + r)
     batch = Batch.from_dict(tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids),
                                      "position_ids": torch.arange(p + r).expand(10, -1), "responses": ids[:, p:]})
     mbs, _ = _laid_out(role, batch, 4)  # ceil(10 / 4) = 3 micro-batches of 4 rows: 4 of 3, 3, 2 and 2 rows instead
     assert [len(mb["sample_row"]) for mb in mbs] == [3, 3, 2, 2]
-    mbs, _ = _laid_out(SimpleNamespace(**{**vars(role), "shard": Shard(pp_size=2)}), batch, 4)  # no virtual stages
+    plain = {"shard": Shard(pp_size=2), "layout": ParallelLayout("actor", 2, "", pp=2)}  # no virtual stages
+    mbs, _ = _laid_out(SimpleNamespace(**{**vars(role), **plain}), batch, 4)
     assert [len(mb["sample_row"]) for mb in mbs] == [4, 4, 2]
