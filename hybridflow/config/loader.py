@@ -217,7 +217,9 @@ class _Builder:
                 raise ConfigError(f"missing required key '{_dotted(path + (name,))}'")
         try:  # __post_init__ checks get the same treatment as validate()
             obj = cls(**kwargs)
-            if callable(getattr(obj, "validate", None)):
+            if callable(getattr(obj, "resolve_defaults", None)):  # keys defaulting to other keys' values
+                obj.resolve_defaults()
+            if callable(getattr(obj, "validate", None)):  # checks only: a validate never changes a value
                 obj.validate()  # children were built, hence validated, first
         except ConfigError:
             raise

@@ -40,21 +40,10 @@ class ExperimentConfig:
         """Keys whose default is another key's value (verl's ``${oc.select:...}`` defaults), filled in place
         so the resolved config shows them."""
         a, c = self.actor, self.critic
+        for section in (a.megatron, c.megatron, a, c):  # each section's own (the loader ran them as it built them)
+            section.resolve_defaults()
         for key in ("ppo_mini_batch_size", "ppo_epochs", "use_dynamic_bsz"):
             if getattr(c, key) is None:
                 setattr(c, key, getattr(a, key))
-        if a.log_prob_use_dynamic_bsz is None:
-            a.log_prob_use_dynamic_bsz = a.use_dynamic_bsz
-        if a.log_prob_max_token_len_per_gpu is None:
-            a.log_prob_max_token_len_per_gpu = a.ppo_max_token_len_per_gpu
-        if c.forward_max_token_len_per_gpu is None:
-            c.forward_max_token_len_per_gpu = c.ppo_max_token_len_per_gpu
-        if a.ref_param_offload is None:
-            a.ref_param_offload = a.megatron.param_offload
         if self.trainer.save_hf_at_end is None:
             self.trainer.save_hf_at_end = self.trainer.save_every > 0
-
-    def validate(self):
-        """The sections' own checks ran as they were built; the rules across sections are the run plan's
-        (hybridflow/plan/rules.py)."""
-        self.resolve_defaults()

@@ -71,6 +71,8 @@ class Megatron:
         if self.use_dist_checkpointing and not self.dist_checkpointing_path:
             raise ValueError("use_dist_checkpointing needs dist_checkpointing_path (the megatron checkpoint folder)")
         check_sizes(self, "expert_model_parallel_size", "expert_tensor_parallel_size")
+
+    def resolve_defaults(self) -> None:
         if self.expert_tensor_parallel_size is None and self.expert_model_parallel_size > 1:
             # verl 0.9.1 hands None to megatron (expert TP = TP); its MoE examples all set 1 explicitly
             self.expert_tensor_parallel_size = 1
@@ -175,6 +177,25 @@ class Actor:
     # forward, as TRL does with num_iterations=1. verl 0.9.1 always recomputes them. False: recompute.
     reuse_on_policy_log_prob: bool = True
 
+    # The defaults that are another key's value: the one place each is worked out (resolve_defaults writes them in).
+    @property
+    def log_prob_dynamic(self) -> bool:
+        return self.use_dynamic_bsz if self.log_prob_use_dynamic_bsz is None else self.log_prob_use_dynamic_bsz
+
+    @property
+    def log_prob_token_key(self) -> str:
+        """The key holding the log-prob forwards' token budget."""
+        return "log_prob_max_token_len_per_gpu" if self.log_prob_max_token_len_per_gpu else "ppo_max_token_len_per_gpu"
+
+    @property
+    def ref_offloads_params(self) -> bool:
+        return self.megatron.param_offload if self.ref_param_offload is None else self.ref_param_offload
+
+    def resolve_defaults(self) -> None:
+        self.log_prob_use_dynamic_bsz = self.log_prob_dynamic
+        self.log_prob_max_token_len_per_gpu = getattr(self, self.log_prob_token_key)
+        self.ref_param_offload = self.ref_offloads_params
+
     def validate(self):
         check_sizes(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
                      "log_prob_micro_batch_size_per_gpu", "ref_log_prob_micro_batch_size_per_gpu",
@@ -202,6 +223,14 @@ class Critic:
     use_dynamic_bsz: bool | None = None  # None: the actor's
     ppo_max_token_len_per_gpu: int = 32768
     forward_max_token_len_per_gpu: int | None = None  # value forwards (None: ppo_max_token_len_per_gpu)
+
+    @property
+    def forward_token_key(self) -> str:
+        """The key holding the value forwards' token budget (the one place its default is worked out)."""
+        return "forward_max_token_len_per_gpu" if self.forward_max_token_len_per_gpu else "ppo_max_token_len_per_gpu"
+
+    def resolve_defaults(self) -> None:
+        self.forward_max_token_len_per_gpu = getattr(self, self.forward_token_key)
 
     def validate(self):
         check_sizes(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",

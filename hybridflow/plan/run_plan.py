@@ -5,7 +5,8 @@ these again."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from hybridflow.plan.layout import GenerationLayout, ParallelLayout
 from hybridflow.plan.needs import Needs, run_needs
@@ -28,6 +29,25 @@ class RunPlan:
     critic_spec: CriticSpec | None
     reward_model_spec: RewardModelSpec | None
     rollout_spec: RolloutSpec | None  # the standalone rollout pool's (separate_async)
+    cfg: object = field(default=None, repr=False, compare=False)  # the config it was resolved from
+    on_gpu: bool = False
+
+    def with_model(self, model=None, n_train: int | None = None) -> RunPlan:
+        """This plan for the run's model and data: each layout checked against the model's HF config (heads, layers,
+        experts), routing replay and adapters on it (``ValueError`` naming the keys), and the run's steps counted
+        from the ``n_train`` training prompts (the workers' learning-rate schedules span them). The config's own
+        rules are not checked again."""
+        cfg = self.cfg
+        if model is not None:
+            check_routing_replay(cfg, model)
+            check_lora(cfg, model)
+            for layout in (self.actor, self.critic):
+                if layout is not None:
+                    layout.check_model(model, cfg.model.path, self.on_gpu)
+        steps = total_steps(cfg, n_train)
+        specs = role_specs(cfg, self.needs, steps, self.actor, self.critic, self.generation)
+        return dataclasses.replace(self, total_steps=steps, actor_spec=specs[0], critic_spec=specs[1],
+                                   reward_model_spec=specs[2], rollout_spec=specs[3])
 
     def pool(self, group: str) -> Pool:
         """The pool a worker group runs in."""
@@ -79,14 +99,11 @@ def resolve(cfg, model=None, n_train: int | None = None, *, on_gpu: bool = False
     generation = GenerationLayout(cfg.rollout.tensor_model_parallel_size, gen_pool.size, gen_pool.size_key, not separate)
     generation.check(actor.tp, cfg.trainer.seed, cfg.data.batch_size * n)
     check_algorithm(cfg, needs, generation.replicas)
-    check_routing_replay(cfg, model)
+    check_routing_replay(cfg, None)
     check_context_parallel(cfg)
     check_virtual_stages(cfg)
-    check_lora(cfg, model)
-    if model is not None:
-        for layout in (actor, critic):
-            if layout is not None:
-                layout.check_model(model, cfg.model.path, on_gpu)
-    steps = total_steps(cfg, n_train)
-    return RunPlan(actor, critic, generation, needs, pools, cfg.data.max_prompt_length + cfg.data.max_response_length,
-                   steps, *role_specs(cfg, needs, steps, actor, critic, generation))
+    check_lora(cfg, None)
+    steps = total_steps(cfg, None)
+    plan = RunPlan(actor, critic, generation, needs, pools, cfg.data.max_prompt_length + cfg.data.max_response_length,
+                   steps, *role_specs(cfg, needs, steps, actor, critic, generation), cfg=cfg, on_gpu=on_gpu)
+    return plan.with_model(model, n_train) if model is not None or n_train is not None else plan

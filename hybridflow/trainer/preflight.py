@@ -52,7 +52,7 @@ def check_run(cfg: ExperimentConfig) -> Checked:
     plan = check_config(cfg)
     check_machine(cfg, plan)
     model, tokenizer, train_data, val_data = check_files(cfg)
-    plan = check_model(cfg, model, len(train_data))
+    plan = check_model(cfg, model, len(train_data), plan)
     check_lr_schedules(cfg, plan)
     warn_no_bound(cfg, plan)
     check_resources(cfg, plan)
@@ -62,22 +62,23 @@ def check_run(cfg: ExperimentConfig) -> Checked:
     return checked
 
 
-def check_model(cfg: ExperimentConfig, model, n_train: int | None = None) -> RunPlan:
+def check_model(cfg: ExperimentConfig, model, n_train: int | None = None, plan: RunPlan | None = None) -> RunPlan:
     """The rules that need the model's HF config: the run plan's layouts against its heads, layers and experts, then
     ``MODEL_RULES``. Run before the warm start where the model exists (trainer/session.py: on the quickstart's base
     model), so a rule of the model and the config does not wait for minutes of preparation. A rule that needs only the
-    config belongs in ``check_config``, which the dry run runs (tests/unit/test_dry_run_rules.py walks these)."""
-    plan = run_plan(cfg, model, n_train)
+    config belongs in ``check_config``, which the dry run runs (tests/unit/test_dry_run_rules.py walks these).
+    ``plan``: the config's plan (``check_config``), extended here rather than resolved again."""
+    plan = run_plan(cfg, model, n_train, plan)
     for rule in MODEL_RULES:
         rule(cfg, model, plan)
     return plan
 
 
-def run_plan(cfg: ExperimentConfig, model=None, n_train: int | None = None) -> RunPlan:
+def run_plan(cfg: ExperimentConfig, model=None, n_train: int | None = None, plan: RunPlan | None = None) -> RunPlan:
     """The run plan (``ConfigError`` naming the keys of a rule broken); with the model's HF config, its
-    layouts are checked against the model's heads, layers and experts."""
+    layouts are checked against the model's heads, layers and experts. ``plan``: the config's, resolved already."""
     try:
-        plan = resolve(cfg, model, n_train, on_gpu=device.has_gpu())
+        plan = (plan or resolve(cfg, on_gpu=device.has_gpu())).with_model(model, n_train)
     except ValueError as e:
         raise ConfigError(" ".join(str(e).split())) from None
     if model is not None:

@@ -11,6 +11,7 @@ shutdown. The CLI (``hybridflow train``) is a thin wrapper over it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -68,8 +69,7 @@ class Trainer:
             checked = preflight.check_run(cfg)
         self.model_config, self.tokenizer, self.resume_from = checked.model, checked.tokenizer, checked.resume_from
         self.plan, self._prompts = checked.plan, (checked.train_data, checked.val_data)
-        # The resolved count (the workers' LR schedules span it: plan.actor_spec) shows in the run's config.yaml.
-        self.total_steps = cfg.trainer.total_steps = self.plan.total_steps
+        self.total_steps = self.plan.total_steps  # the workers' LR schedules span it (plan.actor_spec)
         self._resume_state = checkpoint.read_state(self.resume_from) if self.resume_from else None
         self.step_count = self._resume_state["step"] if self._resume_state else 0
         self.stops = StopRequests()
@@ -82,6 +82,13 @@ class Trainer:
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
+    @property
+    def resolved_config(self):
+        """The config as this run resolved it, for its config.yaml: the run's steps filled in (a copy: the loaded
+        config is never written to)."""
+        trainer = dataclasses.replace(self.cfg.trainer, total_steps=self.total_steps)
+        return dataclasses.replace(self.cfg, trainer=trainer)
+
     def start(self) -> Trainer:
         """Start Ray and the worker groups, load the checkpoint to resume from; idempotent."""
         if self.ppo is not None:
@@ -90,7 +97,7 @@ class Trainer:
         cfg = self.cfg
         self.lock.acquire()  # again after a close()
         self.stops.install()
-        dump_yaml(cfg, os.path.join(cfg.trainer.output_dir, "config.yaml"))  # the resolved config of this run
+        dump_yaml(self.resolved_config, os.path.join(cfg.trainer.output_dir, "config.yaml"))
         try:
             self._ray = _connect_ray(cfg, self.plan)
         except SystemExit as e:  # SIGTERM while Ray starts: Ray's own handler exits (start_ray cleaned up)
@@ -238,7 +245,7 @@ class Trainer:
 
         def write_parts(tmp: Path) -> None:
             driver_state.update(self.ppo.save_checkpoint(str(tmp)))
-            dump_yaml(self.cfg, tmp / "config.yaml")
+            dump_yaml(self.resolved_config, tmp / "config.yaml")
             self.model_config.save_pretrained(str(tmp / "hf"))  # what the export needs besides weights
             self.tokenizer.save_pretrained(str(tmp / "hf"))
 

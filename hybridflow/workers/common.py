@@ -94,9 +94,8 @@ def offload_settings(megatron_cfg):
 def ref_offload_settings(actor_cfg):
     """The reference role's offload settings: only parameters (it has no grads or optimizer), as
     ``actor.ref_param_offload`` says (verl's actor_rollout_ref.ref.megatron.param_offload); None: as the
-    actor's ``megatron.param_offload`` (schema's ``resolve_defaults`` normally fills it in)."""
-    wanted = actor_cfg.ref_param_offload
-    return OffloadSettings(params=actor_cfg.megatron.param_offload if wanted is None else wanted)
+    actor's ``megatron.param_offload`` (``Actor.ref_offloads_params``)."""
+    return OffloadSettings(params=actor_cfg.ref_offloads_params)
 
 
 def init_megatron_worker(worker, spec, megatron_cfg) -> tuple:

@@ -173,10 +173,8 @@ def log_prob_batching(actor_cfg, ref: bool = False) -> int | TokenBudget:
     """Micro-batching of the actor's (with ``ref`` the reference's) log-prob forwards: a token budget with
     verl's log_prob_use_dynamic_bsz (log_prob_max_token_len_per_gpu), else rows per micro-batch."""
     a = actor_cfg
-    dynamic = a.use_dynamic_bsz if a.log_prob_use_dynamic_bsz is None else a.log_prob_use_dynamic_bsz
-    if dynamic:
-        key = "log_prob_max_token_len_per_gpu" if a.log_prob_max_token_len_per_gpu else "ppo_max_token_len_per_gpu"
-        return TokenBudget(getattr(a, key), f"actor.{key}")
+    if a.log_prob_dynamic:
+        return TokenBudget(getattr(a, a.log_prob_token_key), f"actor.{a.log_prob_token_key}")
     if ref and a.ref_log_prob_micro_batch_size_per_gpu:
         return a.ref_log_prob_micro_batch_size_per_gpu
     return a.log_prob_micro_batch_size_per_gpu
@@ -186,8 +184,7 @@ def value_batching(critic_cfg) -> int | TokenBudget:
     """Micro-batching of the critic's value forwards (critic.forward_max_token_len_per_gpu with dynamic bsz)."""
     c = critic_cfg
     if c.use_dynamic_bsz:
-        key = "forward_max_token_len_per_gpu" if c.forward_max_token_len_per_gpu else "ppo_max_token_len_per_gpu"
-        return TokenBudget(getattr(c, key), f"critic.{key}")
+        return TokenBudget(getattr(c, c.forward_token_key), f"critic.{c.forward_token_key}")
     return c.log_prob_micro_batch_size_per_gpu
 
 
