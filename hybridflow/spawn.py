@@ -13,10 +13,9 @@ from hybridflow.util import free_port
 
 
 # On CPU the ranks fork from a server process that imported these once (multiprocessing's forkserver with
-# preload): a rank starts in a fraction of a second instead of importing them again, 5-10 s a rank on two
-# cores (measured: megatron-core 5.5 s, vLLM 8 s). Importing does not start torch's OpenMP pool, so a forked
-# rank sets its own thread count. A CUDA/ROCm host keeps spawn: these imports may initialise the driver,
-# which a forked child cannot use.
+# preload): a rank starts without importing them again (seconds a rank, megatron-core and vLLM the most).
+# Importing does not start torch's OpenMP pool, so a forked rank sets its own thread count. A CUDA/ROCm host keeps
+# spawn: these imports may initialise the driver, which a forked child cannot use.
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "transformers", "vllm"]
 
 

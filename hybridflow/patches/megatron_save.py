@@ -5,7 +5,7 @@ strategies/base.py): the bucket writers are forked, and their results reach the 
 first use as ``mp.get_context("spawn").Manager().Queue()`` (strategies/filesystem_async.py,
 ``_get_write_results_queue``). The Manager exists for the async path, whose writer runs in another process; on the
 synchronous path the same process puts the results and reads them back, yet the spawn starts a new interpreter that
-re-imports the worker's main module: about 2 s of every process's first save (measured in a Ray worker). A plain
+re-imports the worker's main module: seconds of every process's first save in a Ray worker. A plain
 in-process queue carries the same results. We never save asynchronously; an async save would need the Manager back.
 """
 
