@@ -126,7 +126,7 @@ class AgentLoop:
 
     def turn_would_end(self, t: Trajectory, turn: list[int]) -> bool:
         """Whether ``t`` would end with the assistant turn ``turn`` (not yet appended): for a caller that stops
-        generating once enough trajectories have ended (workers/carry.py)."""
+        generating once enough trajectories have ended (workers/carried_generation.py)."""
         new = len(turn) - (len(t.response_ids) - t.turn_start)  # a resumed turn: its earlier part is appended
         return (self._limit_reached(len(t.response_ids) + new, t.assistant_turns + 1, t.user_turns, turn)
                 or not self.parser.parse(self.tokenizer.decode(turn, skip_special_tokens=False)))

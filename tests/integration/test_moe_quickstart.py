@@ -38,7 +38,7 @@ def test_routing_replay_trains_with_the_rollouts_or_the_old_log_probs_routes(ass
     compute the same fp32 router logits with other kernels), and its log-probs are vLLM's within fp32 rounding.
     R2: the old-log-prob forward records its routes, two update epochs replay them (the update reports the share
     its routers would have chosen otherwise, in R3 too). R3-carried: colocate_async, whose rows come from its
-    partial-rollout generation (workers/carry.py: each row's routes those of the request that finished it), one
+    partial-rollout generation (workers/carried_generation.py: each row's routes those of the request that finished it), one
     batch ahead: step 2 trains on rows vLLM routed under step 1's weights, and the replay holds the trainer's
     routers, which have moved since, to them."""
     carried = ["schedule.mode=colocate_async", "schedule.num_warmup_batches=1"] if mode == "R3-carried" else []

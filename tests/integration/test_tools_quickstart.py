@@ -66,7 +66,7 @@ SEPARATE = ["schedule.mode=separate_async", "resources.rollout_n_workers=2", "ro
 def test_tools_overlay_trains_multi_turn(mode, steps, tools_model, ray_cluster):
     """separate_async: the agent loop runs on the standalone rollout pool, its greedy trajectories checked
     after the push; colocate_async: trajectories unfinished when a step's groups are complete are carried into
-    the next step (workers/carry.py)."""
+    the next step (workers/carried_generation.py)."""
     from hybridflow.plan import load_experiment
     from tests.integration.conftest import run_steps
 

@@ -1,5 +1,5 @@
 """The separate-placement planner (resharding/separate.py), separate_async's look-ahead and lag accounting
-(trainer/ahead.py), the run plan's rules for the trainer modes, their verl keys, and per-request seeds."""
+(trainer/pool_lookahead.py), the run plan's rules for the trainer modes, their verl keys, and per-request seeds."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hybridflow.config.verl import translate
 from hybridflow.plan import load_experiment, resolve
 from hybridflow.resharding.plan import Layout
 from hybridflow.resharding.separate import SeparatePlan
-from hybridflow.trainer.ahead import check_lag, look_ahead, version_lags
+from hybridflow.trainer.pool_lookahead import check_lag, look_ahead, version_lags
 from hybridflow.trainer.experience import group_prompts, sample_seeds
 
 

@@ -70,7 +70,7 @@ def check_lag(lags: torch.Tensor, threshold: int | None, step) -> None:
                            f"beyond schedule.max_off_policy_threshold ({threshold})")
 
 
-class AheadRollouts:
+class PoolLookahead:
     """Prompt batches in flight on the rollout pool, oldest first; ``take`` returns the batch of this step."""
 
     def __init__(self, rollout, depth: int, prepare: Callable[[Batch, int], Batch],
