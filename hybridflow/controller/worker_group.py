@@ -167,9 +167,12 @@ def get_together(*futures: DispatchFuture) -> list:
 class RayWorkerGroup:
     def __init__(self, pool: ResourcePool, worker_cls: type, *args,
                  name_prefix: str | None = None, share: float = 1.0,
-                 env: dict[str, str] | None = None, call_timeout_s: float | None = None, **kwargs):
+                 env: dict[str, str] | None = None, call_timeout_s: float | None = None,
+                 build_timeout_s: float | None = None, **kwargs):
         """``call_timeout_s``: a blocking call whose ranks have not all finished after this many seconds
-        raises a WorkerGroupError naming them (a stopped process or a wedged collective); None waits."""
+        raises a WorkerGroupError naming them (a stopped process or a wedged collective); None waits.
+        ``build_timeout_s``: the same for the workers' construction (imports, the distributed world, the model, an
+        engine), which the first call waits for apart from its own ``call_timeout_s``; None waits."""
         if not isinstance(worker_cls, type):
             raise TypeError("RayWorkerGroup wants the plain worker class, not a Ray actor class "
                             f"(got {worker_cls!r}); it applies ray.remote itself")
@@ -178,6 +181,8 @@ class RayWorkerGroup:
         self.name = name_prefix or f"{worker_cls.__name__}_{uuid.uuid4().hex[:6]}"
         self.share = share
         self.call_timeout_s = call_timeout_s if call_timeout_s and call_timeout_s > 0 else None
+        self.build_timeout_s = build_timeout_s if build_timeout_s and build_timeout_s > 0 else None
+        self._built = False
         self._dispatch_infos: dict[str, list[dict]] = {}
         self._meshes: dict[str, str] = {}
         self._workers: list = []
@@ -311,11 +316,23 @@ class RayWorkerGroup:
     def _run(self, method: str, mode: Dispatch, blocking: bool, args: tuple, kwargs: dict):
         if not self._workers:
             raise RuntimeError(f"worker group {self.name!r} is shut down")
+        self._wait_built(method)
         dispatch_fn, collect_fn = DISPATCH_TABLE[mode]
         plan = dispatch_fn(self, method, args, kwargs)
         refs = self._submit(method, plan.calls)
         future = DispatchFuture(self, method, plan, refs, collect_fn)
         return future.get() if blocking else future
+
+    def _wait_built(self, method: str) -> None:
+        """Before the group's first call (``method``, named in errors): every actor built (its ``__init__``
+        returned), within ``build_timeout_s``, so that the call's own ``call_timeout_s`` counts the call alone."""
+        if self._built:
+            return
+        calls = [Call(rank, (), {}) for rank in range(len(self._workers))]
+        refs = [w.alive.remote() for w in self._workers]
+        built = DispatchFuture(self, method, Plan(calls), refs, lambda plan, results: None)
+        built.get(self.build_timeout_s or math.inf)
+        self._built = True
 
     def _submit(self, method: str, calls: list[Call]) -> list:
         shared = Counter(id(a) for c in calls for a in (*c.args, *c.kwargs.values())

@@ -59,11 +59,15 @@ class WorkerGroups:
 def build_worker_groups(cfg, plan) -> WorkerGroups:
     """The worker groups in the run plan's pools (``plan.pools``: which groups share a pool, each taking an
     equal share of every bundle). Every call on a group gives up after ``trainer.stage_timeout_s``, naming
-    the ranks that did not finish. When one cannot be built, those already built are killed and the pools
-    removed before the error goes on: a caller's Ray cluster (a notebook, the next run in one process) is left
-    as it was, not holding the named pools a retry would clash with."""
+    the ranks that did not finish; the workers' construction, which a group's first call waits for first, after
+    the larger of that and ``trainer.dist_timeout_s`` (it joins the distributed world and loads the model). When
+    one cannot be built, those already built are killed and the pools removed before the error goes on: a
+    caller's Ray cluster (a notebook, the next run in one process) is left as it was, not holding the named pools
+    a retry would clash with."""
     res = cfg.resources
-    group = functools.partial(RayWorkerGroup, call_timeout_s=cfg.trainer.stage_timeout_s)
+    t = cfg.trainer
+    build_s = max(t.stage_timeout_s, t.dist_timeout_s) if t.stage_timeout_s > 0 else None
+    group = functools.partial(RayWorkerGroup, call_timeout_s=t.stage_timeout_s, build_timeout_s=build_s)
     bundle = dict(cpus_per_bundle=res.cpus_per_worker, gpus_per_bundle=res.gpus_per_worker)
     pools = {p.name: ResourcePool(p.name, p.size, **bundle) for p in plan.pools}
     built: list | None = []  # the groups built so far (None once all are: a later rebuild is the run's own)

@@ -204,6 +204,39 @@ def _first_answer(call, within_s: float = 120):
                 raise
 
 
+class SlowStartWorker(Worker):
+    def __init__(self, start_s: float):
+        super().__init__()
+        time.sleep(start_s)  # as a worker importing vLLM and loading its model
+
+    @register(Dispatch.ONE_TO_ALL)
+    def info(self):
+        return self.rank
+
+
+def test_the_first_call_waits_for_the_workers_construction_apart_from_its_timeout(ray_cluster):
+    """A call timeout shorter than the workers' start-up times the call, not the start-up (bounded by
+    build_timeout_s, which names the ranks still being built)."""
+    pool = ResourcePool("slow_start", world_size=2, cpus_per_bundle=0.25)
+    try:
+        wg = RayWorkerGroup(pool, SlowStartWorker, 3.0, name_prefix="slow", call_timeout_s=1, build_timeout_s=120)
+        try:
+            assert wg.info() == [0, 1]
+        finally:
+            wg.shutdown()
+        wg = RayWorkerGroup(pool, SlowStartWorker, 60.0, name_prefix="slower", call_timeout_s=120, build_timeout_s=2)
+        try:
+            with pytest.raises(WorkerGroupError) as ei:
+                wg.info()
+            assert re.fullmatch(r"worker group 'slower' \(SlowStartWorker.info\): rank\(s\) 0, 1 of 2 on node\(s\) "
+                                r"\S+ did not finish within 2 s \(a stopped worker or a wedged collective\)",
+                                ei.value.summary), ei.value.summary
+        finally:
+            wg.shutdown()
+    finally:
+        pool.remove()
+
+
 class BrokenWorker(Worker):
     def __init__(self):
         super().__init__()

@@ -61,15 +61,15 @@ def test_stopped_worker_ends_the_run_within_the_stage_timeout(assets, tmp_path):
     not asked to clean up (which waited a second stage timeout)."""
     out = tmp_path / "run"
     status, err, tree, took = disturbed_run(assets, out, lambda tree: worker(tree).suspend(),
-                                            "trainer.stage_timeout_s=20")
+                                            "trainer.stage_timeout_s=10")
     assert status == 1, err[-3000:]
-    assert took < 20 + 60, took
+    assert took < 10 + 60, took
     assert "rollout close failed" not in err, "the stuck group was asked to clean up: a second stage timeout"
     line = error_lines(err)
     assert line, err[-3000:]
     assert line[0].startswith("error: stage step/"), line[0]
     assert "worker group 'actor_rollout_ref'" in line[0] and "rank(s) 0 of 1 on node(s)" in line[0], line[0]
-    assert "did not finish within 20 s" in line[0], line[0]
+    assert "did not finish within 10 s" in line[0], line[0]
     assert f"last good checkpoint: {out}/checkpoints/step_" in line[0], line[0]
     assert wait_gone(tree) == []
 
@@ -158,9 +158,9 @@ def test_killed_rollout_worker_is_rebuilt_and_the_run_finishes(assets, tmp_path)
 def test_stopped_rollout_worker_ends_the_run_within_the_stage_timeout(assets, tmp_path):
     out = tmp_path / "run"
     status, err, tree, took = disturbed_run(assets, out, lambda tree: worker(tree, "RolloutWorker").suspend(),
-                                            *SEPARATE, "trainer.stage_timeout_s=20")
+                                            *SEPARATE, "trainer.stage_timeout_s=10")
     assert status == 1, err[-3000:]
-    assert took < 20 + 60, took
+    assert took < 10 + 60, took
     line = error_lines(err)
-    assert line and "worker group 'rollout'" in line[0] and "did not finish within 20 s" in line[0], err[-3000:]
+    assert line and "worker group 'rollout'" in line[0] and "did not finish within 10 s" in line[0], err[-3000:]
     assert wait_gone(tree) == []
