@@ -10,25 +10,23 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 
-from hybridflow.registry import Registry
+from hybridflow.agent import vllm_parsers  # noqa: F401 (registers verl's other formats)
+from hybridflow.agent.tool_call import PARSERS, ToolCall, register_parser
 
-
-@dataclass
-class ToolCall:
-    name: str | None  # None when the call could not be decoded
-    arguments: dict
-    error: str | None = None  # why the call is malformed (the model reads it as the tool's response)
+__all__ = ["PARSERS", "ToolCall", "get_parser", "register_parser"]
 
 
-PARSERS = Registry("tool-call format")
-register_parser = PARSERS.register
+def get_parser(name: str, tokenizer=None, tools: list[dict] | None = None):
+    """The parser of format ``name`` for the policy's ``tokenizer`` and the tools' OpenAI schemas ``tools``."""
+    check_format(name)
+    return PARSERS.get(name)(tokenizer, tools)
 
 
-def get_parser(name: str):
+def check_format(name: str) -> None:
+    """ValueError naming ``rollout.multi_turn.format`` unless a parser has that name (nothing is built)."""
     try:
-        return PARSERS.get(name)()
+        PARSERS.get(name)
     except KeyError as e:
         raise ValueError(f"rollout.multi_turn.format: {e}") from None
 
@@ -40,6 +38,9 @@ class HermesParser:
 
     start, end = "<tool_call>", "</tool_call>"
     _call = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def __init__(self, tokenizer=None, tools=None):
+        pass  # the format is read from the decoded text alone
 
     def parse(self, text: str) -> list[ToolCall]:
         calls = [self._decode(body) for body in self._call.findall(text)]

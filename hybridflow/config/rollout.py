@@ -21,7 +21,8 @@ class MultiTurn:
     max_parallel_calls: int = 1  # tool calls run per assistant turn (further calls in the turn are ignored)
     max_tool_response_length: int = 256  # characters of a tool's response kept
     tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
-    format: str = "hermes"  # tool-call parser: a name in agent.parsers.PARSERS
+    # tool-call format, verl's names: hermes, gpt-oss, qwen3_coder, glm, seed, minimax, kimi, deepseek_v4, gemma4
+    format: str = "hermes"
     tool_config_path: str | None = None  # verl's tool YAML: tools: [{class_name, config, tool_schema}]
 
     def validate(self):

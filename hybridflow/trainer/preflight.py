@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hybridflow import device
 from hybridflow.agent.chat import ChatFormat
-from hybridflow.agent.parsers import get_parser
+from hybridflow.agent.parsers import check_format
 from hybridflow.agent.tools import check_tool_config, tool_schemas
 from hybridflow.config import ConfigError
 from hybridflow.config.schema import ExperimentConfig
@@ -163,7 +163,7 @@ def check_multi_turn(m) -> None:
     if not m.enable:
         return
 
-    get_parser(m.format)
+    check_format(m.format)
     try:
         tools = check_tool_config(m.tool_config_path)
     except (OSError, ValueError) as e:

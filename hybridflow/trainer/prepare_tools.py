@@ -90,8 +90,8 @@ def multi_turn_greedy_accuracy(cfg, model, tokenizer, tools, chat, prompts: list
     import torch
 
     m = cfg.rollout.multi_turn
-    loop = AgentLoop(tokenizer, tools, get_parser(m.format), AgentSettings.from_config(m, cfg.data.max_response_length),
-                     chat)
+    parser = get_parser(m.format, tokenizer, [t.schema for t in tools.values()])
+    loop = AgentLoop(tokenizer, tools, parser, AgentSettings.from_config(m, cfg.data.max_response_length), chat)
     try:
         trajectories = loop.run(HFEngine(model, tokenizer.pad_token_id), prompts,
                                 SamplingSettings(temperature=0.0), log_probs=False)

@@ -91,7 +91,8 @@ def build_agent_loop(multi_turn, max_response_length: int, chat_template_kwargs:
     """The multi-turn agent loop of ``rollout.multi_turn``: its tools (verl's tool config), tool-call parser and
     the tokenizer's chat template."""
     m = multi_turn
-    return AgentLoop(tokenizer, load_tools(m.tool_config_path), get_parser(m.format),
+    tools = load_tools(m.tool_config_path)
+    return AgentLoop(tokenizer, tools, get_parser(m.format, tokenizer, [t.schema for t in tools.values()]),
                      AgentSettings.from_config(m, max_response_length), ChatFormat(tokenizer, chat_template_kwargs))
 
 
