@@ -65,8 +65,13 @@ class ChatFormat:
     def tool_message_ids(self, contents: list[str]) -> list[int]:
         """Token ids of tool messages with ``contents`` and the next assistant turn's generation prompt, as they
         follow an assistant turn that ended with its end-of-turn token."""
+        return self.message_ids([{"role": "tool", "content": c} for c in contents])
+
+    def message_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of ``messages`` (tool or user turns) and the next assistant turn's generation prompt, as they
+        follow an assistant turn that ended with its end-of-turn token."""
         before = self.render(_STAND_IN, add_generation_prompt=False)
-        after = self.render(_STAND_IN + [{"role": "tool", "content": c} for c in contents], add_generation_prompt=True)
+        after = self.render(_STAND_IN + list(messages), add_generation_prompt=True)
         cut = before.rfind(self.end_of_turn)
         if cut < 0 or not after.startswith(before[:cut + len(self.end_of_turn)]):
             raise ValueError("the chat template renders an assistant turn differently once tool messages follow it: "
