@@ -13,7 +13,7 @@
 #                                             no Transformer Engine or Apex build), then imports them in it
 #     containers/build_local.sh all           base, cpu, quickstart, cuda-python
 # Needs root, podman, runc and mmdebstrap (apt-get install podman runc mmdebstrap). On these machines podman runs
-# containers with runc and explicit ulimits only (../shared/notes/machine-facts.md): PODMAN_FLAGS holds them.
+# containers with runc and explicit ulimits only: PODMAN_FLAGS holds them.
 # torch's CPU build comes from the PyTorch index, which these machines cannot reach: the wheel pip finds on this
 # machine's disk (PIP_FIND_LINKS) is served to the build over loopback instead.
 set -euo pipefail

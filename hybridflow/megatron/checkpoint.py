@@ -1,7 +1,7 @@
 """A role's model and optimizer saved and loaded with megatron-core's dist_checkpointing.
 
 Checkpoints hold layout-independent (global) tensors: one saved at any TP/PP/DP layout loads at another.
-Two sharp edges of megatron-core on this path (machine-facts.md):
+Two sharp edges of megatron-core on this path:
 - the distributed optimizer's default sharding type cannot reshard (and fails outright with the torch
   optimizer fallback): ``fully_reshardable`` is used for save and load;
 - dist_checkpointing's writer needs psutil (a dependency of ours through Ray).

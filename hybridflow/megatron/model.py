@@ -243,7 +243,7 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
         expert_model_parallel_size=ep if is_moe(hf_config) else 1,
         expert_tensor_parallel_size=(etp or tp) if is_moe(hf_config) else tp,
         variable_seq_lengths=True,
-        # all_to_all over the expert-parallel group (gloo has it on CPU, machine-facts.md); allgather
+        # all_to_all over the expert-parallel group (gloo has it on CPU); allgather
         # rejects variable sequence lengths
         moe_token_dispatcher_type="alltoall",
         batch_p2p_comm=False,  # gloo + batched p2p gives wrong pipeline losses (measured)

@@ -34,6 +34,7 @@ LOCAL_ATTENTION = declare(
     "context parallelism without Transformer Engine: megatron's local attention asserts context_parallel_size == 1 "
     "in __init__; a subclass built as CP 1 gathers K/V over the CP group and relies on forward taking sk != sq "
     "with an explicit [b, 1, sq, sk] mask")
+
 _lock = threading.Lock()
 _sp_norm_patched = False
 

@@ -1,5 +1,5 @@
-"""The package's shape holds as it grows: imports point down the layers (DESIGN.md, "Which layer may import
-which"), the only import circle is the patch registry's, no module runs over 450 lines, no function over 50, no
+"""The package's shape holds as it grows: imports point down the layers (LAYERS below: which layer may import
+which), the only import circle is the patch registry's, no module runs over 450 lines, no function over 50, no
 constructor takes more than 8 parameters, and few of our own modules are imported inside functions (each such
 import is a heavy optional one, or breaks a circle)."""
 
