@@ -138,3 +138,28 @@ def test_bad_requests_are_answered_4xx_and_the_endpoint_goes_on(served):
     client.chat.completions.create(**good, extra_body={"session_id": "z"})
     with pytest.raises(openai.RateLimitError, match="3 sessions are open"):
         client.chat.completions.create(**good, extra_body={"session_id": "w"})
+
+
+def _example_agent():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "examples" / "agents" / "calculator_agent.py"
+    spec = importlib.util.spec_from_file_location("calculator_agent", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_example_agent_runs_its_tool_and_its_episode_is_recorded(served, tokenizer):
+    """examples/agents/calculator_agent.py, a plain openai-client agent: the model's calculator call is run by the
+    agent, its result sent back, the answer scored; the session holds the episode as one segment."""
+    _, endpoint, backend, url = served
+    agent = _example_agent()
+    reward = agent.run_episode({"question": "12*34=", "answer": 408}, url, endpoint.api_key, "episode-1")
+    assert reward == 1.0
+    session = endpoint.sessions.get("episode-1")
+    assert len(session.segments) == 1 and session.rewrites == 0
+    tool_turn = ChatFormat(tokenizer).message_ids([{"role": "tool", "content": "408"}])  # the real calculator's
+    assert backend.contexts[1] == backend.contexts[0] + tokenizer(CALL, add_special_tokens=False).input_ids + tool_turn
+    assert agent.run_episode({"question": "12*34=", "answer": 409}, url, endpoint.api_key, "episode-2") == 0.0
