@@ -62,10 +62,15 @@ class Turn:
         return self.segment.ids + self.added
 
 
+def _plain(messages: list) -> list[dict]:
+    """Chat messages as dicts (the request's, or pydantic models of them)."""
+    return [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
+
+
 def _normal(message) -> tuple:
     """What of a chat message must match for a conversation to extend another: its role, text and tool calls (name
     and decoded arguments); ids, names of tool results and fields a client adds do not count."""
-    m = message if isinstance(message, dict) else message.model_dump(exclude_none=True)
+    (m,) = _plain([message])
     content = m.get("content")
     if isinstance(content, list):  # content parts: their text
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
@@ -90,9 +95,6 @@ class SessionStore:
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        return len(self._sessions)
-
     def get(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
 
@@ -104,8 +106,7 @@ class SessionStore:
         last = session.segments[-1] if session.segments else None
         if last is not None and self._extends(last, normal):
             return Turn(session, last, self._added(last, messages[len(last.messages):]), False, normal)
-        plain = [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
-        text = self.chat.tokenizer.apply_chat_template(plain, tools=tools or None, add_generation_prompt=True,
+        text = self.chat.tokenizer.apply_chat_template(_plain(messages), tools=tools or None, add_generation_prompt=True,
                                                        tokenize=False, **self.chat.kwargs)
         return Turn(session, Segment(), self.chat.tokenizer(text, add_special_tokens=False).input_ids, True, normal)
 
@@ -136,9 +137,8 @@ class SessionStore:
     def _added(self, segment: Segment, new_messages: list) -> list[int]:
         """``new_messages`` (tool or user turns) rendered after the segment's last assistant turn, which gets its
         end-of-turn token where the length budget cut it."""
-        plain = [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in new_messages]
         end = [] if segment.ids[-1] == self.chat.end_of_turn_id else [self.chat.end_of_turn_id]
-        return end + self.chat.message_ids(plain)
+        return end + self.chat.message_ids(_plain(new_messages))
 
     @staticmethod
     def record(turn: Turn, ids: list[int], log_probs: list[float], version: int, reply: dict | None = None) -> None:
@@ -158,8 +158,3 @@ class SessionStore:
         if session is None:
             raise KeyError(f"unknown session {session_id!r}")
         session.reward = float(reward)
-
-    def pop(self, session_id: str) -> Session | None:
-        """The session, removed (the trainer takes it)."""
-        with self._lock:
-            return self._sessions.pop(session_id, None)
