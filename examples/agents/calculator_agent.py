@@ -28,15 +28,22 @@ def calculator(arguments: str) -> str:
 
 
 def run_episode(task: dict, base_url: str, api_key: str, session_id: str, *, model: str = "policy",
-                max_turns: int = 4, max_tokens: int = 64) -> float:
-    """One episode: 1.0 when the model's last answer is the task's answer, else 0.0."""
+                max_turns: int = 4, max_tokens: int | None = None) -> float:
+    """One episode: 1.0 when the model's last answer is the task's answer, else 0.0 (also when the conversation
+    outgrew the model's context: the server refuses the request). ``max_tokens``: None lets the server give what
+    the context has left."""
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [{"role": "user", "content": task["question"]}]
     for _ in range(max_turns):
-        reply = client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR],
-                                               max_tokens=max_tokens, extra_body={"session_id": session_id})
+        try:
+            reply = client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR],
+                                                   max_tokens=max_tokens, extra_body={"session_id": session_id})
+        except openai.BadRequestError as e:
+            if "leave" in str(e):  # no room left in the context: the episode ends unanswered
+                return 0.0
+            raise
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:

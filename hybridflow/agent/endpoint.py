@@ -67,6 +67,7 @@ class EndpointSettings:
     max_model_len: int  # prompt + new tokens of one request
     api_key: str = ""  # "": one is generated (``Endpoint.api_key``)
     max_request_bytes: int = 4 * 2**20
+    max_new_tokens: int | None = None  # one request's new tokens at most (a request asking more gets this many)
 
 
 class RequestError(Exception):
@@ -83,6 +84,9 @@ class Endpoint:
     def __init__(self, backend: Backend, sessions: SessionStore, parser, settings: EndpointSettings):
         self.backend, self.sessions, self.parser, self.settings = backend, sessions, parser, settings
         self.chat = sessions.chat
+        # the run's sampling (temperature, top_p, top_k), set by a run that trains on what is sampled: the trainer's
+        # log-probs assume it, so a request's own values are then ignored; None: each request's
+        self.sampling: SamplingSettings | None = None
         self.api_key = settings.api_key or f"hf-{secrets.token_urlsafe(24)}"
         self._busy: set[str] = set()
         self._lock = threading.Lock()
@@ -208,10 +212,13 @@ class Endpoint:
         if room <= 0 or (wanted is not None and wanted > room):
             raise RequestError(400, f"max_tokens {wanted}: the prompt's {prompt_tokens} tokens leave {max(room, 0)} "
                                     f"of the model's {self.settings.max_model_len}")
+        budget = min(wanted or room, self.settings.max_new_tokens or room)
+        if self.sampling is not None:
+            s = self.sampling
+            return SamplingSettings(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=budget)
         temperature = 1.0 if request.temperature is None else request.temperature
         return SamplingSettings(temperature=temperature, top_p=1.0 if request.top_p is None else request.top_p,
-                                top_k=request.top_k if request.top_k is not None else -1,
-                                max_new_tokens=wanted or room)
+                                top_k=request.top_k if request.top_k is not None else -1, max_new_tokens=budget)
 
     def _reply(self, ids: list[int], budget: int) -> tuple[dict, str]:
         """The assistant message of the sampled ``ids`` (its text, its tool calls in OpenAI's form) and why it

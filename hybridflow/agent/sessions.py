@@ -153,6 +153,11 @@ class SessionStore:
         turn.segment.extend(list(ids), list(log_probs), version)
         turn.segment.messages = turn.messages + [_normal(reply)] if reply is not None else []
 
+    def pop(self, session_id: str) -> Session | None:
+        """The session, closed (None: it made no request)."""
+        with self._lock:
+            return self._sessions.pop(session_id, None)
+
     def set_reward(self, session_id: str, reward: float) -> None:
         session = self._sessions.get(session_id)
         if session is None:

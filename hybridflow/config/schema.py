@@ -14,9 +14,10 @@ from hybridflow.config.data import Data
 from hybridflow.config.reward import OverlongBuffer, Reward, CustomReward, RewardModel
 from hybridflow.config.run import Resources, RayCfg, Prepare, LOGGERS, SEED_LIMIT, MAX_DIST_TIMEOUT_S, Schedule, TrainerSettings
 from hybridflow.config.model import Model
+from hybridflow.config.agent import AgentService
 from hybridflow.config.scoring import SandboxFusion, ValKwargs
 
-__all__ = ["ExperimentConfig", "MAX_LR", "RouterReplay", "Megatron", "Optim", "PolicyLoss", "Actor", "Critic", "MultiTurn", "CheckpointEngine", "Rollout", "KLControl", "FILTER_SEQ_REWARD", "FILTER_SCORE", "FILTER_METRICS", "FilterGroups", "RolloutCorrection", "Algorithm", "Data", "OverlongBuffer", "Reward", "CustomReward", "RewardModel", "Resources", "RayCfg", "Prepare", "LOGGERS", "SEED_LIMIT", "MAX_DIST_TIMEOUT_S", "Schedule", "TrainerSettings", "Model", "SandboxFusion", "ValKwargs"]
+__all__ = ["ExperimentConfig", "MAX_LR", "RouterReplay", "Megatron", "Optim", "PolicyLoss", "Actor", "Critic", "MultiTurn", "CheckpointEngine", "Rollout", "KLControl", "FILTER_SEQ_REWARD", "FILTER_SCORE", "FILTER_METRICS", "FilterGroups", "RolloutCorrection", "Algorithm", "Data", "OverlongBuffer", "Reward", "CustomReward", "RewardModel", "Resources", "RayCfg", "Prepare", "LOGGERS", "SEED_LIMIT", "MAX_DIST_TIMEOUT_S", "Schedule", "TrainerSettings", "Model", "SandboxFusion", "ValKwargs", "AgentService"]
 
 
 @dataclass
@@ -35,6 +36,7 @@ class ExperimentConfig:
     resources: Resources = field(default_factory=Resources)
     ray: RayCfg = field(default_factory=RayCfg)
     prepare: Prepare = field(default_factory=Prepare)
+    agent: AgentService = field(default_factory=AgentService)
 
     def resolve_defaults(self) -> None:
         """Keys whose default is another key's value (verl's ``${oc.select:...}`` defaults), filled in place

@@ -210,3 +210,18 @@ def check_context_parallel(cfg) -> None:
     if cp > 1 and cfg.actor.megatron.router_replay.mode != "disabled":
         raise ValueError(f"actor.megatron.context_parallel_size {cp}: actor.megatron.router_replay is not supported "
                          "with context parallelism")
+
+
+def check_agent(cfg, needs) -> None:
+    """An agent program (agent.entrypoint) samples through the endpoint, in place of the trainer's own generation."""
+    if not cfg.agent.enable:
+        return
+    if cfg.rollout.multi_turn.enable:
+        raise ValueError("agent.entrypoint runs the agent program's own turns and tools: set "
+                         "rollout.multi_turn.enable=false (rollout.multi_turn.format still names the tool-call format)")
+    if cfg.schedule.mode != "sync":
+        raise ValueError(f"agent.entrypoint: schedule.mode {cfg.schedule.mode!r} is not served to agent programs yet; "
+                         "use schedule.mode sync")
+    if needs.greedy_baseline:
+        raise ValueError("agent.entrypoint: ReMax's greedy baseline is one single-turn generation, not an episode; use "
+                         "another algorithm.adv_estimator (grpo, rloo, ...)")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from hybridflow.plan.layout import GenerationLayout, ParallelLayout
 from hybridflow.plan.needs import Needs, run_needs
 from hybridflow.plan.pools import Pool, plan_pools, pool_of
-from hybridflow.plan.rules import (check_algorithm, check_context_parallel, check_lora, check_names,
+from hybridflow.plan.rules import (check_agent, check_algorithm, check_context_parallel, check_lora, check_names,
                                    check_routing_replay, check_schedule, check_token_budgets, check_virtual_stages)
 from hybridflow.plan.specs import ActorSpec, CriticSpec, RewardModelSpec, RolloutSpec, role_specs
 
@@ -99,6 +99,7 @@ def resolve(cfg, model=None, n_train: int | None = None, *, on_gpu: bool = False
     generation = GenerationLayout(cfg.rollout.tensor_model_parallel_size, gen_pool.size, gen_pool.size_key, not separate)
     generation.check(actor.tp, cfg.trainer.seed, cfg.data.batch_size * n)
     check_algorithm(cfg, needs, generation.replicas)
+    check_agent(cfg, needs)
     check_routing_replay(cfg, None)
     check_context_parallel(cfg)
     check_virtual_stages(cfg)

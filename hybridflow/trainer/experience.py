@@ -9,6 +9,7 @@ from hybridflow.algorithms import ADVANTAGE_ESTIMATORS, compute_advantage, kl_pe
 from hybridflow.protocol import Batch
 from hybridflow.rewards import on_last_token, score_batch
 from hybridflow.rewards.custom import CustomScorer, RewardFunctionError, verl_extra_info
+from hybridflow.rewards.episode import EpisodeRewards
 from hybridflow.rewards.routing import SourceRouter
 
 
@@ -17,7 +18,9 @@ def score_responses(batch: Batch, tokenizer, scorer) -> Batch:
     ``token_level_scores`` and ``response_text``. ``scorer``: a ``SourceRouter`` or ``CustomScorer`` (each row
     with its source, read from the scorer's ``source_key`` column, and its extra_info), or a plain
     ``(response, answer) -> float``. A user reward function that fails is a one-line ``RewardFunctionError``
-    naming the row (its prompt and response)."""
+    naming the row (its prompt and response). An ``EpisodeRewards`` scorer keeps an agent episode's own reward."""
+    if isinstance(scorer, EpisodeRewards):
+        return scorer.apply(score_responses(batch, tokenizer, scorer.inner))
     mask = batch.tensors["response_mask"]
     texts = [sampled_text(tokenizer, r, m) for r, m in zip(batch.tensors["responses"], mask)]
     answers = list(batch.non_tensors["answer"])

@@ -13,6 +13,7 @@ from hybridflow.data.dataset import PromptDataset
 from hybridflow.protocol import Batch
 from hybridflow.rewards import SourceRouter, on_last_token
 from hybridflow.rewards.custom import adapt_to_scorer, load_custom_reward_function
+from hybridflow.rewards.episode import EpisodeRewards
 from hybridflow.rewards.overlong import overlong_penalty
 from hybridflow.trainer.pool_lookahead import lag_metrics
 from hybridflow.trainer.balance import balance_batch
@@ -29,12 +30,13 @@ def training_scorer(cfg):
     """The scorer of training rollouts and validation (as verl uses one compute_score for both): the
     user's custom reward function when configured (given each row's data source, ground truth and
     extra_info), else each row's rule scorer by its data source (``SourceRouter``; rows without one use
-    ``reward.name``)."""
+    ``reward.name``); with an agent program, the reward its episode returned or posted comes first."""
     c, key = cfg.custom_reward_function, cfg.data.reward_fn_key
     if c.path is None:
-        return SourceRouter.from_config(cfg.reward, key)
-
-    return adapt_to_scorer(load_custom_reward_function(c.path, c.name), timeout_s=c.timeout_s, source_key=key)
+        scorer = SourceRouter.from_config(cfg.reward, key)
+    else:
+        scorer = adapt_to_scorer(load_custom_reward_function(c.path, c.name), timeout_s=c.timeout_s, source_key=key)
+    return EpisodeRewards(scorer) if cfg.agent.enable else scorer
 
 
 class PPODriver:
@@ -49,7 +51,7 @@ class PPODriver:
         # how many data-parallel shards a training batch and a generation batch split into
         self.train_dp, self.generation_dp = plan.actor.dp, plan.generation.replicas
         self.actor_rollout, self.critic, self.reward_model = workers.actor_rollout, workers.critic, workers.reward_model
-        self.source = make_source(cfg, plan, workers, self.prepare)  # where the samples come from (sources.py)
+        self.source = make_source(cfg, plan, workers, self.prepare, tokenizer)  # where the samples come from (sources.py)
         self.train_data, self.val_data = train_data, val_data
         self.train_scorer = training_scorer(cfg)  # training reward and validation accuracy
         # dynamic sampling's own prompt stream, for a caller of step() that passes none (the Trainer passes its
@@ -57,7 +59,11 @@ class PPODriver:
         self._more_prompts = None
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
-        self.source.push(0)  # vLLM starts with dummy weights: deliver the actor's
+        try:
+            self.source.push(0)  # vLLM starts with dummy weights: deliver the actor's
+        except BaseException:
+            self.source.close()
+            raise
 
     # The paper's few-line PPO: generate, score, prepare experience, update critic and actor, and push
     # the new actor weights into the rollout engine.
@@ -219,7 +225,7 @@ class PPODriver:
             prompts = self.val_data.batch(rows).repeat(v.n, interleave=True)
             prompts, pad = prompts.pad_to_divisor(self.generation_dp)
             prompts.meta.update(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k)
-            out = score_responses(self.generator.generate(prompts).unpad(pad), self.tokenizer, self.train_scorer)
+            out = score_responses(self.source.validation(prompts).unpad(pad), self.tokenizer, self.train_scorer)
             scores.append(out.tensors["scores"])
             for i in range(min(n_samples - len(samples), len(out))):
                 prompt = out.tensors["prompts"][i][out.tensors["attention_mask"][i, :out.tensors["prompts"].shape[1]].bool()]
@@ -246,7 +252,11 @@ class PPODriver:
         self.source.drop_in_flight()  # generated under weights before the loaded ones (none at start)
         self.source.push(state["step"])
 
+    def close(self) -> None:
+        """Stop what the sample source runs besides the worker groups (an agent endpoint and its episodes)."""
+        self.source.close()
+
     @property
     def generator(self):
-        """The worker group that generates validation and greedy-baseline rows (the source's)."""
+        """The worker group that generates greedy-baseline rows (the source's)."""
         return self.source.generator

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hybridflow import device
 from hybridflow.agent.chat import ChatFormat
+from hybridflow.agent.episodes import load_entrypoint
 from hybridflow.agent.parsers import check_format
 from hybridflow.agent.tools import check_tool_config, tool_schemas
 from hybridflow.config import ConfigError
@@ -116,6 +117,8 @@ def check_config(cfg: ExperimentConfig) -> RunPlan:
                                       on_gpu=cfg.resources.gpus_per_worker > 0)
         check_engine_kwargs(cfg.rollout.engine_kwargs)
         check_multi_turn(cfg.rollout.multi_turn)
+        if cfg.agent.enable:
+            load_entrypoint(cfg.agent.entrypoint)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_lr_schedules(cfg, plan)

@@ -141,6 +141,8 @@ class Trainer:
                 self.tracker.close()
             except OSError as e:  # e.g. a full disk: the run's own error is what the user needs to see
                 log.warning("could not close the trackers: %s", e)
+        if self.ppo is not None:
+            self.ppo.close()
         if self._workers is not None:
             self._workers.shutdown()
         if self._ray is not None:

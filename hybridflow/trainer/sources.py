@@ -7,6 +7,8 @@ spec and rules in plan/.
   resharding engine's in-place transition.
 - ``CarriedGeneration`` (colocate_async): the same engines, stepping their requests a call at a time and carrying
   unfinished responses into the next step (partial rollouts; workers/carried_generation.py).
+- ``AgentEpisodes`` (agent.entrypoint, sync): an agent program's episodes on the hybrid engine's engines, served
+  over the OpenAI API (trainer/agent_source.py).
 - ``RolloutPool`` (separate_async): a standalone vLLM pool generating ahead of the trainer (trainer/pool_lookahead.py),
   fed by the checkpoint engine, rebuilt when one of its worker processes dies.
 """
@@ -48,6 +50,12 @@ class SampleSource(Protocol):
     def drop_in_flight(self) -> int:
         """Forget those batches (after a checkpoint load: generated under older weights); returns how many."""
 
+    def validation(self, prompts: Batch) -> Batch:
+        """Validation's rows of ``prompts`` (their ``meta``: the validation sampling), generated on ``generator``."""
+
+    def close(self) -> None:
+        """Stop what the source runs besides the worker groups."""
+
 
 class HybridEngine:
     """sync: the colocated engines generate each step's prompts with the weights just pushed."""
@@ -73,6 +81,12 @@ class HybridEngine:
 
     def drop_in_flight(self) -> int:
         return 0
+
+    def validation(self, prompts: Batch) -> Batch:
+        return self.generator.generate(prompts)
+
+    def close(self) -> None:
+        pass
 
 
 class CarriedGeneration(HybridEngine):
@@ -167,14 +181,27 @@ class RolloutPool:
     def drop_in_flight(self) -> int:
         return self.lookahead.drop_in_flight()
 
+    def validation(self, prompts: Batch) -> Batch:
+        return self.generator.generate(prompts)
 
-def make_source(cfg, plan, workers: WorkerGroups, prepare: Prepare) -> SampleSource:
-    """The sample source of ``schedule.mode``; ``prepare`` makes a step's rows from its prompts."""
+    def close(self) -> None:
+        pass
+
+
+def make_source(cfg, plan, workers: WorkerGroups, prepare: Prepare, tokenizer) -> SampleSource:
+    """The sample source of ``schedule.mode`` (with ``agent.entrypoint``: the agent program's episodes); ``prepare``
+    makes a step's rows from its prompts."""
     sc = cfg.schedule
 
     def groups_per_replica() -> int:  # one batch's worth of complete groups from each generation replica
         return cfg.data.batch_size // plan.generation.replicas
 
+    if cfg.agent.enable:
+        from hybridflow.trainer.agent_source import AgentEpisodes  # imports the endpoint's web stack
+        from hybridflow.agent.service import AgentService
+
+        service = AgentService(cfg, tokenizer, lambda: workers.actor_rollout, plan.generation.replicas)
+        return AgentEpisodes(workers, prepare, service, plan.actor_spec)
     if sc.mode == "separate_async":
         return RolloutPool(workers, prepare, groups_per_replica, look_ahead(sc.num_warmup_batches,
                            sc.max_off_policy_threshold), serving=plan.rollout_spec.partial_rollout)

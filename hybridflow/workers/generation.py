@@ -149,7 +149,8 @@ def generate_batch(rollout, agent, prompts: Batch, spec, tokenizer) -> Batch:
     """Sample one response per row of ``prompts`` on ``rollout`` (a VLLMRollout; ``agent``: the multi-turn
     loop or None). ``spec``: the run plan's spec holding the rollout section and the length limits.
     ``prompts.meta`` may override sampling: ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (validation's
-    rollout.val_kwargs), ``max_new_tokens``. A ``sample_seed`` column seeds each single-turn row's sampling."""
+    rollout.val_kwargs), ``max_new_tokens``, and add ``stop_token_ids`` (an agent endpoint's turn ends). A
+    ``sample_seed`` column seeds each single-turn row's sampling, a ``max_new_tokens`` column budgets it."""
     sampling = sampling_settings(spec, prompts.meta)
     ids, mask = prompts.tensors["input_ids"], prompts.tensors["attention_mask"].bool()
     prompt_ids = [row[m].tolist() for row, m in zip(ids, mask)]
@@ -163,9 +164,11 @@ def generate_batch(rollout, agent, prompts: Batch, spec, tokenizer) -> Batch:
         if not sampled:
             del new.tensors["rollout_log_probs"]
     else:
-        seeds = prompts.tensors.get("sample_seed")
+        seeds, budgets = prompts.tensors.get("sample_seed"), prompts.tensors.get("max_new_tokens")
         outs = rollout.generate_with_log_probs(prompt_ids, sampling, log_probs=sampled,
                                                seeds=None if seeds is None else seeds.tolist(),
+                                               max_new_tokens=None if budgets is None else budgets.tolist(),
+                                               stop_token_ids=prompts.meta.get("stop_token_ids"),
                                                with_routes=rollout.routed_experts)
         rollout.sleep()
         new = responses_to_batch(prompts, [o[0] for o in outs], spec.max_response_length,

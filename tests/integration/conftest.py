@@ -65,7 +65,7 @@ def run_steps(cfg, n_steps: int, check=None) -> list[dict]:
     from hybridflow.trainer.preflight import load_prompts
 
     plan, tokenizer = resolve(cfg), AutoTokenizer.from_pretrained(cfg.model.path)
-    workers = build_worker_groups(cfg, plan)
+    workers, trainer = build_worker_groups(cfg, plan), None
     try:
         trainer = PPODriver(cfg, plan, tokenizer, workers, *load_prompts(cfg, tokenizer))
         data = trainer.train_data.iterate(cfg.data.batch_size, shuffle=True, seed=0)
@@ -77,4 +77,6 @@ def run_steps(cfg, n_steps: int, check=None) -> list[dict]:
                 check(trainer, step, metrics)
         return history
     finally:
+        if trainer is not None:
+            trainer.close()
         workers.shutdown()

@@ -63,7 +63,8 @@ def _driver(assets, *overrides):
     driver = PPODriver.__new__(PPODriver)  # the driver's validation alone: no worker groups started
     driver.cfg, driver.tokenizer, driver.train_scorer = cfg, tokenizer, training_scorer(cfg)
     driver.val_data = PromptDataset.from_config(cfg.data.val_files, tokenizer, cfg.data)
-    driver.source = SimpleNamespace(generator=_Rollout(tokenizer, cfg.data.max_response_length))
+    rollout = _Rollout(tokenizer, cfg.data.max_response_length)
+    driver.source = SimpleNamespace(generator=rollout, validation=rollout.generate)  # as the hybrid engine's
     driver.generation_dp = 2  # the run plan's generation replicas
     return driver
 
