@@ -28,10 +28,10 @@ def calculator(arguments: str) -> str:
 
 
 def run_episode(task: dict, base_url: str, api_key: str, session_id: str, *, model: str = "policy",
-                max_turns: int = 4, max_tokens: int | None = None) -> float:
+                max_turns: int = 4, max_tokens: int | None = None, tool=calculator) -> float:
     """One episode: 1.0 when the model's last answer is the task's answer, else 0.0 (also when the conversation
     outgrew the model's context: the server refuses the request). ``max_tokens``: None lets the server give what
-    the context has left."""
+    the context has left; ``tool(arguments) -> text`` answers the calculator calls."""
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
@@ -49,6 +49,6 @@ def run_episode(task: dict, base_url: str, api_key: str, session_id: str, *, mod
         if not message.tool_calls:
             return float((message.content or "").strip() == str(task["answer"]))
         for call in message.tool_calls:
-            result = calculator(call.function.arguments) if call.function.name == "calculator" else "unknown tool"
+            result = tool(call.function.arguments) if call.function.name == "calculator" else "unknown tool"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return 0.0

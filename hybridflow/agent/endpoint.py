@@ -33,10 +33,9 @@ log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-    version: int  # the policy version its engine holds
-
     def generate(self, context: list[int], sampling: SamplingSettings, stop_token_ids: list[int]
-                 ) -> tuple[list[int], list[float]]: ...
+                 ) -> tuple[list[int], list[float], int]:
+        """The sampled ids, their log-probs and the policy version of the weights that sampled them."""
 
 
 class RolloutBackend:
@@ -58,7 +57,7 @@ class RolloutBackend:
         with self._lock:
             ((ids, log_probs),) = self.rollout.generate_with_log_probs([context], sampling, log_probs=True,
                                                                       stop_token_ids=stop_token_ids)
-        return list(ids), list(log_probs)
+        return list(ids), list(log_probs), self.version
 
 
 @dataclass
@@ -84,9 +83,10 @@ class Endpoint:
     def __init__(self, backend: Backend, sessions: SessionStore, parser, settings: EndpointSettings):
         self.backend, self.sessions, self.parser, self.settings = backend, sessions, parser, settings
         self.chat = sessions.chat
-        # the run's sampling (temperature, top_p, top_k), set by a run that trains on what is sampled: the trainer's
-        # log-probs assume it, so a request's own values are then ignored; None: each request's
-        self.sampling: SamplingSettings | None = None
+        # session id -> the run's sampling (temperature, top_p, top_k) of its episodes, set by a run that trains on
+        # what is sampled: the trainer's log-probs assume it, so a request's own values are then ignored; a session
+        # not listed samples with its request's
+        self.run_sampling: dict[str, SamplingSettings] = {}
         self.api_key = settings.api_key or f"hf-{secrets.token_urlsafe(24)}"
         self._busy: set[str] = set()
         self._lock = threading.Lock()
@@ -116,10 +116,10 @@ class Endpoint:
         with self._session(session_id):
             turn = self._begin(self.sessions.begin, session_id, request.messages, tools)
             context = turn.context
-            sampling = self._sampling(request, len(context))
-            ids, log_probs = self.backend.generate(context, sampling, self.chat.stop_token_ids)
+            sampling = self._sampling(request, len(context), session_id)
+            ids, log_probs, version = self.backend.generate(context, sampling, self.chat.stop_token_ids)
             message, finish = self._reply(ids, sampling.max_new_tokens)
-            self.sessions.record(turn, ids, log_probs, self.backend.version, message)
+            self.sessions.record(turn, ids, log_probs, version, message)
         return self._chat_response(message, finish, len(context), len(ids))
 
     def completion(self, body: dict, session_header: str | None) -> dict:
@@ -136,9 +136,9 @@ class Endpoint:
             ids = prompt if isinstance(prompt, list) else self.chat.tokenizer(prompt, add_special_tokens=False).input_ids
             turn = self._begin(self.sessions.begin_tokens, session_id, ids)
             context = turn.context
-            sampling = self._sampling(request, len(context))
-            ids, log_probs = self.backend.generate(context, sampling, [])
-            self.sessions.record(turn, ids, log_probs, self.backend.version)
+            sampling = self._sampling(request, len(context), session_id)
+            ids, log_probs, version = self.backend.generate(context, sampling, [])
+            self.sessions.record(turn, ids, log_probs, version)
         text = self.chat.tokenizer.decode(ids, skip_special_tokens=True)
         finish = "length" if len(ids) >= sampling.max_new_tokens else "stop"
         return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "model": self.settings.model_name,
@@ -206,15 +206,15 @@ class Endpoint:
         except OverflowError as e:
             raise RequestError(429, str(e), "rate_limit_error") from None
 
-    def _sampling(self, request, prompt_tokens: int) -> SamplingSettings:
+    def _sampling(self, request, prompt_tokens: int, session_id: str) -> SamplingSettings:
         room = self.settings.max_model_len - prompt_tokens
         wanted = getattr(request, "max_completion_tokens", None) or request.max_tokens
         if room <= 0 or (wanted is not None and wanted > room):
             raise RequestError(400, f"max_tokens {wanted}: the prompt's {prompt_tokens} tokens leave {max(room, 0)} "
                                     f"of the model's {self.settings.max_model_len}")
         budget = min(wanted or room, self.settings.max_new_tokens or room)
-        if self.sampling is not None:
-            s = self.sampling
+        s = self.run_sampling.get(session_id)
+        if s is not None:
             return SamplingSettings(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=budget)
         temperature = 1.0 if request.temperature is None else request.temperature
         return SamplingSettings(temperature=temperature, top_p=1.0 if request.top_p is None else request.top_p,

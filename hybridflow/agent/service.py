@@ -46,7 +46,7 @@ class AgentService:
     def __init__(self, cfg, tokenizer, generator, replicas: int):
         a, d = cfg.agent, cfg.data
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.backend = GroupBackend(generator, replicas, tokenizer.pad_token_id, a.batch_window_s)
+        self.backend = GroupBackend(generator, replicas, tokenizer.pad_token_id, a.batch_window_s, cfg.trainer.seed)
         self.sessions = SessionStore(ChatFormat(tokenizer, d.apply_chat_template_kwargs), a.max_sessions)
         settings = EndpointSettings(model_name=a.model_name, max_model_len=d.max_prompt_length + d.max_response_length,
                                     api_key=a.api_key, max_new_tokens=d.max_response_length)
@@ -57,26 +57,38 @@ class AgentService:
         log.warning("agent endpoint: %s (model %r; the API key is passed to each episode)", self.base_url,
                     a.model_name)
         try:
-            self.runner = EpisodeRunner(a.entrypoint, EPISODE_PROCESSES, a.max_sessions, a.episode_timeout_s)
+            self.runner = EpisodeRunner(a.entrypoint, EPISODE_PROCESSES, -(-a.max_sessions // EPISODE_PROCESSES),
+                                        a.episode_timeout_s)
         except BaseException:
             self.server.stop()
             self.backend.close()
             raise
 
     def run(self, rows: Batch, sampling: SamplingSettings, label) -> tuple[Batch, dict]:
-        """One episode per row of ``rows`` (``label``: their session ids' prefix), sampled with ``sampling``; the
-        rows trained on and the episodes' metrics."""
-        self.endpoint.sampling = sampling
+        """One episode per row of ``rows`` (``label``: their session ids' prefix, unique among the runs going on),
+        sampled with ``sampling``; the rows trained on and the episodes' metrics. Runs may overlap (threads of a
+        pool source): their requests share the engines' batches."""
         ids = [f"{label}/{i}" for i in range(len(rows))]
-        self.backend.live = len(rows)
+        self.endpoint.run_sampling.update(dict.fromkeys(ids, sampling))
+        self.backend.started(len(rows))
         calls, requests, start = self.backend.batches, self.backend.requests, time.monotonic()
+        ended = []
 
-        def ended(running: int) -> None:
-            self.backend.live = running
+        def one_ended(running: int) -> None:
+            ended.append(running)
+            self.backend.ended()
 
-        outcomes = self.runner.run([task_of(rows, i) for i in range(len(rows))], self.base_url, self.endpoint.api_key,
-                                   ids, on_done=ended)
+        try:
+            outcomes = self.runner.run([task_of(rows, i) for i in range(len(rows))], self.base_url,
+                                       self.endpoint.api_key, ids, on_done=one_ended)
+        finally:
+            self.backend.ended(len(ids) - len(ended))  # timed out, or the runner failed
+            for i in ids:
+                self.endpoint.run_sampling.pop(i, None)
         seconds = time.monotonic() - start
+        if self.backend.error is not None:  # the engines failed under the episodes: the run's error, not theirs
+            error, self.backend.error = self.backend.error, None
+            raise error
         failed = [o.error for o in outcomes if not o.ok]
         if failed:  # one line per batch: how many, and the most common error
             kinds = sorted(set(failed), key=failed.count, reverse=True)

@@ -24,7 +24,7 @@ class AgentService:
     api_key: str = ""  # "": a random key per run
     model_name: str = "policy"  # the model /v1/models lists
     batch_window_s: float = 0.02  # how long a request waits for others to join its engine batch
-    max_sessions: int = 4096  # sessions open at once
+    max_sessions: int = 1024  # sessions (episodes) open at once; also the agent processes' threads, all told
 
     @property
     def enable(self) -> bool:

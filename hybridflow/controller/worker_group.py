@@ -183,6 +183,9 @@ class RayWorkerGroup:
         self.call_timeout_s = call_timeout_s if call_timeout_s and call_timeout_s > 0 else None
         self.build_timeout_s = build_timeout_s if build_timeout_s and build_timeout_s > 0 else None
         self._built = False
+        # a call reaches every rank in the same order whichever driver thread makes it (an agent endpoint's engine
+        # batches beside the trainer's weight pushes): ranks run their collectives in call order
+        self._order = threading.Lock()
         self._dispatch_infos: dict[str, list[dict]] = {}
         self._meshes: dict[str, str] = {}
         self._workers: list = []
@@ -319,7 +322,8 @@ class RayWorkerGroup:
         self._wait_built(method)
         dispatch_fn, collect_fn = DISPATCH_TABLE[mode]
         plan = dispatch_fn(self, method, args, kwargs)
-        refs = self._submit(method, plan.calls)
+        with self._order:
+            refs = self._submit(method, plan.calls)
         future = DispatchFuture(self, method, plan, refs, collect_fn)
         return future.get() if blocking else future
 

@@ -219,9 +219,9 @@ def check_agent(cfg, needs) -> None:
     if cfg.rollout.multi_turn.enable:
         raise ValueError("agent.entrypoint runs the agent program's own turns and tools: set "
                          "rollout.multi_turn.enable=false (rollout.multi_turn.format still names the tool-call format)")
-    if cfg.schedule.mode != "sync":
-        raise ValueError(f"agent.entrypoint: schedule.mode {cfg.schedule.mode!r} is not served to agent programs yet; "
-                         "use schedule.mode sync")
+    if cfg.schedule.mode == "colocate_async":
+        raise ValueError("agent.entrypoint: schedule.mode 'colocate_async' is not served to agent programs (its engines "
+                         "carry responses, not episodes); use sync, or separate_async to overlap episodes with training")
     if needs.greedy_baseline:
         raise ValueError("agent.entrypoint: ReMax's greedy baseline is one single-turn generation, not an episode; use "
                          "another algorithm.adv_estimator (grpo, rloo, ...)")

@@ -87,8 +87,11 @@ def role_specs(cfg, needs: Needs, total_steps: int | None, actor_layout, critic_
                       d.max_response_length, d.apply_chat_template_kwargs, r.temperature if r.temperature > 0 else 1.0,
                       generation.world if separate else 0, cfg.schedule.mode == "colocate_async",
                       cfg.schedule.max_off_policy_threshold, cfg.model.lora if cfg.model.lora.rank else None)
+    # an agent program's episodes go on across pushes by themselves (each turn is an engine call of its own): its
+    # pool generates call by call instead of serving admitted rows
+    serving = cfg.schedule.partial_rollout and not cfg.agent.enable
     rollout = (RolloutSpec(process, r, d.max_prompt_length, d.max_response_length, d.apply_chat_template_kwargs,
-                           (actor_layout.pp, actor_layout.tp, actor_layout.weight_replicas), cfg.schedule.partial_rollout,
+                           (actor_layout.pp, actor_layout.tp, actor_layout.weight_replicas), serving,
                            cfg.schedule.max_off_policy_threshold) if separate else None)
     critic = CriticSpec(process, critic_layout, cfg.critic, r.n) if needs.critic else None
     reward_model = RewardModelSpec(cfg.reward_model, cfg.model.path) if cfg.reward_model.enable else None

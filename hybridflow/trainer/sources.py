@@ -7,8 +7,8 @@ spec and rules in plan/.
   resharding engine's in-place transition.
 - ``CarriedGeneration`` (colocate_async): the same engines, stepping their requests a call at a time and carrying
   unfinished responses into the next step (partial rollouts; workers/carried_generation.py).
-- ``AgentEpisodes`` (agent.entrypoint, sync): an agent program's episodes on the hybrid engine's engines, served
-  over the OpenAI API (trainer/agent_source.py).
+- ``AgentEpisodes`` / ``AgentPool`` (agent.entrypoint; sync / separate_async): an agent program's episodes, served
+  over the OpenAI API by the hybrid engine's engines or by the rollout pool's (trainer/agent_source.py).
 - ``RolloutPool`` (separate_async): a standalone vLLM pool generating ahead of the trainer (trainer/pool_lookahead.py),
   fed by the checkpoint engine, rebuilt when one of its worker processes dies.
 """
@@ -197,9 +197,13 @@ def make_source(cfg, plan, workers: WorkerGroups, prepare: Prepare, tokenizer) -
         return cfg.data.batch_size // plan.generation.replicas
 
     if cfg.agent.enable:
-        from hybridflow.trainer.agent_source import AgentEpisodes  # imports the endpoint's web stack
-        from hybridflow.agent.service import AgentService
+        from hybridflow.agent.service import AgentService  # the endpoint's web stack, imported when served
+        from hybridflow.trainer.agent_source import AgentEpisodes, AgentPool
 
+        if sc.mode == "separate_async":
+            service = AgentService(cfg, tokenizer, lambda: workers.rollout, plan.generation.replicas)
+            return AgentPool(workers, prepare, service, plan.rollout_spec,
+                             look_ahead(sc.num_warmup_batches, sc.max_off_policy_threshold))
         service = AgentService(cfg, tokenizer, lambda: workers.actor_rollout, plan.generation.replicas)
         return AgentEpisodes(workers, prepare, service, plan.actor_spec)
     if sc.mode == "separate_async":

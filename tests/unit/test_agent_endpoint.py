@@ -30,7 +30,7 @@ class ScriptedBackend:
     def generate(self, context, sampling, stop_token_ids):
         self.contexts.append(list(context))
         ids = self.tokenizer(self.texts.pop(0), add_special_tokens=False).input_ids[:sampling.max_new_tokens]
-        return ids, [-0.5] * len(ids)
+        return ids, [-0.5] * len(ids), self.version
 
 
 @pytest.fixture(scope="module")

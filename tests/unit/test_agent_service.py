@@ -44,7 +44,7 @@ class EchoGroup:
 def test_concurrent_requests_are_one_engine_batch_with_their_own_budgets():
     group = EchoGroup()
     backend = GroupBackend(lambda: group, replicas=2, pad_id=0, window_s=5.0)
-    backend.live = 3  # the batch goes once the three running episodes wait, long before the window
+    backend.started(3)  # the batch goes once the three running episodes wait, long before the window
     results = {}
 
     def ask(name, context, budget):
@@ -56,10 +56,12 @@ def test_concurrent_requests_are_one_engine_batch_with_their_own_budgets():
             t.start()
         for t in threads:
             t.join(timeout=4)
-        assert results == {"a": ([7, 8], [-0.25] * 2), "b": ([10, 11, 12], [-0.25] * 3), "c": ([4], [-0.25])}
+        assert results == {"a": ([7, 8], [-0.25] * 2, 0), "b": ([10, 11, 12], [-0.25] * 3, 0), "c": ([4], [-0.25], 0)}
         (rows,) = group.calls
         assert len(rows) == 4  # padded to the two replicas
         assert rows.meta["stop_token_ids"] == [7] and rows.meta["max_new_tokens"] == 3
+        # a seed of each request's own: the ranks of a TP group sample alike (integration: separate_async_tp2)
+        assert len(set(rows.tensors["sample_seed"][:3].tolist())) == 3
         assert backend.requests == 3 and backend.batches == 1
     finally:
         backend.close()
@@ -79,6 +81,19 @@ def test_requests_sampled_differently_are_separate_calls_and_an_engine_error_rea
         backend.close()
     with pytest.raises(RuntimeError, match="stopped serving"):
         backend.generate([3], SamplingSettings(max_new_tokens=1), [])
+
+
+def test_a_pool_stamped_version_is_the_sample_version():
+    group = EchoGroup()
+    stamp = group.generate
+    group.generate = lambda rows: (lambda out: out.replace(tensors={
+        "token_policy_versions": torch.where(out.tensors["response_mask"].bool(), 5, -1)}))(stamp(rows))
+    backend = GroupBackend(lambda: group, replicas=1, pad_id=0, window_s=0.0)
+    backend.version = 2  # the hybrid engine's: used only where the engines do not stamp
+    try:
+        assert backend.generate([3], SamplingSettings(max_new_tokens=2), [])[2] == 5
+    finally:
+        backend.close()
 
 
 def _segment(prompt, turns) -> Segment:
