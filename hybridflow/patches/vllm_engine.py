@@ -48,6 +48,20 @@ CPU_EXPERTS_REPACK = declare(
     "the first load: reloaded experts stay in checkpoint layout under a kernel that reads the prepacked one "
     "(measured: every log-prob off, held-out accuracy 0.43 -> 0.04). Run that prepack after each reload")
 
+SEEDED_PARTIAL_PREFILL_WHY = (
+    "CPU: a seeded request (SamplingParams.seed: every training row's sample_seed) whose prompt is prefilled over "
+    "several engine steps (chunked prefill: a long prompt, or more prompt tokens waiting than "
+    "max_num_batched_tokens) draws a sample at each partial step that is discarded, and the V1 runner rewinds its "
+    "generator with Generator.set_offset (GPUModelRunner._bookkeeping_sync), which a CPU generator refuses ('CPU "
+    "Generator does not use offset'): the engine fails. On CPU the generators of those requests are saved before "
+    "sampling and restored after it, the same rewind, and the offset rewind skips them")
+SEEDED_PARTIAL_PREFILL = declare(
+    "vllm.cpu_seeded_partial_prefill", "vllm", VLLM, "vllm.v1.worker.cpu_model_runner:CPUModelRunner.sample_tokens",
+    SEEDED_PARTIAL_PREFILL_WHY)
+SEEDED_PARTIAL_PREFILL_OFFSET = declare(
+    "vllm.cpu_seeded_partial_prefill_offset", "vllm", VLLM,
+    "vllm.v1.worker.cpu_model_runner:CPUModelRunner._bookkeeping_sync", SEEDED_PARTIAL_PREFILL_WHY)
+
 ROUTES_ON_EVERY_RANK = declare(
     "vllm.aux_output_on_every_tp_rank", "vllm", VLLM, "vllm.distributed.aux_output_connector.worker:get_tp_group",
     "GPU, MoE routing replay (R3) at generation TP > 1: vLLM builds the routed-experts output plane (store and buffer) "
@@ -58,7 +72,7 @@ ROUTES_ON_EVERY_RANK = declare(
     "rank's capturer already holds every token's routes (the router runs whole on every TP rank; under sequence "
     "parallel the capture all-gathers over TP): the plane is built on every rank")
 
-_eager_installed: set[str] = set()
+_installed: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -107,12 +121,46 @@ def eager_logprob_ranks() -> None:
     _use_eager_original(EAGER_LOGPROB_RANKS)
 
 
+def rewind_seeded_partial_prefills() -> None:
+    """CPU only, once per process: a seeded request's sample discarded at a partial prefill step leaves its
+    generator as it was (``SEEDED_PARTIAL_PREFILL``), so its response does not depend on how its prompt was
+    chunked, as on GPU."""
+    if SEEDED_PARTIAL_PREFILL.name in _installed:
+        return
+    sample_tokens, bookkeeping = SEEDED_PARTIAL_PREFILL.require(), SEEDED_PARTIAL_PREFILL_OFFSET.require()
+
+    def discarded(runner) -> list[int]:  # the batch rows of seeded requests whose sample this step is discarded
+        rows = runner.discard_request_mask.np[:runner.input_batch.num_reqs].nonzero()[0]
+        return [int(i) for i in rows if int(i) in runner.input_batch.generators]
+
+    def sample_keeping_discarded(self, *args, **kwargs):
+        generators = [self.input_batch.generators[i] for i in discarded(self)]
+        states = [g.get_state() for g in generators]
+        try:
+            return sample_tokens(self, *args, **kwargs)
+        finally:
+            for g, state in zip(generators, states):
+                g.set_state(state)
+
+    def bookkeeping_without_offsets(self, *args, **kwargs):
+        generators = self.input_batch.generators
+        held = {i: generators.pop(i) for i in discarded(self)}
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(held)
+
+    SEEDED_PARTIAL_PREFILL.replace(sample_keeping_discarded)
+    SEEDED_PARTIAL_PREFILL_OFFSET.replace(bookkeeping_without_offsets)
+    _installed.add(SEEDED_PARTIAL_PREFILL.name)
+
+
 def _use_eager_original(patch) -> None:
-    if patch.name in _eager_installed:
+    if patch.name in _installed:
         return
     compiled = patch.require()
     patch.replace(compiled._torchdynamo_orig_callable)  # what torch.compile wrapped
-    _eager_installed.add(patch.name)
+    _installed.add(patch.name)
 
 
 @contextlib.contextmanager

@@ -223,6 +223,7 @@ class VLLMRollout:
             check_free_memory(engine.gpu_memory_utilization)
         else:
             vllm_engine.eager_logprob_ranks()
+            vllm_engine.rewind_seeded_partial_prefills()
         with self._building(generation_groups, routed_experts and on_gpu and tp > 1):
             self.llm = _build_llm(hf_dir, engine, max_model_len, seed,
                                   enable_prefix_caching=on_gpu or not routed_experts, **kwargs)

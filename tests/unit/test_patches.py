@@ -32,6 +32,7 @@ EXPECTED = {
     "vllm.init_model_parallel_group", "vllm.cpu_shm_group_name", "vllm.cpu_worker_set_num_threads",
     "vllm.cpu_eager_vocab_mask", "vllm.cpu_eager_logprob_ranks", "vllm.cpu_moe_repack_after_reload",
     "vllm.cpu_routed_experts_capture", "vllm.aux_output_on_every_tp_rank", "vllm.reload_warnings_once",
+    "vllm.cpu_seeded_partial_prefill", "vllm.cpu_seeded_partial_prefill_offset",
     "transformers.rope_init_functions", "ray.daemons_in_own_session", "ray.keep_callers_sigterm_handler",
     "ray.driver_without_failure_signal_handler",
 }
