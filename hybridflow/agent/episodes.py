@@ -16,6 +16,7 @@ import importlib.util
 import inspect
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,10 +98,13 @@ class EpisodeWorker:
 
 class EpisodeRunner:
     """``processes`` EpisodeWorker actors on this (the driver's) node, each running up to ``per_process`` episodes
-    at once."""
+    at once. Runs may overlap (threads of a pool source): the processes are shared, and a hung one is replaced once,
+    by the first run whose episode outlived its deadline there (its other runs' episodes on it fail and are
+    dropped)."""
 
     def __init__(self, entrypoint: str, processes: int, per_process: int, timeout_s: float):
         self.entrypoint, self.processes, self.per_process, self.timeout_s = entrypoint, processes, per_process, timeout_s
+        self._lock = threading.Lock()  # who submits to and who replaces self.workers
         self.workers = [self._start() for _ in range(processes)]
         self._wait_ready(self.workers)
 
@@ -127,8 +131,9 @@ class EpisodeRunner:
         """Every task's episode, spread over the processes; ``on_done(running)`` after each one ends."""
         import ray
 
-        refs = [self.workers[i % len(self.workers)].run.remote(task, base_url, api_key, sid)
-                for i, (task, sid) in enumerate(zip(tasks, session_ids))]
+        with self._lock:
+            on = [self.workers[i % len(self.workers)] for i in range(len(tasks))]
+            refs = [w.run.remote(task, base_url, api_key, sid) for w, task, sid in zip(on, tasks, session_ids)]
         index = {ref: i for i, ref in enumerate(refs)}
         outcomes: list[Outcome | None] = [None] * len(refs)
         pending, deadline = list(refs), time.monotonic() + self.timeout_s
@@ -140,7 +145,7 @@ class EpisodeRunner:
             if on_done is not None:
                 on_done(len(pending))
         if pending:
-            self._replace_hung({index[r] % len(self.workers) for r in pending})
+            self._replace_hung([on[index[r]] for r in pending])
         return [o or Outcome(error="timeout", seconds=self.timeout_s) for o in outcomes]
 
     @staticmethod
@@ -152,19 +157,25 @@ class EpisodeRunner:
         except ray.exceptions.RayError as e:  # the worker process died under the episode
             return Outcome(error=f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}")
 
-    def _replace_hung(self, slots: set[int]) -> None:
+    def _replace_hung(self, hung: list) -> None:
+        """Replace the processes in ``hung`` still serving (another run may have replaced them already)."""
         import ray
 
-        log.warning("%d agent process(es) held episodes past agent.episode_timeout_s=%s: replaced", len(slots),
-                    self.timeout_s)
-        for i in slots:
-            ray.kill(self.workers[i], no_restart=True)
-            self.workers[i] = self._start()
-        self._wait_ready([self.workers[i] for i in slots])
+        with self._lock:  # handles compare by actor id
+            slots = [i for i, w in enumerate(self.workers) if w in hung]
+            if not slots:
+                return
+            log.warning("%d agent process(es) held episodes past agent.episode_timeout_s=%s: replaced", len(slots),
+                        self.timeout_s)
+            for i in slots:
+                ray.kill(self.workers[i], no_restart=True)
+                self.workers[i] = self._start()
+            self._wait_ready([self.workers[i] for i in slots])
 
     def close(self) -> None:
         import ray
 
-        for w in self.workers:
-            ray.kill(w, no_restart=True)
-        self.workers = []
+        with self._lock:
+            for w in self.workers:
+                ray.kill(w, no_restart=True)
+            self.workers = []
