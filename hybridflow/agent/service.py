@@ -72,17 +72,18 @@ class AgentService:
         self.endpoint.run_sampling.update(dict.fromkeys(ids, sampling))
         self.backend.started(len(rows))
         calls, requests, start = self.backend.batches, self.backend.requests, time.monotonic()
-        ended = []
+        ended = 0
 
-        def one_ended(running: int) -> None:
-            ended.append(running)
+        def one_ended(_running: int) -> None:
+            nonlocal ended
+            ended += 1
             self.backend.ended()
 
         try:
             outcomes = self.runner.run([task_of(rows, i) for i in range(len(rows))], self.base_url,
                                        self.endpoint.api_key, ids, on_done=one_ended)
         finally:
-            self.backend.ended(len(ids) - len(ended))  # timed out, or the runner failed
+            self.backend.ended(len(ids) - ended)  # timed out, or the runner failed
             for i in ids:
                 self.endpoint.run_sampling.pop(i, None)
         seconds = time.monotonic() - start

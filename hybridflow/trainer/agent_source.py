@@ -18,34 +18,37 @@ from concurrent.futures import ThreadPoolExecutor
 from hybridflow.agent.service import AgentService
 from hybridflow.protocol import Batch
 from hybridflow.trainer.placement import WorkerGroups
-from hybridflow.trainer.pool_lookahead import PoolLookahead, push_weights
+from hybridflow.trainer.pool_lookahead import PoolLookahead, look_ahead, push_weights
+from hybridflow.trainer.sources import HybridEngine
 from hybridflow.workers.generation import sampling_settings
 
 
-class AgentEpisodes:
-    off_policy = False
+def agent_source(cfg, plan, workers: WorkerGroups, prepare, tokenizer):
+    """The agent program's source for ``schedule.mode``: its episodes served by the rollout pool (separate_async)
+    or by the hybrid engine (sync; the run plan refuses colocate_async with an agent)."""
+    sc = cfg.schedule
+    if sc.mode == "separate_async":
+        service = AgentService(cfg, tokenizer, lambda: workers.rollout, plan.generation.replicas)
+        return AgentPool(workers, prepare, service, plan.rollout_spec,
+                         look_ahead(sc.num_warmup_batches, sc.max_off_policy_threshold))
+    service = AgentService(cfg, tokenizer, lambda: workers.actor_rollout, plan.generation.replicas)
+    return AgentEpisodes(workers, prepare, service, plan.actor_spec)
+
+
+class AgentEpisodes(HybridEngine):
+    """The hybrid engine's push and generator; its samples are the agent program's episodes."""
 
     def __init__(self, workers: WorkerGroups, prepare, service: AgentService, spec):
         """``spec``: the generating workers' spec (its rollout section and response length: the sampling)."""
-        self.actor_rollout, self.prepare, self.service, self.spec = workers.actor_rollout, prepare, service, spec
-        self.version = 0
-
-    @property
-    def generator(self):
-        return self.actor_rollout
+        super().__init__(workers, prepare)
+        self.service, self.spec = service, spec
 
     def take(self, prompts: Batch, label, stream) -> tuple[Batch, dict]:
         return self.service.run(self.prepare(prompts, label), sampling_settings(self.spec, {}), label)
 
     def push(self, version: int) -> dict:
-        self.version = self.service.backend.version = version
-        return self.actor_rollout.sync_weights(version)[0]
-
-    def in_flight(self) -> int:
-        return 0
-
-    def drop_in_flight(self) -> int:
-        return 0
+        self.service.backend.version = version  # the hybrid engine's vLLM stamps no version on its tokens
+        return super().push(version)
 
     def validation(self, prompts: Batch) -> Batch:
         """The validation prompts' episodes, sampled with rollout.val_kwargs (``prompts.meta``)."""

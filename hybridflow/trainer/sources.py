@@ -197,15 +197,9 @@ def make_source(cfg, plan, workers: WorkerGroups, prepare: Prepare, tokenizer) -
         return cfg.data.batch_size // plan.generation.replicas
 
     if cfg.agent.enable:
-        from hybridflow.agent.service import AgentService  # the endpoint's web stack, imported when served
-        from hybridflow.trainer.agent_source import AgentEpisodes, AgentPool
+        from hybridflow.trainer.agent_source import agent_source  # the endpoint's web stack, imported when served
 
-        if sc.mode == "separate_async":
-            service = AgentService(cfg, tokenizer, lambda: workers.rollout, plan.generation.replicas)
-            return AgentPool(workers, prepare, service, plan.rollout_spec,
-                             look_ahead(sc.num_warmup_batches, sc.max_off_policy_threshold))
-        service = AgentService(cfg, tokenizer, lambda: workers.actor_rollout, plan.generation.replicas)
-        return AgentEpisodes(workers, prepare, service, plan.actor_spec)
+        return agent_source(cfg, plan, workers, prepare, tokenizer)
     if sc.mode == "separate_async":
         return RolloutPool(workers, prepare, groups_per_replica, look_ahead(sc.num_warmup_batches,
                            sc.max_off_policy_threshold), serving=plan.rollout_spec.partial_rollout)
