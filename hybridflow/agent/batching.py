@@ -5,8 +5,9 @@ Every rank of a generation replica must make the same engine calls, and each cal
 ``generate`` splits its rows over the replicas, so requests are not sent one by one: the requests that arrive
 together (all the episodes waiting, or those within ``window_s`` of the first) go as one batch, each row with its
 own token budget and stop tokens, and each request gets its row back. One batch runs at a time; the next
-gathers while it runs. Each request is sampled with a seed of its own (the run's seed and the request's number):
-the ranks of a vLLM TP group sample alike whatever else drew from their generators.
+gathers while it runs. Each request is sampled with a seed of its own (the run's seed, its session and its number
+there): the ranks of a vLLM TP group sample alike whatever else drew from their generators, and an episode samples
+alike whatever ran beside it.
 """
 
 from __future__ import annotations
@@ -90,12 +91,12 @@ class GroupBackend:
         self._thread = threading.Thread(target=self._serve, name="hybridflow-endpoint-batches", daemon=True)
         self._thread.start()
 
-    def generate(self, context, sampling, stop_token_ids):
+    def generate(self, context, sampling, stop_token_ids, key):
+        seed = zlib.crc32(f"{self.seed}/endpoint/{key}".encode()) & 0x7FFFFFFF
         with self._ready:
             if self._closed:
                 raise RuntimeError("the rollout engines stopped serving")
             self.requests += 1
-            seed = zlib.crc32(f"{self.seed}/endpoint/{self.requests}".encode()) & 0x7FFFFFFF
             request = _Request(list(context), sampling, tuple(stop_token_ids), seed)
             self._pending.append(request)
             self._ready.notify_all()

@@ -33,9 +33,11 @@ log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-    def generate(self, context: list[int], sampling: SamplingSettings, stop_token_ids: list[int]
+    def generate(self, context: list[int], sampling: SamplingSettings, stop_token_ids: list[int], key: str
                  ) -> tuple[list[int], list[float], int]:
-        """The sampled ids, their log-probs and the policy version of the weights that sampled them."""
+        """The sampled ids, their log-probs and the policy version of the weights that sampled them; ``key``
+        (the session id and the request's number in it) names the request's own sampling seed where the backend
+        seeds requests."""
 
 
 class RolloutBackend:
@@ -49,7 +51,7 @@ class RolloutBackend:
         self.rollout, self.version, self._lock = rollout, version, threading.Lock()
         self._threads = torch.get_num_threads()
 
-    def generate(self, context, sampling, stop_token_ids):
+    def generate(self, context, sampling, stop_token_ids, key):  # the engine's seeded stream: no seed per request
         import torch
 
         if torch.get_num_threads() != self._threads:
@@ -58,6 +60,12 @@ class RolloutBackend:
             ((ids, log_probs),) = self.rollout.generate_with_log_probs([context], sampling, log_probs=True,
                                                                       stop_token_ids=stop_token_ids)
         return list(ids), list(log_probs), self.version
+
+
+def _seed_key(session_id: str, turn) -> str:
+    """A request's seed key: its session and its number there, so that an episode samples alike however the
+    episodes running beside it interleave their requests."""
+    return f"{session_id}/{turn.session.requests}"
 
 
 @dataclass
@@ -117,7 +125,8 @@ class Endpoint:
             turn = self._begin(self.sessions.begin, session_id, request.messages, tools)
             context = turn.context
             sampling = self._sampling(request, len(context), session_id)
-            ids, log_probs, version = self.backend.generate(context, sampling, self.chat.stop_token_ids)
+            ids, log_probs, version = self.backend.generate(context, sampling, self.chat.stop_token_ids,
+                                                            _seed_key(session_id, turn))
             message, finish = self._reply(ids, sampling.max_new_tokens)
             self.sessions.record(turn, ids, log_probs, version, message)
         return self._chat_response(message, finish, len(context), len(ids))
@@ -137,7 +146,7 @@ class Endpoint:
             turn = self._begin(self.sessions.begin_tokens, session_id, ids)
             context = turn.context
             sampling = self._sampling(request, len(context), session_id)
-            ids, log_probs, version = self.backend.generate(context, sampling, [])
+            ids, log_probs, version = self.backend.generate(context, sampling, [], _seed_key(session_id, turn))
             self.sessions.record(turn, ids, log_probs, version)
         text = self.chat.tokenizer.decode(ids, skip_special_tokens=True)
         finish = "length" if len(ids) >= sampling.max_new_tokens else "stop"

@@ -42,6 +42,7 @@ class Segment:
 class Session:
     segments: list[Segment] = field(default_factory=list)
     rewrites: int = 0  # requests that did not extend the conversation: each began a segment of its own
+    requests: int = 0  # requests served (the next one's number: its sampling seed's key)
     reward: float | None = None
 
 
@@ -152,6 +153,7 @@ class SessionStore:
         turn.segment.extend(turn.added)
         turn.segment.extend(list(ids), list(log_probs), version)
         turn.segment.messages = turn.messages + [_normal(reply)] if reply is not None else []
+        turn.session.requests += 1
 
     def pop(self, session_id: str) -> Session | None:
         """The session, closed (None: it made no request)."""

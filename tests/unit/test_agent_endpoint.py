@@ -26,9 +26,11 @@ class ScriptedBackend:
 
     def __init__(self, tokenizer, texts: list[str]):
         self.tokenizer, self.texts, self.contexts, self.version = tokenizer, list(texts), [], 3
+        self.keys = []
 
-    def generate(self, context, sampling, stop_token_ids):
+    def generate(self, context, sampling, stop_token_ids, key):
         self.contexts.append(list(context))
+        self.keys.append(key)
         ids = self.tokenizer(self.texts.pop(0), add_special_tokens=False).input_ids[:sampling.max_new_tokens]
         return ids, [-0.5] * len(ids), self.version
 
@@ -88,6 +90,7 @@ def test_a_tool_episode_continues_token_for_token(served, tokenizer):
     assert segment.ids == backend.contexts[1] + sampled_second
     assert sum(segment.sampled) == len(sampled_first) + len(sampled_second) and set(segment.versions) == {-1, 3}
     assert [lp for lp, s in zip(segment.log_probs, segment.sampled) if s] == [-0.5] * sum(segment.sampled)
+    assert backend.keys == ["e1/0", "e1/1"]  # each request's seed: its session and its number there
 
 
 def test_a_rewritten_history_is_a_segment_of_its_own(served):
@@ -163,3 +166,4 @@ def test_the_example_agent_runs_its_tool_and_its_episode_is_recorded(served, tok
     tool_turn = ChatFormat(tokenizer).message_ids([{"role": "tool", "content": "408"}])  # the real calculator's
     assert backend.contexts[1] == backend.contexts[0] + tokenizer(CALL, add_special_tokens=False).input_ids + tool_turn
     assert agent.run_episode({"question": "12*34=", "answer": 409}, url, endpoint.api_key, "episode-2") == 0.0
+

@@ -48,7 +48,8 @@ def test_concurrent_requests_are_one_engine_batch_with_their_own_budgets():
     results = {}
 
     def ask(name, context, budget):
-        results[name] = backend.generate(context, SamplingSettings(temperature=1.0, max_new_tokens=budget), [7])
+        results[name] = backend.generate(context, SamplingSettings(temperature=1.0, max_new_tokens=budget), [7],
+                                         f"{name}/0")
 
     threads = [threading.Thread(target=ask, args=a) for a in (("a", [5, 6], 2), ("b", [9], 3), ("c", [1, 2, 3], 1))]
     try:
@@ -71,16 +72,16 @@ def test_requests_sampled_differently_are_separate_calls_and_an_engine_error_rea
     group = EchoGroup()
     backend = GroupBackend(lambda: group, replicas=1, pad_id=0, window_s=0.0)
     try:
-        assert backend.generate([3], SamplingSettings(temperature=0.0, max_new_tokens=1), [])[0] == [4]
-        assert backend.generate([3], SamplingSettings(temperature=1.0, max_new_tokens=1), [])[0] == [4]
+        assert backend.generate([3], SamplingSettings(temperature=0.0, max_new_tokens=1), [], "s/0")[0] == [4]
+        assert backend.generate([3], SamplingSettings(temperature=1.0, max_new_tokens=1), [], "s/0")[0] == [4]
         assert [c.meta["temperature"] for c in group.calls] == [0.0, 1.0]
         group.generate = lambda rows: (_ for _ in ()).throw(RuntimeError("engine down"))
         with pytest.raises(RuntimeError, match="engine down"):
-            backend.generate([3], SamplingSettings(max_new_tokens=1), [])
+            backend.generate([3], SamplingSettings(max_new_tokens=1), [], "s/0")
     finally:
         backend.close()
     with pytest.raises(RuntimeError, match="stopped serving"):
-        backend.generate([3], SamplingSettings(max_new_tokens=1), [])
+        backend.generate([3], SamplingSettings(max_new_tokens=1), [], "s/0")
 
 
 def test_a_pool_stamped_version_is_the_sample_version():
@@ -91,7 +92,7 @@ def test_a_pool_stamped_version_is_the_sample_version():
     backend = GroupBackend(lambda: group, replicas=1, pad_id=0, window_s=0.0)
     backend.version = 2  # the hybrid engine's: used only where the engines do not stamp
     try:
-        assert backend.generate([3], SamplingSettings(max_new_tokens=2), [])[2] == 5
+        assert backend.generate([3], SamplingSettings(max_new_tokens=2), [], "s/0")[2] == 5
     finally:
         backend.close()
 
