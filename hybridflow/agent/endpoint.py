@@ -257,12 +257,14 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def http_app(endpoint: Endpoint):
-    """``endpoint`` as a FastAPI app; the engine work runs in the server's thread pool."""
+    """``endpoint`` as a FastAPI app; the engine work runs on threads, one per open session at most (starlette's
+    run_in_threadpool shares anyio's default 40: no engine batch would hold more than 40 requests)."""
+    import anyio
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
-    from starlette.concurrency import run_in_threadpool
 
     api = FastAPI(title="hybridflow policy", docs_url=None, redoc_url=None, openapi_url=None)
+    threads = anyio.CapacityLimiter(endpoint.sessions.max_sessions + 8)  # + /v1/models, /rl/reward
 
     async def answer(request: Request, handle) -> JSONResponse:
         try:
@@ -272,7 +274,8 @@ def http_app(endpoint: Endpoint):
                 raise RequestError(413, f"the request body is {size} bytes; at most "
                                         f"{endpoint.settings.max_request_bytes}")
             raw = await request.body()
-            return JSONResponse(await run_in_threadpool(handle, raw, request.headers.get("x-session-id")))
+            return JSONResponse(await anyio.to_thread.run_sync(handle, raw, request.headers.get("x-session-id"),
+                                                               limiter=threads))
         except RequestError as e:
             return JSONResponse({"error": {"message": str(e), "type": e.kind, "code": e.status}}, status_code=e.status)
         except Exception as e:  # noqa: BLE001 - the engine's failure, answered in one line; the server goes on

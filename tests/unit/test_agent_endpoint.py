@@ -167,3 +167,30 @@ def test_the_example_agent_runs_its_tool_and_its_episode_is_recorded(served, tok
     assert backend.contexts[1] == backend.contexts[0] + tokenizer(CALL, add_special_tokens=False).input_ids + tool_turn
     assert agent.run_episode({"question": "12*34=", "answer": 409}, url, endpoint.api_key, "episode-2") == 0.0
 
+
+def test_more_requests_than_anyio_threads_reach_the_backend_at_once(tokenizer):
+    """Every open session's request can wait in one engine batch: 48 at once, beyond anyio's default 40 threads."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    n = 48
+    together = threading.Barrier(n, timeout=30)
+
+    class Together:
+        def generate(self, context, sampling, stop_token_ids, key):
+            together.wait()  # answered only once all n wait
+            return [5], [-0.1], 0
+
+    endpoint = Endpoint(Together(), SessionStore(ChatFormat(tokenizer), max_sessions=n), get_parser("hermes", tokenizer),
+                        EndpointSettings("policy", max_model_len=256))
+    server = Server(endpoint)
+    client = openai.OpenAI(base_url=server.start(), api_key=endpoint.api_key, max_retries=0)
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            answers = list(pool.map(lambda i: client.completions.create(
+                model="policy", prompt=[3, 4], max_tokens=1, extra_body={"session_id": f"s{i}"}), range(n)))
+        assert len(answers) == n and not together.broken
+    finally:
+        server.stop()
