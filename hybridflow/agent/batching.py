@@ -84,7 +84,7 @@ class GroupBackend:
         self.version = 0  # the policy version of the engines' weights where the engines do not stamp it (hybrid engine)
         self._live = 0
         self.batches = self.requests = 0  # engine calls made and requests served (metrics: requests per call)
-        self.error: BaseException | None = None  # the first engine failure (its requests got it too)
+        self.error: BaseException | None = None  # the first engine failure (its requests got it too; kept)
         self._pending: list[_Request] = []
         self._ready = threading.Condition()
         self._closed = False

@@ -71,6 +71,17 @@ class Outcome:
         return self.error is None
 
 
+def _one_line(error: BaseException) -> str:
+    """``Type: first line``, and the root cause's where it wraps one (a client's "Connection error." says little)."""
+    def line(e: BaseException) -> str:
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+
+    root = error
+    for _ in range(16):  # a chain can loop
+        root = root.__cause__ or root.__context__ or root
+    return line(error) if root is error else f"{line(error)} ({line(root)})"
+
+
 class EpisodeWorker:
     """One process's episodes, each on a thread of its own (a Ray actor with ``max_concurrency``)."""
 
@@ -85,8 +96,7 @@ class EpisodeWorker:
         try:
             reward = self.fn(task, base_url, api_key, session_id)
         except Exception as e:  # noqa: BLE001 - the program's failure drops its episode, not the run
-            first = (str(e).splitlines() or [""])[0][:200]
-            return Outcome(error=f"{type(e).__name__}: {first}", seconds=time.monotonic() - start)
+            return Outcome(error=_one_line(e), seconds=time.monotonic() - start)
         if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
             return Outcome(error=f"returned {type(reward).__name__}, not a number or None",
                            seconds=time.monotonic() - start)

@@ -88,8 +88,7 @@ class AgentService:
                 self.endpoint.run_sampling.pop(i, None)
         seconds = time.monotonic() - start
         if self.backend.error is not None:  # the engines failed under the episodes: the run's error, not theirs
-            error, self.backend.error = self.backend.error, None
-            raise error
+            raise self.backend.error  # every run going on ends with it (kept: the engines are gone)
         failed = [o.error for o in outcomes if not o.ok]
         if failed:  # one line per batch: how many, and the most common error
             kinds = sorted(set(failed), key=failed.count, reverse=True)

@@ -172,11 +172,16 @@ def test_an_episode_that_raises_or_returns_a_non_number_is_an_error_outcome(tmp_
     (tmp_path / "agents.py").write_text(
         "def boom(task, base_url, api_key, session_id):\n    raise KeyError('answer')\n"
         "def word(task, base_url, api_key, session_id):\n    return 'yes'\n"
-        "def fine(task, base_url, api_key, session_id):\n    return task['x']\n")
+        "def fine(task, base_url, api_key, session_id):\n    return task['x']\n"
+        "def wrapped(task, base_url, api_key, session_id):\n"
+        "    try:\n        raise TimeoutError('connect timed out')\n"
+        "    except TimeoutError as e:\n        raise RuntimeError('Connection error.') from e\n")
     run = lambda name, task: EpisodeWorker(f"{tmp_path}/agents.py:{name}").run(task, "u", "k", "s")  # noqa: E731
     assert run("boom", {}).error == "KeyError: 'answer'"
     assert "not a number" in run("word", {}).error
     assert run("fine", {"x": 2}).reward == 2.0 and run("fine", {"x": None}).reward is None
+    # a client's error that wraps its cause says it
+    assert run("wrapped", {}).error == "RuntimeError: Connection error. (TimeoutError: connect timed out)"
 
 
 @pytest.mark.parametrize("overrides,message", [
