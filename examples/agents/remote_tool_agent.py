@@ -54,11 +54,15 @@ class _ToolHandler(BaseHTTPRequestHandler):
         pass
 
 
+class _ToolServer(ThreadingHTTPServer):
+    request_queue_size = 1024  # socketserver's listen backlog is 5: hundreds of episodes call at once
+
+
 def tool_server_url() -> str:
     global _server
     with _started:
         if _server is None:
-            _server = ThreadingHTTPServer(("127.0.0.1", 0), _ToolHandler)
+            _server = _ToolServer(("127.0.0.1", 0), _ToolHandler)
             _server.daemon_threads = True
             threading.Thread(target=_server.serve_forever, daemon=True).start()
     return f"http://127.0.0.1:{_server.server_address[1]}/"
