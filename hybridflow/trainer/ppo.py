@@ -22,7 +22,7 @@ from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, a
                                           response_lengths, rollout_metrics, sample_seeds, score_responses)
 from hybridflow.trainer.metrics import Timer
 from hybridflow.trainer.placement import WorkerGroups
-from hybridflow.trainer.sources import make_source
+from hybridflow.trainer.source_choice import make_source
 from hybridflow.util import mean_by_key
 
 
@@ -51,7 +51,7 @@ class PPODriver:
         # how many data-parallel shards a training batch and a generation batch split into
         self.train_dp, self.generation_dp = plan.actor.dp, plan.generation.replicas
         self.actor_rollout, self.critic, self.reward_model = workers.actor_rollout, workers.critic, workers.reward_model
-        self.source = make_source(cfg, plan, workers, self.prepare, tokenizer)  # where the samples come from (sources.py)
+        self.source = make_source(cfg, plan, workers, self.prepare, tokenizer)  # where the samples come from (source_choice.py)
         self.train_data, self.val_data = train_data, val_data
         self.train_scorer = training_scorer(cfg)  # training reward and validation accuracy
         # dynamic sampling's own prompt stream, for a caller of step() that passes none (the Trainer passes its

@@ -1,6 +1,6 @@
 """Where a step's samples come from, one class per ``schedule.mode``, behind one small interface (``SampleSource``):
 the driver asks for a step's batch (``take``), hands over the new weights (``push``) and asks what is in flight, and
-names no mode. Chosen once from the run plan (``make_source``); a new placement is a new class here plus its pool,
+names no mode. Chosen once from the run plan (trainer/source_choice.py ``make_source``); a new placement is a new class here plus its pool,
 spec and rules in plan/.
 
 - ``HybridEngine`` (sync): the actor's colocated vLLM engines generate the step's prompts; the push is the 3D
@@ -21,7 +21,7 @@ from typing import Protocol
 
 from hybridflow.controller import WorkerGroupError
 from hybridflow.protocol import Batch
-from hybridflow.trainer.pool_lookahead import MAX_RECOVERIES, PoolLookahead, look_ahead, push_weights
+from hybridflow.trainer.pool_lookahead import MAX_RECOVERIES, PoolLookahead, push_weights
 from hybridflow.trainer.placement import WorkerGroups
 
 log = logging.getLogger(__name__)
@@ -186,23 +186,3 @@ class RolloutPool:
 
     def close(self) -> None:
         pass
-
-
-def make_source(cfg, plan, workers: WorkerGroups, prepare: Prepare, tokenizer) -> SampleSource:
-    """The sample source of ``schedule.mode`` (with ``agent.entrypoint``: the agent program's episodes); ``prepare``
-    makes a step's rows from its prompts."""
-    sc = cfg.schedule
-
-    def groups_per_replica() -> int:  # one batch's worth of complete groups from each generation replica
-        return cfg.data.batch_size // plan.generation.replicas
-
-    if cfg.agent.enable:
-        from hybridflow.trainer.agent_source import agent_source  # the endpoint's web stack, imported when served
-
-        return agent_source(cfg, plan, workers, prepare, tokenizer)
-    if sc.mode == "separate_async":
-        return RolloutPool(workers, prepare, groups_per_replica, look_ahead(sc.num_warmup_batches,
-                           sc.max_off_policy_threshold), serving=plan.rollout_spec.partial_rollout)
-    if sc.mode == "colocate_async":
-        return CarriedGeneration(workers, prepare, groups_per_replica, int(sc.num_warmup_batches))
-    return HybridEngine(workers, prepare)
