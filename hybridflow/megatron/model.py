@@ -21,14 +21,34 @@ def check_architecture(hf_config) -> None:
     archs = getattr(hf_config, "architectures", None) or []
     if archs and archs[0] not in SUPPORTED_ARCHS:
         raise ValueError(f"model architecture {archs[0]} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
-    # Mistral v0.1's sliding window attention (and Qwen's use_sliding_window) is not megatron's causal attention.
-    window = getattr(hf_config, "sliding_window", None)
-    uses_window = getattr(hf_config, "use_sliding_window", families.of(hf_config).sliding_window_by_default)
-    if uses_window and window and window < hf_config.max_position_embeddings:
-        raise ValueError(f"sliding_window {window} (< max_position_embeddings {hf_config.max_position_embeddings}) "
-                         "is not supported: megatron's attention here is full causal")
+    windowed = windowed_layers(hf_config)
+    if any(windowed) and not all(windowed):
+        raise ValueError(f"sliding_window {hf_config.sliding_window} on some layers only (layer_types) is not supported "
+                         "(vLLM's Qwen2 refuses it too): every layer or none")
     if is_moe(hf_config) and getattr(hf_config, "num_experts_per_tok", 0) > hf_config.num_experts:
         raise ValueError(f"num_experts_per_tok {hf_config.num_experts_per_tok} > num_experts {hf_config.num_experts}")
+
+
+def windowed_layers(hf_config) -> list[bool]:
+    """Which decoder layers attend within HF's ``sliding_window`` (the key at most ``sliding_window - 1`` positions
+    before the query): those ``layer_types`` names sliding, or every layer where the config has none (Mistral,
+    whose config.json's window is on unless absent or null; Qwen2/3 with ``use_sliding_window``, transformers
+    then also setting layer_types from ``max_window_layers``). None where the window is no shorter than
+    max_position_embeddings (it changes nothing)."""
+    window = getattr(hf_config, "sliding_window", None)
+    uses = getattr(hf_config, "use_sliding_window", families.of(hf_config).sliding_window_by_default)
+    n = hf_config.num_hidden_layers
+    if not (uses and window and window < hf_config.max_position_embeddings):
+        return [False] * n
+    types = getattr(hf_config, "layer_types", None)
+    return [t == "sliding_attention" for t in types] if types else [True] * n
+
+
+def _window_fields(hf_config) -> dict:
+    """megatron's window (``window_size`` = keys before, after the query) for a config whose layers all slide."""
+    if not any(windowed_layers(hf_config)):
+        return {}
+    return dict(window_size=(hf_config.sliding_window - 1, 0), window_attn_skip_freq=None)
 
 
 def moe_layer_pattern_of(tf_config) -> list[int]:
@@ -227,6 +247,9 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
     extra = check_transformer_overrides(overrides or {}, key)
     check_architecture(hf_config)
     check_rope_supported(hf_config)
+    if cp > 1 and any(windowed_layers(hf_config)):
+        raise ValueError(f"megatron.context_parallel_size={cp}: a model with a sliding window "
+                         f"({hf_config.sliding_window}) runs without context parallelism here")
     on_gpu = device.has_gpu()
     base = dict(
         **_architecture_fields(hf_config),
@@ -278,6 +301,7 @@ def _architecture_fields(hf_config) -> dict:
         attention_dropout=0.0,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         qk_layernorm=qk_layernorm(hf_config),
+        **_window_fields(hf_config),
         **_moe_fields(hf_config),
     )
 
@@ -319,6 +343,8 @@ def layer_spec(config):
         megatron_core.torch_grouped_gemm()
     if config.sequence_parallel:
         megatron_layers.allow_sequence_parallel_torch_norm()
+    if config.window_size is not None:
+        megatron_layers.window_within_rows()
     # The local spec's RMSNorm layer norms are WrappedTorchNorm with or without Apex
     # (backends.LocalSpecProvider.layer_norm(rms_norm=True)).
     spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe)

@@ -245,7 +245,7 @@ class MegatronRole:
                 self.routing.before_forward(mb)
             packed = mb.get("packed_mask")  # shared-prompt or token-budget rows on CPU (row_layout)
             bare = model.module if hasattr(model, "module") else model  # under DDP
-            with megatron_layers.rope_at_positions(bare, mb["position_ids"]) if packed is not None else contextlib.nullcontext():
+            with _at_positions(bare, mb["position_ids"]) if packed is not None else contextlib.nullcontext():
                 out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=packed,
                             **_packed_sequences(mb))
             if self.routing is not None:
@@ -341,6 +341,13 @@ class MegatronRole:
     def hf_state_dict(self) -> dict:
         """The full HF state dict on global rank 0 (empty elsewhere); all ranks must call it together."""
         return dict(self.iter_hf_weights())
+
+
+@contextlib.contextmanager
+def _at_positions(model, position_ids):
+    """A CPU packed micro-batch's forward: rotary embeddings and sliding windows at the rows' own positions."""
+    with megatron_layers.rope_at_positions(model, position_ids), megatron_layers.attention_positions(position_ids):
+        yield
 
 
 def _packed_sequences(mb: dict) -> dict:

@@ -15,10 +15,11 @@ def build_tiny(out_dir: str | Path, tokenizer, arch: str, *, hidden_size: int = 
                num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None, intermediate_size: int = 128,
                num_experts: int = 8, top_k: int = 2, moe_intermediate_size: int = 64,
                max_position_embeddings: int = 64, vocab_multiple: int = 16, seed: int = 0,
-               tie_word_embeddings: bool = False, norm_noise: float = 0.1):
+               tie_word_embeddings: bool = False, norm_noise: float = 0.1, sliding_window: int | None = None):
     """Write config + safetensors weights of a random-init ``arch`` model; returns the model. Qwen3 (-MoE) get
     an explicit ``head_dim`` different from hidden/heads when none is given (as Qwen3's own configs), and
-    every norm weight gets ``norm_noise`` so that a swapped or missing norm changes the logits."""
+    every norm weight gets ``norm_noise`` so that a swapped or missing norm changes the logits. ``sliding_window``:
+    Mistral's, on every layer (None: full attention)."""
     import torch
     import transformers
 
@@ -31,7 +32,7 @@ def build_tiny(out_dir: str | Path, tokenizer, arch: str, *, hidden_size: int = 
     if arch == "qwen3":
         config, cls = transformers.Qwen3Config(head_dim=head_dim or 2 * hidden_size // num_heads, **common), "Qwen3ForCausalLM"
     elif arch == "mistral":
-        config, cls = transformers.MistralConfig(sliding_window=None, **common), "MistralForCausalLM"
+        config, cls = transformers.MistralConfig(sliding_window=sliding_window, **common), "MistralForCausalLM"
     elif arch == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(head_dim=head_dim or 2 * hidden_size // num_heads, norm_topk_prob=True,
                                              **moe, **common)

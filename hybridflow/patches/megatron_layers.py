@@ -1,6 +1,6 @@
 """megatron-core's layers where the local spec (no Transformer Engine) or HF's models need more than it gives: a
-sequence-parallel torch norm, HF's scaled-RoPE frequencies, rotary positions for packed rows, and context-parallel
-attention (``gathered_kv_attention``). On every device."""
+sequence-parallel torch norm, HF's scaled-RoPE frequencies, rotary positions for packed rows, sliding windows that
+keep the packed rows' mask, and context-parallel attention (``gathered_kv_attention``). On every device."""
 
 from __future__ import annotations
 
@@ -34,9 +34,19 @@ LOCAL_ATTENTION = declare(
     "context parallelism without Transformer Engine: megatron's local attention asserts context_parallel_size == 1 "
     "in __init__; a subclass built as CP 1 gathers K/V over the CP group and relies on forward taking sk != sq "
     "with an explicit [b, 1, sq, sk] mask")
+WINDOW_WITHIN_ROWS = declare(
+    "megatron.sliding_window_within_rows", "megatron-core", MCORE,
+    "megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward_torch_softmax",
+    "the local attention's windowed softmax replaces the mask it is given with an index-space window "
+    "(get_sliding_window_causal_mask, on a 'cuda' device): packed rows (shared prompts, token budgets) would "
+    "attend across rows, and a shared prompt's responses sit apart from it in index space. The window is built "
+    "from the tokens' positions and combined with the mask given. On GPU, TE's attention gets window_size "
+    "(extensions/transformer_engine.py TEDotProductAttention) and windows each packed sequence (cu_seqlens) itself")
 
 _lock = threading.Lock()
 _sp_norm_patched = False
+_window_patched = False
+_positions = threading.local()  # the [b, s] positions of the rows the forward running on this thread attends over
 
 
 def allow_sequence_parallel_torch_norm() -> None:
@@ -90,6 +100,56 @@ def rope_at_positions(model, position_ids):
         yield
     finally:
         del rope.forward
+
+
+def window_within_rows() -> None:
+    """Sliding-window layers of the local spec attend within ``window_size`` of each token's position and within
+    the mask they are given (``WINDOW_WITHIN_ROWS``); positions are the index unless ``attention_positions``
+    names them. Installed once per process, by a model with a window."""
+    global _window_patched
+    with _lock:
+        if _window_patched:
+            return
+        original = WINDOW_WITHIN_ROWS.require()
+
+        def forward_torch_softmax(self, input, mask, softmax_offset=None):
+            if self.window_size is None:
+                return original(self, input, mask, softmax_offset)
+            window = _outside_window(input.shape[2], input.shape[3], self.window_size, input.device)
+            size, self.window_size = self.window_size, None  # the original then applies the mask as given
+            try:
+                return original(self, input, window if mask is None else mask | window, softmax_offset)
+            finally:
+                self.window_size = size
+
+        WINDOW_WITHIN_ROWS.replace(forward_torch_softmax)
+        _window_patched = True
+
+
+def _outside_window(sq: int, sk: int, window_size: tuple[int, int], device):
+    """[b or 1, 1, sq, sk], True where a key is outside the query's window (megatron's convention: left tokens
+    before, right after, by position)."""
+    import torch
+
+    positions = getattr(_positions, "ids", None)
+    if positions is None:
+        if sq != sk:
+            raise ValueError(f"a sliding window over {sq} queries and {sk} keys needs their positions")
+        positions = torch.arange(sk, device=device)[None]
+    positions = positions.to(device)
+    ahead = positions[:, None, :] - positions[:, :, None]  # key position - query position
+    left, right = window_size
+    return ((ahead < -left) | (ahead > right))[:, None]
+
+
+@contextlib.contextmanager
+def attention_positions(position_ids):
+    """Sliding windows of the forwards run inside measure distances by ``position_ids`` [b, s] (packed rows)."""
+    _positions.ids = position_ids
+    try:
+        yield
+    finally:
+        _positions.ids = None
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """Qwen3, Qwen3-MoE and Qwen2-MoE as megatron-core models at every (TP, PP, EP) layout that 4 gloo
-processes allow: log-probs equal HF transformers', one PPO update equals the single-rank one (gathered
-weights, experts included), and export -> re-import is bit-identical on every rank.
+processes allow, and Mistral with a sliding window shorter than the rows at every dense one: log-probs equal HF
+transformers', one PPO update equals the single-rank one (gathered weights, experts included), and export ->
+re-import is bit-identical on every rank.
 
 All layouts of one world size run in one spawned world, one after another (tests/distributed/batched.py),
 each torn down by test_layouts.one_case."""
@@ -18,10 +19,15 @@ pytestmark = pytest.mark.distributed
 
 # Mistral converts as Llama does (Llama at TP 1 and 2: test_rope_scaling.py); its own check: test_check_model.py
 ARCHS = ("qwen3", "qwen3_moe", "qwen2_moe")
+WINDOWED = "mistral_window"  # every layer within 4 positions (rows of up to 15 tokens)
 # (t, p, e); data parallel = e. TP 2 with EP 2 keeps the experts whole (expert TP 1): with both above 1,
 # megatron's dispatcher all-gathers uneven token counts, which gloo cannot (plan.layout.ParallelLayout.check_experts).
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)]
 IDS = [f"tp{t}_pp{p}_ep{e}" for t, p, e in LAYOUTS]
+
+
+def archs_of(ep: int) -> tuple[str, ...]:
+    return ARCHS + ((WINDOWED,) if ep == 1 else ())  # a dense model: expert parallelism changes nothing
 
 
 def _rank_fn(rank, world, root, tp, pp, ep):
@@ -38,7 +44,7 @@ def _rank_fn(rank, world, root, tp, pp, ep):
     actor_cfg, _ = _settings()
     shard = rollout_batch().chunk(dp)[dp_rank]
     out = {"dp_rank": dp_rank, "collect": parallel.dispatch_info()["collect"]}
-    for arch in ARCHS:
+    for arch in archs_of(ep):
         cfg, weights = open_hf_folder(f"{root}/{arch}")
         # Adam's first step is ~lr*sign(g): a large eps keeps it smooth in g (test_layouts.py).
         actor = MegatronRole(cfg, weights, ModelBuild(sequence_parallel=tp > 1),
@@ -63,7 +69,7 @@ def _rank_fn(rank, world, root, tp, pp, ep):
 def _merged(results):
     collected = sorted((r for r in results if r["collect"]), key=lambda r: r["dp_rank"])
     out = {}
-    for arch in ARCHS:
+    for arch in (a for a in (*ARCHS, WINDOWED) if a in results[0]):
         out[arch] = dict(log_probs=torch.cat([r[arch]["log_probs"] for r in collected]),
                          loss=sum(r[arch]["loss"] for r in collected) / len(collected),
                          hf=results[0][arch]["hf"], reimport=[r[arch]["reimport"] for r in results])
@@ -72,9 +78,12 @@ def _merged(results):
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    from hybridflow.models.tiny_arch import build_tiny_folders
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_arch import build_tiny, build_tiny_folders
 
-    return build_tiny_folders(tmp_path_factory.mktemp("archs"), ARCHS, seed=10)
+    root = build_tiny_folders(tmp_path_factory.mktemp("archs"), ARCHS, seed=10)
+    build_tiny(f"{root}/{WINDOWED}", build_char_tokenizer(f"{root}/{WINDOWED}"), "mistral", sliding_window=4, seed=20)
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +92,7 @@ def hf_log_probs(root):
 
     t = rollout_batch().tensors
     out = {}
-    for arch in ARCHS:
+    for arch in (*ARCHS, WINDOWED):
         model = AutoModelForCausalLM.from_pretrained(f"{root}/{arch}", dtype=torch.float32).eval()
         with torch.no_grad():
             logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
@@ -108,7 +117,7 @@ def test_layout_matches_hf_and_the_single_rank_update(root, layout_results, hf_l
 
     got = single_rank if (t, p, e) == (1, 1, 1) else _merged(layout_results(IDS[LAYOUTS.index((t, p, e))]))
     valid = rollout_batch().tensors["response_mask"].bool()
-    for arch in ARCHS:
+    for arch in archs_of(e):
         mine = got[arch]
         # HF's unfused q/k/v, its own attention and expert kernels: 10x the same-kernel tolerance.
         assert_close(mine["log_probs"][valid], hf_log_probs[arch][valid], slack=10, what=f"{arch} log-probs vs HF")
