@@ -18,6 +18,7 @@ import torch
 
 from hybridflow import device, families
 from hybridflow.config.model import vllm_lora_rank
+from hybridflow.megatron import quantized
 from hybridflow.patches import vllm_engine, vllm_reload_log
 from hybridflow.rollout.engine_requests import EngineRequests, SamplingSettings
 from hybridflow.rollout.fused_experts import FusedExperts
@@ -154,8 +155,12 @@ class EngineSettings:
 
 
 def _build_llm(hf_dir: str, engine: EngineSettings, max_model_len: int, seed: int, **kwargs):
-    """vLLM's ``LLM`` with dummy weights, eager on CPU."""
+    """vLLM's ``LLM`` with dummy weights, eager on CPU; unquantized whatever the folder's config.json says (the
+    weights pushed in are the trainer's: megatron/quantized.py)."""
     from vllm import LLM
+
+    if quantized.folder_is_quantized(hf_dir):  # applied to the config vLLM reads (config/model.py hf_overrides)
+        kwargs.setdefault("hf_overrides", quantized.unquantized_config)
 
     return LLM(model=hf_dir, tokenizer=hf_dir, dtype=engine.dtype, load_format="dummy",
                enforce_eager=engine.enforce_eager or not device.on_accelerator(), max_model_len=max_model_len,

@@ -42,6 +42,7 @@ from hybridflow.families.weights import FINAL_NORM, Split, hf_weight, is_expert
 from hybridflow.config import ConfigError
 from hybridflow.megatron import context_parallel, parallel
 from hybridflow.megatron.model import check_architecture, check_rope_supported, te_available
+from hybridflow.megatron.quantized import quantization_of, unquantized_config
 from hybridflow.megatron.role import MegatronRole, ModelBuild
 from hybridflow.resharding.plan import HybridPlan, Layout
 from hybridflow.resharding.transition import Resharder, TransitionStats
@@ -277,6 +278,7 @@ def _read_folder(model_dir: str):
         raise ValueError(f"cannot read {model_dir}/config.json ({str(e).splitlines()[0][:120]})") from None
     check_architecture(cfg)
     check_rope_supported(cfg)
+    quantization_of(cfg)
     if not list(Path(model_dir).glob("*.safetensors")):
         raise ValueError(f"no *.safetensors weights in {model_dir}")
     try:
@@ -312,12 +314,24 @@ def _layer_differences(out, mine: dict, num_layers: int) -> list[tuple]:
     return layers
 
 
+def _hf_reference(model_dir: str, cfg, state: dict):
+    """transformers' model of the folder in fp32: of a quantized checkpoint, built from the tensors megatron reads
+    (dequantized, megatron/quantized.py), so the comparison is of the conversion alone."""
+    from transformers import AutoModelForCausalLM
+
+    if quantization_of(cfg) is None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(unquantized_config(cfg), dtype=torch.float32)
+    _, unexpected = model.load_state_dict(state, strict=False)  # a tied output layer is not in the state
+    if unexpected:
+        raise ValueError(f"{model_dir}: transformers' {type(model).__name__} has no {unexpected[0]}")
+    return model.eval()
+
+
 def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int = 1, with_vllm: bool = True,
           grouped_gemm: bool = False, cp: int = 1, vpp: int = 1) -> dict:
     """The comparison as numbers (``report`` prints it); raises ValueError (one line) on an unsupported setup.
     ``vllm_error`` in the result: why the vLLM leg did not run or failed (the megatron comparison stands)."""
-    from transformers import AutoModelForCausalLM
-
     cfg = _read_folder(model_dir)
     _check_sizes(cfg, tp, pp, ep, rollout_tp, cp, vpp)
     on_gpu = device.has_gpu()
@@ -332,7 +346,7 @@ def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int
                         backend="cpu:gloo,cuda:nccl" if on_gpu else "gloo")
     mine = results[0]
     ids = _prompts(cfg.vocab_size)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = _hf_reference(model_dir, cfg, state)
     with torch.no_grad():
         out = hf(input_ids=ids, output_hidden_states=True)
     layers = _layer_differences(out, mine, cfg.num_hidden_layers)

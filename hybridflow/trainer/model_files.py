@@ -11,6 +11,7 @@ from hybridflow import families
 from hybridflow.config import ConfigError
 from hybridflow.config.schema import ExperimentConfig
 from hybridflow.megatron.model import check_rope_supported
+from hybridflow.megatron.quantized import SCALE_SUFFIX, quantization_of
 from hybridflow.trainer.lora_checks import header_shapes
 
 
@@ -28,6 +29,7 @@ def check_model_folder(cfg: ExperimentConfig):
         raise ConfigError(f"model.path: cannot read {path}/config.json ({str(e).splitlines()[0][:120]})") from None
     try:
         check_rope_supported(model)
+        quantization_of(model)
     except ValueError as e:
         raise ConfigError(f"model.path: {e} in {path}/config.json") from None
     if not list(Path(path).glob("*.safetensors")):
@@ -93,6 +95,8 @@ def check_declared_weights(path: str, model, file_of: dict) -> None:
     if family is None:  # refused by name with the supported list (megatron.model.check_architecture)
         return
     declared = family.hf_names(model)
+    if quantization_of(model) is not None:  # each quantized weight's scales, read with it (megatron/quantized.py)
+        declared |= {n for n in file_of if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in declared}
     unread = sorted(n for n in file_of if n not in declared and not _UNREAD.search(n))
     if unread:
         more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""

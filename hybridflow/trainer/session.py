@@ -26,6 +26,7 @@ from hybridflow.config import ConfigError, config_to_dict, dump_yaml
 from hybridflow.config.schema import ExperimentConfig
 from hybridflow.controller import start_ray
 from hybridflow.controller.worker_group import WaitAbandoned, WorkerGroupError, give_up_waiting_when
+from hybridflow.megatron.quantized import unquantized_config
 from hybridflow.plan import load_experiment
 from hybridflow.rewards.custom import RewardFunctionError
 from hybridflow.trainer import checkpoint, preflight
@@ -248,7 +249,8 @@ class Trainer:
         def write_parts(tmp: Path) -> None:
             driver_state.update(self.ppo.save_checkpoint(str(tmp)))
             dump_yaml(self.resolved_config, tmp / "config.yaml")
-            self.model_config.save_pretrained(str(tmp / "hf"))  # what the export needs besides weights
+            # what the export needs besides weights (which are not quantized, whatever model.path's were)
+            unquantized_config(self.model_config).save_pretrained(str(tmp / "hf"))
             self.tokenizer.save_pretrained(str(tmp / "hf"))
 
         with self._failures_named(give_up=False), self.timer("save"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from hybridflow import rng
-from hybridflow.megatron import lr_schedule, parallel
+from hybridflow.megatron import lr_schedule, parallel, quantized
 from hybridflow.megatron.checkpoint import load_role, load_weights, save_role
 from hybridflow.megatron.checkpoint_files import resolve_dist_checkpoint
 from hybridflow.megatron.hf_weights import HFWeights
@@ -15,11 +15,13 @@ from hybridflow.megatron.role import ModelBuild, OffloadSettings, OptimSettings
 
 def open_hf_folder(path: str) -> tuple:
     """(HF config, ``HFWeights``) of a HF model folder with safetensors weights: nothing is read until
-    asked for, so a rank converting its shard reads only that (megatron/hf_weights.py)."""
+    asked for, so a rank converting its shard reads only that (megatron/hf_weights.py); a quantized checkpoint's
+    tensors are read dequantized (megatron/quantized.py)."""
     from transformers import AutoConfig
 
     weights = HFWeights(path)
-    return AutoConfig.from_pretrained(path), weights
+    config = AutoConfig.from_pretrained(path)
+    return config, quantized.readable(weights, config)
 
 
 def load_hf_folder(path: str) -> tuple:

@@ -10,6 +10,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from hybridflow.megatron.quantized import unquantized_config
+
 MAX_SHARD_BYTES = 4 * 2**30  # transformers' default shard size for save_pretrained is 5 GB
 # What a training run writes into its output_dir and checkpoints (trainer/session.py, trainer/checkpoint.py):
 # a folder holding one of these belongs to a run.
@@ -61,7 +63,7 @@ def save_hf_folder(out_dir: str, hf_config, weights, tokenizer=None, max_shard_b
     existing ``out_dir`` (a folder or a file) is replaced once the new folder is whole; one holding a run's
     files is refused (FileExistsError) before anything is written."""
     def fill(tmp: Path) -> None:
-        hf_config.save_pretrained(str(tmp))
+        unquantized_config(hf_config).save_pretrained(str(tmp))  # the weights written are not quantized
         _write_shards(tmp, weights.items() if isinstance(weights, dict) else weights, max_shard_bytes)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))

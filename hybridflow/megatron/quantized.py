@@ -1,0 +1,101 @@
+"""Quantized checkpoints read as unquantized weights: training, the rollout engines and exports hold the model in
+its training dtype, so a checkpoint whose config.json has a ``quantization_config`` is dequantized as it is read.
+
+Known layout: FP8 block-wise (``quant_method: fp8`` with ``weight_block_size: [m, n]``: DeepSeek-V3/R1, Kimi-K2,
+Qwen3-*-FP8): each quantized ``<name>`` is float8_e4m3fn beside a float32 ``<name>_scale_inv`` holding one scale
+per [m, n] block (the grid rounded up where a dimension is not a multiple), and the weight is their product, as
+transformers' ``Fp8Dequantize`` computes it (integrations/finegrained_fp8.py). Any other quantization is refused
+in one line. What is written back (exports, checkpoints' ``hf`` folders) has no ``quantization_config``, and the
+vLLM engines are built without it (rollout/vllm_rollout.py)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+
+import torch
+
+SCALE_SUFFIX = "_scale_inv"
+
+
+def quantization_of(hf_config) -> dict | None:
+    """The checkpoint's FP8 block layout ({"weight_block_size": [m, n], ...}), None for an unquantized one;
+    ValueError (one line, naming the key) for a quantization hybridflow does not read."""
+    q = getattr(hf_config, "quantization_config", None)
+    if q is None:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    method, block = q.get("quant_method"), q.get("weight_block_size")
+    if method != "fp8" or not (isinstance(block, (list, tuple)) and len(block) == 2):
+        raise ValueError(f"quantization_config: quant_method {method!r} with weight_block_size {block!r} is not "
+                         "read here (supported: fp8 with weight_block_size [m, n]); dequantize the checkpoint first")
+    return q
+
+
+def folder_is_quantized(path: str) -> bool:
+    """A model folder whose config.json has a ``quantization_config``."""
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(path) / "config.json").read_text()).get("quantization_config") is not None
+
+
+def unquantized_config(hf_config):
+    """A copy of ``hf_config`` without ``quantization_config`` (the weights it describes are dequantized)."""
+    if getattr(hf_config, "quantization_config", None) is None:
+        return hf_config
+    plain = copy.deepcopy(hf_config)
+    del plain.quantization_config
+    return plain
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str = "weight"
+                   ) -> torch.Tensor:
+    """float32 ``weight`` x its block's scale; ``scale_inv`` [ceil(rows / m), ceil(cols / n)]."""
+    rows, cols = weight.shape[-2:]
+    m, n = block
+    grid = (-(-rows // m), -(-cols // n))
+    if tuple(scale_inv.shape[-2:]) != grid:
+        raise ValueError(f"{name}{SCALE_SUFFIX} has shape {list(scale_inv.shape)}, but {name} {list(weight.shape)} "
+                         f"in blocks of {list(block)} needs {list(grid)}")
+    scale = scale_inv.float().repeat_interleave(m, -2)[..., :rows, :].repeat_interleave(n, -1)[..., :cols]
+    return weight.float() * scale
+
+
+class DequantizedWeights(Mapping):
+    """{HF name: float32 tensor} of an FP8 block-quantized checkpoint's ``weights`` (a mapping read lazily): the
+    scale tensors are not names of their own, each quantized tensor comes back dequantized."""
+
+    def __init__(self, weights: Mapping, block):
+        self.raw, self.block = weights, tuple(block)
+        self._names = [n for n in weights if not n.endswith(SCALE_SUFFIX)]
+        orphans = [n for n in weights if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) not in weights]
+        if orphans:
+            raise ValueError(f"the checkpoint holds {orphans[0]} but no {orphans[0].removesuffix(SCALE_SUFFIX)}")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self.raw[name]
+        if t.dtype != torch.float8_e4m3fn:
+            return t
+        if name + SCALE_SUFFIX not in self.raw:
+            raise ValueError(f"{name} is float8_e4m3fn but the checkpoint has no {name}{SCALE_SUFFIX}")
+        return dequantize_fp8(t, self.raw[name + SCALE_SUFFIX], self.block, name)
+
+    def __contains__(self, name) -> bool:
+        return name in self.raw and not str(name).endswith(SCALE_SUFFIX)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.raw.bytes_read
+
+
+def readable(weights: Mapping, hf_config) -> Mapping:
+    """``weights`` as the training dtype reads them: dequantized where config.json says they are quantized."""
+    q = quantization_of(hf_config)
+    return weights if q is None else DequantizedWeights(weights, q["weight_block_size"])
