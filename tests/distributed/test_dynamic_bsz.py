@@ -5,7 +5,8 @@ parallel) and PP 2, with data-parallel ranks whose rows alone need different num
 running the largest (agreed by an all-reduce, as verl's same_micro_num_in_dp): so does a Qwen3-MoE at expert
 parallelism 2, whose token all-to-all needs both ranks in every micro-batch. And the entropy bonus: its
 gradient through the whole model equals Hugging Face's in float64. Context parallel 2 gives all of it too, in
-the GPU's packed-sequence layout as well.
+the GPU's packed-sequence layout as well. A model with a sliding window (3 positions) shorter than the rows packs
+exactly too (its window measured in each packed row's positions).
 
 All cases of one world size (layouts and entropy checks) run in one spawned world, one after another
 (tests/distributed/batched.py), each torn down by test_layouts.one_case."""
@@ -153,6 +154,16 @@ def moe_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def window_dir(tmp_path_factory):
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.models.tiny_arch import build_tiny
+
+    root = tmp_path_factory.mktemp("dynbsz_window")
+    build_tiny(root, build_char_tokenizer(root), "mistral", sliding_window=3, seed=13)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
@@ -169,9 +180,10 @@ ENTROPY_TP = [1, 2]
 
 
 @pytest.fixture(scope="module")
-def case_results(hf_dir, moe_dir):
+def case_results(hf_dir, moe_dir, window_dir):
     cases = {i: (t * p * d * c, (_rank_fn, hf_dir, t, p, c)) for i, (t, p, d, c) in zip(IDS, LAYOUTS)}
     cases["moe_ep2"] = (2, (_moe_rank_fn, moe_dir))
+    cases["window"] = (1, (_rank_fn, window_dir, 1, 1))
     cases.update({f"entropy_tp{tp}": (tp, (_entropy_rank_fn, hf_dir, tp)) for tp in ENTROPY_TP})
     return batched_worlds(one_case, cases)
 
@@ -203,6 +215,14 @@ def test_dynamic_bsz_equals_fixed_micro_batches(case_results, tp, pp, dp, cp):
         assert any(len(c) > 1 for c in own.values())
     g = results[0]["fixed"]["actor_grads"]
     assert max(v.abs().max().item() for v in g.values()) > 1e-4  # a real gradient was compared
+
+
+def test_a_windowed_model_packs_exactly(case_results):
+    """Token-budget micro-batches of a sliding-window model, with and without shared prompts, equal its fixed run."""
+    (r,) = case_results("window")
+    for mode in ("dynamic", "dynamic_shared"):
+        assert r[mode]["n_mbs"] > 1
+        _assert_same_run(r[mode], r["fixed"], f"window {mode}")
 
 
 def test_context_parallel_equals_the_single_rank_in_every_batching(case_results):
