@@ -9,11 +9,18 @@ sampling stream too (v1 sampler ``random_sample``: ``q.exponential_()`` without 
 from __future__ import annotations
 
 import random
+import zlib
 
 import numpy as np
 import torch
 
 from hybridflow import device
+
+
+def seed_of(*parts) -> int:
+    """A sampling seed (31 bits) named by ``parts`` (the run's seed, then what the sample is): the same wherever and
+    whenever it is drawn, so a response does not depend on the engine, its batch or its replica."""
+    return zlib.crc32("/".join(map(str, parts)).encode()) & 0x7FFFFFFF
 
 
 def capture() -> dict:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
+from hybridflow import rng
 from hybridflow.protocol import Batch
 from hybridflow.rollout.engine_requests import SamplingSettings
 
@@ -92,7 +92,7 @@ class GroupBackend:
         self._thread.start()
 
     def generate(self, context, sampling, stop_token_ids, key):
-        seed = zlib.crc32(f"{self.seed}/endpoint/{key}".encode()) & 0x7FFFFFFF
+        seed = rng.seed_of(self.seed, "endpoint", key)
         with self._ready:
             if self._closed:
                 raise RuntimeError("the rollout engines stopped serving")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hybridflow import rng
 from hybridflow.algorithms import ADVANTAGE_ESTIMATORS, compute_advantage, kl_penalty, masked_mean
 from hybridflow.protocol import Batch
 from hybridflow.rewards import on_last_token, score_batch
@@ -163,10 +164,7 @@ def sample_seeds(seed: int, uids, n: int) -> torch.Tensor:
     """A sampling seed per row of a batch whose prompts (group ids ``uids``, one per prompt) are repeated ``n``
     times consecutively: from the run's seed, the group id and the sample's index in its group, so a response
     is the same whichever engine and replica samples it (sync or separate pool, any rollout layout)."""
-    import zlib
-
-    return torch.tensor([zlib.crc32(f"{seed}/{uid}/{i}".encode()) & 0x7FFFFFFF for uid in uids for i in range(n)],
-                        dtype=torch.int64)
+    return torch.tensor([rng.seed_of(seed, uid, i) for uid in uids for i in range(n)], dtype=torch.int64)
 
 
 def as_group_ids(n_prompts: int, n: int, step: int) -> np.ndarray:

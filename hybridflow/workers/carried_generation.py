@@ -19,11 +19,11 @@ its carried tokens again under its own weights.
 from __future__ import annotations
 
 import uuid
-import zlib
 from dataclasses import dataclass, field
 
 import torch
 
+from hybridflow import rng
 from hybridflow.agent.loop import Trajectory
 from hybridflow.protocol import Batch
 from hybridflow.rollout.vllm_rollout import SamplingSettings
@@ -50,7 +50,7 @@ class Sample:
         """The first request's seed is the row's; a request going on from ``n`` tokens has one derived from both,
         so what it samples does not depend on the engine or the call that runs it."""
         n = len(self.trajectory.response_ids)
-        return self.seed if self.seed is None or not n else zlib.crc32(f"{self.seed}/{n}".encode()) & 0x7FFFFFFF
+        return self.seed if self.seed is None or not n else rng.seed_of(self.seed, n)
 
 
 class SampleSet:
