@@ -18,7 +18,8 @@ import torch.distributed as dist
 from hybridflow import device
 from hybridflow.megatron import convert, hf_export, lora, lr_schedule, parallel, virtual_stages
 from hybridflow.megatron.routing import RoleRouting
-from hybridflow.megatron.model import build_gpt, moe_layer_pattern_of, te_available, transformer_config_from_hf
+from hybridflow.megatron.model import build_gpt, te_available, transformer_config_from_hf
+from hybridflow.megatron.moe_config import moe_layer_pattern_of
 from hybridflow.megatron.offload import Offloader, optimizer_tensors
 from hybridflow.patches import megatron_core, megatron_layers
 from hybridflow.util import mean_by_key
