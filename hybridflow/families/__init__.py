@@ -6,10 +6,11 @@ that declares its ``FAMILY``, listed below. Torch-free."""
 
 from __future__ import annotations
 
-from hybridflow.families import llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from hybridflow.families import glm4_moe, llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from hybridflow.families.family import Family
 
-FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (qwen2, qwen3, llama, mistral, qwen3_moe, qwen2_moe)}
+FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (qwen2, qwen3, llama, mistral, qwen3_moe, qwen2_moe,
+                                                                  glm4_moe)}
 SUPPORTED_ARCHS = tuple(f.architecture for f in FAMILIES.values())
 
 
@@ -27,7 +28,7 @@ def num_experts(hf_config) -> int:
 
 
 def is_moe(hf_config) -> bool:
-    """A mixture of experts (Qwen3-MoE, Qwen2-MoE): routed experts in its sparse layers."""
+    """A mixture of experts (Qwen3-MoE, Qwen2-MoE, GLM-4.5): routed experts in its sparse layers."""
     return num_experts(hf_config) > 0
 
 
@@ -36,7 +37,11 @@ def moe_layer_pattern(hf_config) -> list[int]:
 
 
 def qk_layernorm(hf_config) -> bool:
-    return of(hf_config).qk_layernorm
+    return of(hf_config).qk_layernorm(hf_config)
+
+
+def shared_expert_width(hf_config) -> int:
+    return of(hf_config).shared_expert_width(hf_config)
 
 
 def qkv_bias(hf_config) -> bool:

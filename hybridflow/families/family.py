@@ -17,20 +17,42 @@ class Family:
     sparse_mlp: tuple[w.Weight, ...] = ()  # a sparse (MoE) layer's weights besides its experts: router, shared expert
     expert: tuple[w.Weight, ...] = ()  # each routed expert's (names hold {e})
     qkv_bias_if: str | None = None  # the config flag that adds QKV_BIAS where the family does not always have it
+    qk_norm_if: str | None = None  # the config flag that adds QK_NORM where the family does not always have it
     sliding_window_by_default: bool = False  # Mistral: config.json's use_sliding_window absent means on
 
     @property
     def has_experts(self) -> bool:
         return bool(self.expert)
 
-    @property
-    def qk_layernorm(self) -> bool:
+    def qk_layernorm(self, hf_config) -> bool:
         """Per-head q/k norms before RoPE: megatron's qk_layernorm."""
-        return all(n in self.attention for n in w.QK_NORM)
+        return all(n in self.attention for n in w.QK_NORM) or bool(
+            self.qk_norm_if and getattr(hf_config, self.qk_norm_if, False))
 
     @property
     def shared_expert(self) -> bool:
+        """A shared expert beside the routed ones: Qwen2-MoE's (gated) or DeepSeek-V3's (ungated)."""
+        return self.shared_expert_gate or all(n in self.sparse_mlp for n in w.SHARED_EXPERTS)
+
+    @property
+    def shared_expert_gate(self) -> bool:
+        """Qwen2-MoE's sigmoid gate on its shared expert's output."""
         return all(n in self.sparse_mlp for n in w.SHARED_EXPERT)
+
+    def shared_expert_width(self, hf_config) -> int:
+        """The shared expert's intermediate size (0: none): Qwen2-MoE's shared_expert_intermediate_size, or
+        DeepSeek-V3's n_shared_experts experts of moe_intermediate_size as one MLP (transformers' DeepseekV3MoE)."""
+        if not self.shared_expert:
+            return 0
+        if self.shared_expert_gate:
+            return hf_config.shared_expert_intermediate_size
+        return hf_config.moe_intermediate_size * hf_config.n_shared_experts
+
+    @property
+    def expert_bias(self) -> bool:
+        """DeepSeek-V3's router: sigmoid scores, an expert bias added to choose the experts, group-limited top-k,
+        the chosen scores renormalized and scaled (routed_scaling_factor); otherwise Qwen-MoE's softmax router."""
+        return all(n in self.sparse_mlp for n in w.EXPERT_BIAS)
 
     def qkv_bias(self, hf_config) -> bool:
         return all(n in self.attention for n in w.QKV_BIAS) or bool(
@@ -41,23 +63,28 @@ class Family:
         transformers 5 writes Qwen3-MoE's so (its config's attribute_map turns num_experts into it)."""
         if not self.has_experts:
             return 0
-        return getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
+        return (getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+                or getattr(hf_config, "n_routed_experts", None) or 0)
 
     def moe_layer_pattern(self, hf_config) -> list[int]:
         """1 for each decoder layer with a sparse MoE block, 0 for a dense MLP (Qwen-MoE's decoder_sparse_step
-        and mlp_only_layers, as transformers' Qwen2MoeDecoderLayer/Qwen3MoeDecoderLayer decide)."""
+        and mlp_only_layers, as transformers' Qwen2MoeDecoderLayer/Qwen3MoeDecoderLayer decide; DeepSeek-V3's and
+        GLM-4.5's first_k_dense_replace dense layers first)."""
         n = hf_config.num_hidden_layers
         if not self.num_experts(hf_config):
             return [0] * n
         step = getattr(hf_config, "decoder_sparse_step", 1) or 1
         dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
-        return [int(i not in dense and (i + 1) % step == 0) for i in range(n)]
+        first = getattr(hf_config, "first_k_dense_replace", 0) or 0
+        return [int(i not in dense and i >= first and (i + 1) % step == 0) for i in range(n)]
 
     def layer_weights(self, hf_config, layer: int) -> tuple[w.Weight, ...]:
         """Decoder layer ``layer``'s weights besides its routed experts (layer_experts)."""
         attention = self.attention
         if self.qkv_bias(hf_config) and not all(n in attention for n in w.QKV_BIAS):
             attention = attention + w.QKV_BIAS
+        if self.qk_layernorm(hf_config) and not all(n in attention for n in w.QK_NORM):
+            attention = attention + w.QK_NORM
         sparse = self.moe_layer_pattern(hf_config)[layer]
         return attention + (self.sparse_mlp if sparse else self.mlp)
 
@@ -69,6 +96,13 @@ class Family:
         if local_to_global is None:
             local_to_global = [(e, e) for e in range(self.num_experts(hf_config))]
         return tuple(t.expert(i, e) for i, e in local_to_global for t in self.expert)
+
+    def mtp_layers(self, hf_config) -> range:
+        """The checkpoint's multi-token-prediction layers (DeepSeek-V3's and GLM-4.5's num_nextn_predict_layers),
+        numbered after the decoder's (``model.layers.{num_hidden_layers}.``): transformers builds none, and
+        nothing here reads them (MTP is not trained)."""
+        n = hf_config.num_hidden_layers
+        return range(n, n + (getattr(hf_config, "num_nextn_predict_layers", 0) or 0))
 
     def hf_names(self, hf_config) -> set[str]:
         """Every tensor name of this model's HF checkpoint (experts one by one, as checkpoints hold them)."""

@@ -36,11 +36,14 @@ class Weight:
     hf: tuple[str, ...]  # the HF tensors it is made of, in their fused order
     vllm: str
     split: Split
+    # Kept in float32 by megatron, transformers and vLLM whatever the model's dtype (the router's expert bias):
+    # sent to the rollout as is, never cast to its dtype.
+    float32: bool = False
 
     def expert(self, local: int, global_: int) -> Weight:
         """This expert template's names for the expert at local (megatron) and global (HF, vLLM) index."""
         return Weight(self.megatron.format(e=local), tuple(h.format(e=global_) for h in self.hf),
-                      self.vllm.format(e=global_), self.split)
+                      self.vllm.format(e=global_), self.split, self.float32)
 
 
 def _same(name: str, split: Split) -> Weight:
@@ -77,6 +80,12 @@ ROUTER = (Weight("mlp.router.weight", ("mlp.gate.weight",), "mlp.gate.weight", S
 SHARED_EXPERT = (*gated_mlp("mlp.shared_experts.", "mlp.shared_expert."),  # Qwen2-MoE's, with its sigmoid gate
                  Weight("mlp.shared_experts.gate_weight", ("mlp.shared_expert_gate.weight",),
                         "mlp.shared_expert_gate.weight", Split.REPLICATED))
+# DeepSeek-V3's and GLM-4.5's shared experts (HF: plural), n_shared_experts x moe_intermediate_size wide, ungated
+SHARED_EXPERTS = gated_mlp("mlp.shared_experts.", "mlp.shared_experts.")
+# DeepSeek-V3's aux-loss-free balancing bias: added to the sigmoid scores to choose the experts, not to weigh them;
+# a float32 buffer in megatron (router.py) and transformers (e_score_correction_bias), a float32 parameter in vLLM
+EXPERT_BIAS = (Weight("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",),
+                      "mlp.gate.e_score_correction_bias", Split.REPLICATED, float32=True),)
 EXPERT = gated_mlp("mlp.experts.local_experts.{e}.", "mlp.experts.{e}.")
 
 
@@ -87,8 +96,10 @@ _LOCAL_EXPERT = re.compile(r"^(.*\bmlp\.experts\.)local_experts\.(\d+)\.(.*)$")
 _EXPERT_INDEX = re.compile(r"\bmlp\.experts\.(local_experts\.)?(\d+)\.")
 
 _ALL = (EMBEDDING, FINAL_NORM, LM_HEAD, *NORMS, *ATTENTION, *QKV_BIAS, *QK_NORM, *DENSE_MLP, *ROUTER,
-        *SHARED_EXPERT, *EXPERT)
-_BY_MEGATRON = {w.megatron: w for w in _ALL}
+        *SHARED_EXPERT, *SHARED_EXPERTS, *EXPERT_BIAS, *EXPERT)
+# Qwen2-MoE's shared expert and DeepSeek-V3's shared experts are the same megatron weights (same split): the
+# first declaration answers for the megatron name
+_BY_MEGATRON = {w.megatron: w for w in reversed(_ALL)}
 _BY_VLLM = {w.vllm: w for w in _ALL}
 _BY_HF = {h: w for w in (*_ALL, VALUE_HEAD) for h in w.hf}
 
@@ -118,6 +129,12 @@ def vllm_weight(name: str) -> tuple[str, Weight]:
     if expert:
         weight = weight.expert(int(expert[2]), int(expert[2]))
     return prefix, weight
+
+
+def keeps_float32(vllm_name: str) -> bool:
+    """A vLLM parameter declared float32 (Weight.float32): sent as is, never cast to the rollout's dtype."""
+    weight = _BY_VLLM.get(_template(vllm_name, _VLLM_LAYER))
+    return bool(weight and weight.float32)
 
 
 def hf_weight(name: str) -> Weight:

@@ -1,5 +1,5 @@
 """Build megatron-core GPT models (policy or value) from a Hugging Face causal LM config: Qwen2, Qwen3, Llama,
-Mistral (dense) and Qwen3-MoE, Qwen2-MoE (megatron-core MoE layers with expert parallelism)."""
+Mistral (dense) and Qwen3-MoE, Qwen2-MoE, GLM-4.5 (megatron-core MoE layers with expert parallelism)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ def check_architecture(hf_config) -> None:
     if any(windowed) and not all(windowed):
         raise ValueError(f"sliding_window {hf_config.sliding_window} on some layers only (layer_types) is not supported "
                          "(vLLM's Qwen2 refuses it too): every layer or none")
-    if is_moe(hf_config) and getattr(hf_config, "num_experts_per_tok", 0) > hf_config.num_experts:
-        raise ValueError(f"num_experts_per_tok {hf_config.num_experts_per_tok} > num_experts {hf_config.num_experts}")
+    experts = families.num_experts(hf_config)
+    if is_moe(hf_config) and getattr(hf_config, "num_experts_per_tok", 0) > experts:
+        raise ValueError(f"num_experts_per_tok {hf_config.num_experts_per_tok} > num_experts {experts}")
+    if is_moe(hf_config) and families.of(hf_config).expert_bias:
+        moe_config.check_sigmoid_router(hf_config)
 
 
 def windowed_layers(hf_config) -> list[bool]:
@@ -64,6 +67,13 @@ def _rope_parameters(hf_config) -> dict:
 
 def _rope_theta(hf_config) -> float:
     return float(_rope_parameters(hf_config).get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def rotary_percent(hf_config) -> float:
+    """The share of each head RoPE rotates (GLM-4.5: its first half), rotate-half style in both transformers and
+    megatron (apply_rotary_pos_emb / _apply_rotary_pos_emb_bshd pass the rest through)."""
+    return float(_rope_parameters(hf_config).get("partial_rotary_factor",
+                                                 getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0))
 
 
 def check_rope_supported(hf_config) -> None:
@@ -107,7 +117,8 @@ DECIDED_FIELDS = {
     **{name: _FROM_MODEL for name in (
         "qk_layernorm", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax",
         "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq",
-        "moe_router_score_function")},
+        "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+        "moe_router_num_groups", "moe_router_group_topk")},
     # what the role's training loop and CPU support rely on (role.py, patches/megatron_core.py)
     **{name: "hybridflow" for name in (
         "variable_seq_lengths", "finalize_model_grads_func", "grad_scale_func", "use_cpu_initialization",
@@ -389,6 +400,7 @@ def build_gpt(hf_config, tf_config, *, value_head: bool = False, pre_process: bo
             share_embeddings_and_output_weights=tie,
             position_embedding_type="rope",
             rotary_base=_rope_theta(hf_config),
+            rotary_percent=rotary_percent(hf_config),
             parallel_output=True,
             vp_stage=vp_stage,
         )
@@ -396,5 +408,10 @@ def build_gpt(hf_config, tf_config, *, value_head: bool = False, pre_process: bo
     if value_head and post_process:
         model.output_layer = ValueHead(tf_config.hidden_size, tf_config.sequence_parallel, tf_config.params_dtype)
     # Every param in the params dtype, as Megatron-LM's Float16Module casts the module: the local spec's
-    # torch norms are created in fp32 whatever params_dtype says.
-    return model.to(device=device, dtype=tf_config.params_dtype)
+    # torch norms are created in fp32 whatever params_dtype says. The routers' expert bias stays float32, as
+    # megatron keeps it (router.py _maintain_float32_expert_bias: otherwise only at the next forward).
+    model = model.to(device=device, dtype=tf_config.params_dtype)
+    for m in model.modules():
+        if getattr(m, "expert_bias", None) is not None:
+            m._maintain_float32_expert_bias()
+    return model

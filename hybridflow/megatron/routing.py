@@ -221,8 +221,9 @@ def filler(shape: tuple, top_k: int) -> torch.Tensor:
 
 
 def routed_cells(routes: torch.Tensor, token_position: torch.Tensor) -> torch.Tensor:
-    """[n, T] bool: the batch cells that are tokens of the layout and carry routes."""
-    return (token_position >= 0) & (routes[..., 0, 0] != NO_ROUTE)
+    """[n, T] bool: the batch cells that are tokens of the layout and carry routes (in any layer: a model's dense
+    layers, GLM-4.5's first or Qwen-MoE's mlp_only_layers, have none)."""
+    return (token_position >= 0) & (routes[..., 0] != NO_ROUTE).any(-1)
 
 
 def to_layout(routes: torch.Tensor, token_position: torch.Tensor, rows: int, length: int) -> torch.Tensor:

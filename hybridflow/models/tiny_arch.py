@@ -1,4 +1,4 @@
-"""Tiny random-init models of the other supported architectures (Qwen3, Mistral, Qwen3-MoE, Qwen2-MoE), saved
+"""Tiny random-init models of the other supported architectures (Qwen3, Mistral, Qwen3-MoE, Qwen2-MoE, GLM-4.5), saved
 as HF folders: what conversion, resharding and ``check-model`` are tested on, and the MoE quickstart's model."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 from hybridflow.models.char_tokenizer import build_char_tokenizer
 from hybridflow.models.tiny_qwen2 import padded_vocab, save_random_model, special_tokens
 
-ARCHS = ("qwen3", "mistral", "qwen3_moe", "qwen2_moe")
+ARCHS = ("qwen3", "mistral", "qwen3_moe", "qwen2_moe", "glm4_moe")
 
 
 def build_tiny(out_dir: str | Path, tokenizer, arch: str, *, hidden_size: int = 64, num_layers: int = 2,
@@ -18,8 +18,10 @@ def build_tiny(out_dir: str | Path, tokenizer, arch: str, *, hidden_size: int = 
                tie_word_embeddings: bool = False, norm_noise: float = 0.1, sliding_window: int | None = None):
     """Write config + safetensors weights of a random-init ``arch`` model; returns the model. Qwen3 (-MoE) get
     an explicit ``head_dim`` different from hidden/heads when none is given (as Qwen3's own configs), and
-    every norm weight gets ``norm_noise`` so that a swapped or missing norm changes the logits. ``sliding_window``:
-    Mistral's, on every layer (None: full attention)."""
+    every norm weight gets ``norm_noise`` so that a swapped or missing norm changes the logits (and GLM-4.5's
+    expert bias a tenth of it: a lost bias changes the routing). ``sliding_window``: Mistral's, on every layer
+    (None: full attention). GLM-4.5: its first layer dense, q/k norms, half-rotary heads, a shared expert and a
+    routed_scaling_factor of 2.5 (one expert group, as GLM-4.5's own configs)."""
     import torch
     import transformers
 
@@ -28,34 +30,54 @@ def build_tiny(out_dir: str | Path, tokenizer, arch: str, *, hidden_size: int = 
                   num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
                   rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings, torch_dtype="float32",
                   **special_tokens(tokenizer))
-    moe = dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate_size)
-    if arch == "qwen3":
-        config, cls = transformers.Qwen3Config(head_dim=head_dim or 2 * hidden_size // num_heads, **common), "Qwen3ForCausalLM"
-    elif arch == "mistral":
-        config, cls = transformers.MistralConfig(sliding_window=sliding_window, **common), "MistralForCausalLM"
-    elif arch == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(head_dim=head_dim or 2 * hidden_size // num_heads, norm_topk_prob=True,
-                                             **moe, **common)
-        cls = "Qwen3MoeForCausalLM"
-    elif arch == "qwen2_moe":
-        config = transformers.Qwen2MoeConfig(shared_expert_intermediate_size=intermediate_size, norm_topk_prob=False,
-                                             use_sliding_window=False, **moe, **common)
-        cls = "Qwen2MoeForCausalLM"
-    else:
-        raise ValueError(f"unknown tiny architecture {arch!r} (known: {', '.join(ARCHS)})")
+    head = head_dim or 2 * hidden_size // num_heads  # Qwen3's and GLM-4.5's own
+    config, cls = _arch_config(arch, common, head, num_experts, top_k, moe_intermediate_size, sliding_window)
     config.architectures = [cls]
     model_cls = getattr(transformers, cls)
 
     def with_noisy_norms(cfg):
-        model = model_cls(cfg)
-        g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.add_(norm_noise * torch.randn(p.shape, generator=g))
-        return model
+        return _noisy(model_cls(cfg), torch.Generator().manual_seed(seed + 1), norm_noise)
 
     return save_random_model(with_noisy_norms, config, out_dir, tokenizer, seed)
+
+
+def _arch_config(arch: str, common: dict, head_dim: int, num_experts: int, top_k: int, moe_intermediate_size: int,
+                 sliding_window: int | None):
+    """(transformers config, architecture) of a tiny ``arch`` (build_tiny's docstring)."""
+    import transformers
+
+    moe = dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate_size)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(head_dim=head_dim, **common), "Qwen3ForCausalLM"
+    if arch == "mistral":
+        return transformers.MistralConfig(sliding_window=sliding_window, **common), "MistralForCausalLM"
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(head_dim=head_dim, norm_topk_prob=True, **moe, **common), "Qwen3MoeForCausalLM"
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(shared_expert_intermediate_size=common["intermediate_size"],
+                                           norm_topk_prob=False, use_sliding_window=False, **moe,
+                                           **common), "Qwen2MoeForCausalLM"
+    if arch == "glm4_moe":
+        return transformers.Glm4MoeConfig(
+            head_dim=head_dim, n_routed_experts=num_experts, num_experts_per_tok=top_k,
+            moe_intermediate_size=moe_intermediate_size, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+            topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+            partial_rotary_factor=0.5, **common), "Glm4MoeForCausalLM"
+    raise ValueError(f"unknown tiny architecture {arch!r} (known: {', '.join(ARCHS)})")
+
+
+def _noisy(model, g, norm_noise: float):
+    """``model`` with ``norm_noise`` added to every norm weight and a tenth of it to every expert bias."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(norm_noise * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(norm_noise / 10 * torch.randn(b.shape, generator=g))
+    return model
 
 
 def build_tiny_folders(root: str | Path, archs, seed: int = 0) -> str:

@@ -22,7 +22,7 @@ class Shape:
     qkv_bias: bool
     experts: int = 0  # MoE: routed experts per sparse layer, each this wide
     moe_intermediate: int = 0
-    shared_intermediate: int = 0  # Qwen2-MoE's shared expert
+    shared_intermediate: int = 0  # the shared expert's width: Qwen2-MoE's, GLM-4.5's (n_shared_experts of them)
     qk_norm: bool = False  # Qwen3's per-head q_norm/k_norm
     top_k: int = 0  # MoE: experts each token goes through
     sparse_layers: int | None = None  # MoE layers (None: every layer); the rest dense (mlp_only_layers)
@@ -30,6 +30,8 @@ class Shape:
     # even share (1.0: balanced routing). RL runs without a load-balancing loss (verl's moe_router_load_balancing_type
     # none), where a few hot experts draw several times their share: the plan assumes twice (--moe-routing-skew).
     routing_skew: float = 2.0
+    shared_gate: bool = False  # Qwen2-MoE's sigmoid gate on it
+    expert_bias: bool = False  # GLM-4.5's / DeepSeek-V3's router bias, one float32 per expert (counted as a parameter)
 
     @classmethod
     def from_hf(cls, c: dict) -> Shape:
@@ -41,8 +43,9 @@ class Shape:
         return cls(h, c["intermediate_size"], c["num_hidden_layers"], a, c.get("num_key_value_heads", a),
                    c.get("head_dim") or h // a, c["vocab_size"], bool(c.get("tie_word_embeddings", False)),
                    families.qkv_bias(hf), experts, c.get("moe_intermediate_size") or 0,
-                   c.get("shared_expert_intermediate_size") or 0, families.qk_layernorm(hf),
-                   c.get("num_experts_per_tok") or 0, sparse if experts else None)
+                   families.shared_expert_width(hf), families.qk_layernorm(hf),
+                   c.get("num_experts_per_tok") or 0, sparse if experts else None,
+                   shared_gate=families.of(hf).shared_expert_gate, expert_bias=families.of(hf).expert_bias)
 
     @property
     def moe_layers(self) -> int:
@@ -57,8 +60,8 @@ def layer_params(s: Shape, sparse: bool | None = None) -> int:
     sparse = bool(s.moe_layers) if sparse is None else sparse
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     attn = s.hidden * (q + 2 * kv) + (q + 2 * kv) * s.qkv_bias + q * s.hidden
-    if sparse:  # router, shared expert and its gate, no dense MLP
-        mlp = s.experts * s.hidden + 3 * s.hidden * s.shared_intermediate + s.hidden * bool(s.shared_intermediate)
+    if sparse:  # router (and its expert bias), shared expert (and its gate), no dense MLP
+        mlp = s.experts * (s.hidden + s.expert_bias) + 3 * s.hidden * s.shared_intermediate + s.hidden * s.shared_gate
     else:
         mlp = 3 * s.hidden * s.intermediate  # gate/up/down
     return attn + mlp + 2 * s.hidden + 2 * s.head_dim * s.qk_norm  # + two RMSNorms (+ Qwen3's q/k norms)

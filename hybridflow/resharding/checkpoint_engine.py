@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow import device
+from hybridflow.families import weights
 from hybridflow.resharding import vllm_layout
 from hybridflow.resharding.separate import Feed
 from hybridflow.util import environ
@@ -105,7 +106,8 @@ def _header(bucket: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
 def send(items, feeds: list[FeedGroup], cfg, k_s: int, t_s: int, t_g: int, dtype: torch.dtype, bucket_bytes: int,
          stats) -> None:
     """Stream this training rank's vLLM shard ``items`` ((name, tensor) of shard k_s of t_s) to each of its
-    feeds: slice ``feed.part`` of the t_g / t_s that shard k_s holds, cast to the rollout's ``dtype``. ``stats`` (a TransitionStats)
+    feeds: slice ``feed.part`` of the t_g / t_s that shard k_s holds, cast to the rollout's ``dtype`` (but a weight declared
+    float32, which stays so). ``stats`` (a TransitionStats)
     counts the payload bytes sent (once per receiver, as each receives them)."""
     buckets = {g.feed.index: _Bucket() for g in feeds}
 
@@ -123,7 +125,7 @@ def send(items, feeds: list[FeedGroup], cfg, k_s: int, t_s: int, t_g: int, dtype
         for group in feeds:
             k = k_s * (t_g // t_s) + group.feed.part  # the receivers' vLLM TP rank
             piece = tensor if t_g == t_s else vllm_layout.slice_shard({name: tensor}, cfg, k, t_g, t_s)[name]
-            buckets[group.feed.index].add(name, piece.to(dtype))
+            buckets[group.feed.index].add(name, piece if weights.keeps_float32(name) else piece.to(dtype))
             if buckets[group.feed.index].size >= bucket_bytes:
                 flush(group)
     for group in feeds:

@@ -50,6 +50,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _by_dtype(meta: list) -> list[list]:
+    """A member's ``(name, shape, dtype)`` list in one list per dtype, in order: each goes as one flat tensor (the
+    routers' expert bias is float32 in a bfloat16 model, families/weights.py EXPERT_BIAS)."""
+    parts = {}
+    for entry in meta or ():
+        parts.setdefault(entry[2], []).append(entry)
+    return list(parts.values())
+
+
 def _local_shard(module) -> dict:
     """This rank's training shard in the local spec's names (a TE-built model's fused-norm names are
     translated), so the transition is the same whichever layer spec built the model."""
@@ -217,10 +226,7 @@ class Resharder:
         if len(self.slice_members) > 1:
             exchanges.append((self.slice_members, self.replicated_meta, self.slice_group))
         for members, metas, group in exchanges:
-            for member in members:
-                meta = metas[member]
-                if not meta:
-                    continue
+            for member, meta in ((m, part) for m in members for part in _by_dtype(metas[m])):
                 if member == self.rank:
                     flat = torch.cat([local[k].reshape(-1) for k, _, _ in meta])
                     stats.bytes_sent += _nbytes(flat) * (len(members) - 1)

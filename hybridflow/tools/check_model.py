@@ -38,12 +38,12 @@ import warnings
 import torch
 
 from hybridflow import device, families
-from hybridflow.families.weights import FINAL_NORM, Split, hf_weight, is_expert
 from hybridflow.config import ConfigError
 from hybridflow.megatron import context_parallel, parallel
 from hybridflow.megatron.model import check_architecture, check_rope_supported, te_available
 from hybridflow.megatron.quantized import quantization_of, unquantized_config
 from hybridflow.megatron.role import MegatronRole, ModelBuild
+from hybridflow.resharding.bytes_formula import expected_bytes_received
 from hybridflow.resharding.plan import HybridPlan, Layout
 from hybridflow.resharding.transition import Resharder, TransitionStats
 from hybridflow.resharding.vllm_layout import check_supported, to_checkpoint_names
@@ -240,28 +240,6 @@ def sync_and_generate(rollout, weights, prompts: list[list[int]], sampling) -> l
     return rollout.generate(prompts, sampling)
 
 
-def _formula_bytes(state: dict, cfg, tp: int, pp: int, ep: int, rollout_tp: int, element_size: int) -> float:
-    """The planner's bytes per rank (the most any rank receives) for ``state``'s tensors at the megatron model's
-    ``element_size``: the layers' replicated norms come from the other stages ((pp - 1)/pp of them), the final norm,
-    held by the last stage, whole to every rank of the others."""
-    split = experts = replicated = final = 0
-    for name, t in state.items():
-        n = t.numel() * element_size
-        if is_expert(name) and ep > 1:  # exchanged by all-to-all (at EP 1 they are TP-split, in S)
-            experts += n
-        elif name == FINAL_NORM.hf[0]:
-            final += n
-        elif hf_weight(name).split is Split.REPLICATED:
-            replicated += n
-        else:
-            split += n
-    plan = HybridPlan(Layout(pp, tp, ep), 1, rollout_tp)
-    if experts:
-        return float(plan.moe_bytes_received(split, experts, replicated + final, ep))
-    return float(split * plan.hybrid_bytes_received() + replicated * (plan.pp_block - 1) / pp
-                 + (final if plan.pp_block > 1 else 0))
-
-
 def _read_folder(model_dir: str):
     """The HF config, after the checks train's preflight makes of a model folder: config.json readable, the
     architecture and RoPE supported, every safetensors file's header readable and its shapes config.json's
@@ -366,7 +344,8 @@ def check(model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, rollout_tp: int
         pairs = [(a, b) for r in results for got, want in zip(r["greedy"], expected) for a, b in zip(got, want)]
         report["greedy_agreement"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)
         report["bytes_received"] = max(r["bytes_received"] for r in results)
-        report["bytes_formula"] = _formula_bytes(state, cfg, tp, pp, ep, rollout_tp, 2 if mine["bf16"] else 4)
+        report["bytes_formula"] = expected_bytes_received(
+            state, cfg, Layout(pp, tp, ep), ep, rollout_tp, 2 if mine["bf16"] else 4)
     return report
 
 

@@ -3,6 +3,7 @@ safetensors whose headers match it, and a tokenizer (a part of trainer/preflight
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -85,6 +86,18 @@ def check_weight_shapes(path: str, model) -> None:
 
 # Tensors a checkpoint may hold that no conversion reads: old rotary caches, a tied model's saved output layer.
 _UNREAD = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^lm_head\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+log = logging.getLogger(__name__)
+
+
+def _mtp_tensors(family, model, file_of: dict) -> set[str]:
+    """The tensors of the checkpoint's multi-token-prediction layers (family.mtp_layers), noted once: not read."""
+    layers = family.mtp_layers(model)
+    mtp = {n for n in file_of if (m := _LAYER.match(n)) and int(m[1]) in layers}
+    if mtp:
+        log.info("model.path: the %d tensors of its %d multi-token-prediction layer(s) (num_nextn_predict_layers) are "
+                 "not read: MTP is not trained here, and exports and vLLM go without them", len(mtp), len(layers))
+    return mtp
 
 
 def check_declared_weights(path: str, model, file_of: dict) -> None:
@@ -97,7 +110,8 @@ def check_declared_weights(path: str, model, file_of: dict) -> None:
     declared = family.hf_names(model)
     if quantization_of(model) is not None:  # each quantized weight's scales, read with it (megatron/quantized.py)
         declared |= {n for n in file_of if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in declared}
-    unread = sorted(n for n in file_of if n not in declared and not _UNREAD.search(n))
+    mtp = _mtp_tensors(family, model, file_of)
+    unread = sorted(n for n in file_of if n not in declared and n not in mtp and not _UNREAD.search(n))
     if unread:
         more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
         raise ConfigError(f"model.path: {path}/{file_of[unread[0]]} holds {unread[0]}{more}, which hybridflow's "

@@ -1,4 +1,4 @@
-"""Qwen3, Qwen3-MoE and Qwen2-MoE as megatron-core models at every (TP, PP, EP) layout that 4 gloo
+"""Qwen3, Qwen3-MoE, Qwen2-MoE and GLM-4.5 as megatron-core models at every (TP, PP, EP) layout that 4 gloo
 processes allow, and Mistral with a sliding window shorter than the rows at every dense one: log-probs equal HF
 transformers', one PPO update equals the single-rank one (gathered weights, experts included), and export ->
 re-import is bit-identical on every rank.
@@ -18,7 +18,7 @@ from tests.numerics import assert_close
 pytestmark = pytest.mark.distributed
 
 # Mistral converts as Llama does (Llama at TP 1 and 2: test_rope_scaling.py); its own check: test_check_model.py
-ARCHS = ("qwen3", "qwen3_moe", "qwen2_moe")
+ARCHS = ("qwen3", "qwen3_moe", "qwen2_moe", "glm4_moe")
 WINDOWED = "mistral_window"  # every layer within 4 positions (rows of up to 15 tokens)
 # (t, p, e); data parallel = e. TP 2 with EP 2 keeps the experts whole (expert TP 1): with both above 1,
 # megatron's dispatcher all-gathers uneven token counts, which gloo cannot (plan.layout.ParallelLayout.check_experts).

@@ -1,7 +1,8 @@
-"""The hybrid transition of MoE models (Qwen3-MoE, Qwen2-MoE) at training layouts with expert parallelism:
+"""The hybrid transition of MoE models (Qwen3-MoE, Qwen2-MoE, GLM-4.5) at training layouts with expert parallelism:
 every rank's generation shard is bit-identical to the single-rank conversion of the same weights
 (vllm_layout.hf_to_vllm_shard), and the bytes each rank receives equal the planner's formula
-(HybridPlan.moe_bytes_received) within 0.1%.
+(bytes_formula.expected_bytes_received: GLM-4.5's stages differ, its first layer dense). GLM-4.5 also in
+bfloat16: its expert bias stays float32 through the transition.
 
 All layouts of one world size run in one spawned world (starting processes dominates these tests), one
 after another: each sets up megatron's groups for its layout and tears them down after."""
@@ -15,7 +16,8 @@ from tests.distributed.batched import batched_worlds
 
 pytestmark = pytest.mark.distributed
 
-ARCHS = ("qwen3_moe", "qwen2_moe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "glm4_moe")
+BF16 = "glm4_moe"  # also built in bfloat16 (key "glm4_moe_bf16")
 # (t, p, e, t_g): EP with generation TP above training TP, TP 2 x EP 2 (expert TP 1), TP-split
 # experts (EP 1, expert TP = TP) into a smaller generation TP, and two pipeline stages gathered.
 LAYOUTS = [(1, 1, 2, 2), (2, 1, 2, 2), (2, 1, 1, 1), (1, 2, 2, 1)]
@@ -41,17 +43,19 @@ def _rank_fn(rank, world, root, t, p, e, t_g):
 def _transition(rank, root, t, p, t_g):
     from megatron.core import parallel_state as ps
 
-    from hybridflow.megatron.role import MegatronRole
+    from hybridflow.megatron.role import MegatronRole, ModelBuild
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.resharding.transition import Resharder
     from hybridflow.workers.common import open_hf_folder
 
     plan = HybridPlan(Layout(p, t, ps.get_data_parallel_world_size()), 1, t_g)
     out = {"k": plan.ranks[rank].gen_tp_rank}
-    for arch in ARCHS:
+    for arch, dtype in [*((a, torch.float32) for a in ARCHS), (BF16, torch.bfloat16)]:
         cfg, weights = open_hf_folder(f"{root}/{arch}")
-        shard, stats = Resharder(MegatronRole(cfg, weights).module, cfg, plan).to_generation()
-        out[arch] = {"shard": {k: v.clone() for k, v in shard.items()}, "bytes": stats.bytes_received}
+        role = MegatronRole(cfg, weights, ModelBuild(dtype=dtype))
+        shard, stats = Resharder(role.module, cfg, plan).to_generation()
+        key = arch if dtype == torch.float32 else f"{arch}_bf16"
+        out[key] = {"shard": {k: v.clone() for k, v in shard.items()}, "bytes": stats.bytes_received}
     return out
 
 
@@ -73,41 +77,29 @@ def _world(layout) -> int:
     return t * p * e
 
 
-def _categories(state: dict) -> tuple[int, int, int]:
-    """(TP-split dense, expert, replicated) bytes of a HF state dict."""
-    split = experts = replicated = 0
-    for name, t in state.items():
-        n = t.numel() * t.element_size()
-        if ".mlp.experts." in name:
-            experts += n
-        elif "norm" in name or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
-            replicated += n
-        else:
-            split += n
-    return split, experts, replicated
-
-
 @pytest.mark.parametrize("t,p,e,t_g", LAYOUTS, ids=IDS)
 def test_generation_shards_equal_single_rank_conversion_and_bytes_the_formula(root, layout_results, t, p, e, t_g):
-    from hybridflow.resharding.plan import HybridPlan, Layout
+    from hybridflow.families.weights import EXPERT_BIAS
+    from hybridflow.resharding.bytes_formula import expected_bytes_received
+    from hybridflow.resharding.plan import Layout
     from hybridflow.resharding.vllm_layout import hf_to_vllm_shard
     from hybridflow.workers.common import load_hf_folder
 
     world = t * p * e
     results = layout_results(IDS[LAYOUTS.index((t, p, e, t_g))])
-    plan = HybridPlan(Layout(p, t, world // (t * p)), 1, t_g)
-    for arch in ARCHS:
-        cfg, state = load_hf_folder(f"{root}/{arch}")
-        split, experts, replicated = _categories(state)
-        if e == 1:  # one EP rank, expert TP = TP: experts are TP-split like the dense MLP (plan.py)
-            split, experts = split + experts, 0
-        formula = float(plan.moe_bytes_received(split, experts, replicated, e))
+    for arch in (*ARCHS, f"{BF16}_bf16"):
+        cfg, state = load_hf_folder(f"{root}/{arch.removesuffix('_bf16')}")
+        if arch.endswith("_bf16"):  # the model's weights in bfloat16, its expert bias float32 (as megatron keeps it)
+            state = {k: v if k.endswith(EXPERT_BIAS[0].hf[0]) else v.bfloat16() for k, v in state.items()}
+        # at EP 1 (expert TP = TP) experts are TP-split like the dense MLP (plan.py)
         for rank, res in enumerate(results):
+            stage = rank // (world // p)  # megatron's order: pp outermost
+            formula = expected_bytes_received(state, cfg, Layout(p, t, world // (t * p)), e, t_g, stage=stage)
             want = hf_to_vllm_shard(state, cfg, res["k"], t_g)
             got = res[arch]["shard"]
             assert set(got) == set(want), f"{arch} rank {rank}: names differ: {sorted(set(got) ^ set(want))[:4]}"
-            bad = [n for n in want if not torch.equal(got[n], want[n])]
+            bad = [n for n in want if not torch.equal(got[n], want[n]) or got[n].dtype != want[n].dtype]
             assert not bad, f"{arch} rank {rank}: generation tensors differ from the single-rank conversion: {bad[:4]}"
             moved = res[arch]["bytes"]
-            assert abs(moved - formula) <= 1e-3 * max(formula, 1.0), (
+            assert moved == formula, (
                 f"{arch} rank {rank}: received {moved} bytes, formula {formula:.0f}")

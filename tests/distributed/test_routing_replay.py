@@ -1,4 +1,5 @@
-"""MoE routing replay (megatron/routing.py) on the tiny Qwen3-MoE and Qwen2-MoE (shared expert) at TP 1, TP 2 with
+"""MoE routing replay (megatron/routing.py) on the tiny Qwen3-MoE, Qwen2-MoE (shared expert) and GLM-4.5 (sigmoid
+router with an expert bias) at TP 1, TP 2 with
 sequence parallel, EP 2 and PP 2 (each stage routes its own layers): the routes the log-prob forward records (R2's
 source) replay to the same log-probs in the same and in another micro-batch layout (shared prompts -> token-budget packing) within fp32 rounding;
 routes that differ from the routers' own choice change the log-probs and are counted by the routing-difference
@@ -16,7 +17,7 @@ from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
 
-ARCHS = ("qwen3_moe", "qwen2_moe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "glm4_moe")  # GLM-4.5: sigmoid router with expert bias
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (t, e, p); data parallel = e
 IDS = [f"tp{t}_ep{e}" + (f"_pp{p}" if p > 1 else "") for t, e, p in LAYOUTS]
 
@@ -32,18 +33,18 @@ def grouped_batch():
     return type(b).from_dict(tensors=t)
 
 
-def _flip_first_routes(routes, mask, num_experts):
-    """Every row's first real token routed in layer 0 to the experts after its own (mod E): not its choice."""
+def _flip_routes(routes, mask, num_experts, layer):
+    """Every real token routed in the first MoE layer ``layer`` to the experts after its own (mod E): not its choice
+    (all of them: GLM-4.5's first MoE layer is its last, where one token's experts change no other's log-prob)."""
     flipped = routes.clone()
-    first = mask.float().argmax(1)
-    for i, c in enumerate(first.tolist()):
-        flipped[i, c, 0] = (routes[i, c, 0] + routes.shape[-1]) % num_experts
+    flipped[..., layer, :][mask] = (routes[..., layer, :][mask] + routes.shape[-1]) % num_experts
     return flipped
 
 
 def _rank_fn(rank, world, root, tp, ep, pp):
     from megatron.core import parallel_state as ps
 
+    from hybridflow import families
     from hybridflow.megatron import parallel
     from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
     from hybridflow.workers import role_ops
@@ -59,7 +60,9 @@ def _rank_fn(rank, world, root, tp, ep, pp):
         cfg, weights = open_hf_folder(f"{root}/{arch}")
         optim = OptimSettings(lr=1e-3, eps=1e-3, use_distributed_optimizer=dp > 1)
         actor = MegatronRole(cfg, weights, ModelBuild(sequence_parallel=tp > 1, routing_replay=True), optim=optim)
-        assert actor.routing.routers, "no router records or replays"
+        pattern = families.moe_layer_pattern(cfg)  # the routed layers count, the dense ones (GLM-4.5's first) not
+        sparse_here = any(pattern[i] for i in actor.shard.layers(cfg.num_hidden_layers))  # GLM at PP 2: stage 0 dense
+        assert bool(actor.routing.routers) == sparse_here, "no router records or replays"
         own = role_ops.log_probs(actor, shard, 2, record_routes=True)
         routes = [own["routed_experts"]]  # on the last stage; the driver hands the batch to every stage
         if pp > 1:
@@ -70,10 +73,10 @@ def _rank_fn(rank, world, root, tp, ep, pp):
         with_routes = lambda r: shard.union(type(shard).from_dict(tensors={"routed_experts": r}))  # noqa: E731
         same = role_ops.log_probs(actor, with_routes(routes), 2)
         packed = role_ops.log_probs(actor, with_routes(routes), TokenBudget(3 * (P + R), "k"))
-        flipped = _flip_first_routes(routes, shard.tensors["attention_mask"].bool(), cfg.num_experts)
+        flipped = _flip_routes(routes, shard.tensors["attention_mask"].bool(), families.num_experts(cfg),
+                                     families.moe_layer_pattern(cfg).index(1))
         other = role_ops.log_probs(actor, with_routes(flipped), 2)
-        # the tiny models' layers are all sparse
-        res = dict(own=own, same=same, packed=packed, other=other, layers=actor.tf_config.num_layers)
+        res = dict(own=own, same=same, packed=packed, other=other, layers=sum(pattern), pattern=pattern)
         replayed = role_ops.update_policy(actor, with_routes(routes), actor_cfg, dp)
         res["replayed_update"] = (replayed.get("actor/pg_loss"),  # on the last stage
                                   {k: v.clone() for k, v in actor.hf_state_dict().items()})  # on rank 0
@@ -108,8 +111,10 @@ def test_recorded_routes_replay_exactly_and_other_routes_are_counted(results, ca
         mask, valid = shard.tensors["attention_mask"].bool(), shard.tensors["response_mask"].bool()
         for arch in ARCHS:
             res = r[arch]
-            routes = res["own"]["routed_experts"]
+            sparse = torch.tensor(res["pattern"]).bool()  # GLM-4.5's first layer is dense: nobody routes there
+            routes, dense = res["own"]["routed_experts"][..., sparse, :], res["own"]["routed_experts"][..., ~sparse, :]
             assert (routes[mask] >= 0).all() and (routes[~mask] == NO_ROUTE).all(), f"{arch}: cells without routes"
+            assert (dense == NO_ROUTE).all(), f"{arch}: routes recorded for a dense layer"
             top = routes[mask].sort(-1).values
             assert (top[..., 1:] != top[..., :-1]).all(), f"{arch}: a recorded top-k repeats an expert"
             # the same routes, the same layout: the same log-probs (bit for bit at TP 1; TP 2's collectives may round

@@ -25,6 +25,10 @@ CONFIGS = {
     "qwen3_moe": transformers.Qwen3MoeConfig(head_dim=16, mlp_only_layers=[0], **_MOE, **_COMMON),
     "qwen2_moe": transformers.Qwen2MoeConfig(shared_expert_intermediate_size=48, decoder_sparse_step=2, **_MOE,
                                              **_COMMON),
+    # two dense layers first, then sparse ones with two ungated shared experts and the router's expert bias
+    "glm4_moe": transformers.Glm4MoeConfig(head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=2,
+                                           use_qk_norm=True, attention_bias=True, **_COMMON),
 }
 
 
@@ -48,6 +52,8 @@ def test_each_declared_weight_has_one_name_per_side_and_a_split():
     assert weights.hf_weight("model.layers.1.self_attn.k_proj.weight").split is weights.Split.QKV
     assert weights.local_expert("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight") == (
         "decoder.layers.1.mlp.experts.", 3, "linear_fc1.weight")
+    assert weights.keeps_float32("model.layers.3.mlp.gate.e_score_correction_bias")  # the expert bias
+    assert not weights.keeps_float32("model.layers.3.mlp.gate.weight") and not weights.keeps_float32("a")
     with pytest.raises(KeyError, match="model.layers.0.self_attn.rotary.weight is not a weight"):
         weights.vllm_weight("model.layers.0.self_attn.rotary.weight")
 
@@ -59,6 +65,12 @@ def test_the_facts_follow_from_the_family():
     assert [families.qk_layernorm(CONFIGS[k]) for k in ("qwen3", "qwen3_moe", "llama")] == [True, True, False]
     assert [families.qkv_bias(CONFIGS[k]) for k in ("qwen2", "qwen2_moe", "qwen3", "llama")] == [True, True, False, False]
     assert families.of(CONFIGS["qwen2_moe"]).shared_expert and not families.of(CONFIGS["qwen3_moe"]).shared_expert
+    glm = CONFIGS["glm4_moe"]
+    assert families.moe_layer_pattern(glm) == [0, 0, 1, 1] and families.num_experts(glm) == 4
+    assert families.shared_expert_width(glm) == 64 and not families.of(glm).shared_expert_gate
+    assert families.qk_layernorm(glm) and families.qkv_bias(glm) and families.of(glm).expert_bias
+    no_norms = transformers.Glm4MoeConfig(**{**glm.to_dict(), "use_qk_norm": False, "attention_bias": False})
+    assert not families.qk_layernorm(no_norms) and not families.qkv_bias(no_norms)
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         families.of(transformers.GPT2Config())
 
@@ -82,3 +94,25 @@ def test_a_config_json_written_by_transformers_5_names_its_experts_num_local_exp
     raw = SimpleNamespace(model_type="qwen3_moe", num_local_experts=8, num_hidden_layers=2)
     assert families.num_experts(raw) == 8 and families.is_moe(raw)
     assert families.num_experts(SimpleNamespace(model_type="qwen3_moe", num_experts=4)) == 4
+
+
+def test_a_checkpoints_multi_token_prediction_layers_are_skipped_with_a_note(caplog):
+    """GLM-4.5's and DeepSeek-V3's checkpoints hold num_nextn_predict_layers MTP layers after the decoder's (layer
+    46 of GLM-4.5-Air's 46); transformers builds none and nothing reads them. Without the config's count the same
+    tensors are refused as a variant that conversion would drop."""
+    import logging
+
+    from hybridflow.config import ConfigError
+    from hybridflow.trainer.model_files import check_declared_weights
+
+    cfg = transformers.Glm4MoeConfig(**{**CONFIGS["glm4_moe"].to_dict(), "num_nextn_predict_layers": 1})
+    mtp = ["model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight", "model.layers.4.shared_head.norm.weight",
+           "model.layers.4.mlp.experts.0.up_proj.weight"]
+    file_of = {n: "model.safetensors" for n in [*families.of(cfg).hf_names(cfg), *mtp]}
+    with caplog.at_level(logging.INFO, "hybridflow.trainer.model_files"):
+        check_declared_weights("/m", cfg, file_of)
+    assert "the 4 tensors of its 1 multi-token-prediction layer(s) (num_nextn_predict_layers) are not read" in caplog.text
+    cfg.num_nextn_predict_layers = 0
+    with pytest.raises(ConfigError, match="holds model.layers.4.eh_proj.weight .and 3 more., which hybridflow's "
+                                          "Glm4MoeForCausalLM does not have"):
+        check_declared_weights("/m", cfg, file_of)

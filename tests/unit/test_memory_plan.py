@@ -277,6 +277,25 @@ def test_moe_params_respect_mlp_only_layers():
     assert mp.expert_params(shape) == 1 * 8 * 3 * 64 * 32
 
 
+def test_glm_4_5_air_counts_as_transformers_builds_it():
+    """GLM-4.5-Air's shapes (its config.json; the MTP layer aside, which transformers does not build): its first
+    layer dense, the rest 128 routed experts beside one ungated shared expert, a float32 expert bias per router."""
+    import torch
+    import transformers
+
+    air = dict(model_type="glm4_moe", vocab_size=151552, hidden_size=4096, intermediate_size=10944,
+               moe_intermediate_size=1408, num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8,
+               head_dim=128, n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1,
+               attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**air))
+    biases = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    shape = mp.Shape.from_hf(air)
+    assert (shape.moe_layers, shape.shared_intermediate, biases) == (45, 1408, 45 * 128)
+    assert mp.count_params(shape) == sum(p.numel() for p in model.parameters()) + biases
+    assert mp.expert_params(shape) == 45 * 128 * 3 * 4096 * 1408
+
+
 def test_moe_activations_count_every_token_top_k_times():
     """s = 8 tokens, b = 2, h = 64, t = 1. A dense layer: 34 s b h. A sparse one: its MLP's 19 h per token
     replaced by top_k x (4h + 8f) + 4 x experts (router logits, fp32) = 4 x (256 + 256) + 32 = 2080."""

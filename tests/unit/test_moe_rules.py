@@ -90,3 +90,28 @@ def test_grouped_gemm_experts_need_bf16_in_one_line():
                                          "actor.megatron.dtype=bfloat16"):
         check_grouped_gemm_dtype(Megatron(dtype="float32", override_transformer_config=grouped), key)
     check_grouped_gemm_dtype(Megatron(dtype="bfloat16", override_transformer_config=grouped), key)
+
+GLM = dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], num_hidden_layers=2, n_routed_experts=8,
+           num_experts_per_tok=2, norm_topk_prob=True, n_group=1, topk_group=1)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(norm_topk_prob=False), "norm_topk_prob False with num_experts_per_tok 2: megatron's sigmoid router renorm"),
+    (dict(n_group=3), "n_group 3 must divide the 8 experts"),
+    # 4 groups of 2, top 2 experts from 2 groups: megatron ranks groups by their top 1, transformers by their top 2
+    (dict(n_group=4, topk_group=2), "n_group 4 with num_experts_per_tok 2 / topk_group 2 != 2: megatron ranks the "
+                                    "groups by their top 1 scores, transformers and vLLM by their top 2"),
+])
+def test_a_deepseek_router_megatron_would_route_otherwise_is_refused_in_one_line(change, message):
+    from hybridflow.megatron.model import check_architecture
+
+    with pytest.raises(ValueError, match=message):
+        check_architecture(SimpleNamespace(**{**GLM, **change}))
+
+
+def test_deepseek_v3s_groups_route_alike():
+    """DeepSeek-V3's 8 of 256 experts from 4 of 8 groups: top 8/4 = 2 per group, as transformers ranks them."""
+    from hybridflow.megatron.model import check_architecture
+
+    check_architecture(SimpleNamespace(**{**GLM, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8,
+                                          "topk_group": 4}))
