@@ -226,6 +226,7 @@ class RouteCapture:
 
         self.num_layers, self.top_k = num_layers, top_k
         self._step: dict[int, object] = {}  # layer -> this forward's top-k [tokens, k]
+        self._routed: set[int] = set()  # the layers that route (a model's dense layers never capture)
         self._by_request: dict[str, object] = {}  # request id -> np.int16 [positions, layers, k]
         bind_routed_experts_capturer(runner.get_model(), self)
         original = ROUTE_CAPTURE.require(runner)
@@ -240,6 +241,7 @@ class RouteCapture:
 
     def capture(self, layer_id: int, topk_ids) -> None:  # vLLM's capturer interface
         self._step[layer_id] = topk_ids.detach().to("cpu", copy=True)
+        self._routed.add(layer_id)
 
     def _file(self, runner, scheduler_output) -> None:
         import numpy as np
@@ -251,7 +253,9 @@ class RouteCapture:
         for i, rid in enumerate(batch.req_ids[:batch.num_reqs]):
             n = scheduler_output.num_scheduled_tokens.get(rid, 0)
             start = int(batch.num_computed_tokens_cpu[i])
-            rows = np.stack([self._step[layer][at:at + n].numpy() for layer in range(self.num_layers)], 1)
+            # a dense layer (GLM-4.5's first, Qwen-MoE's mlp_only_layers) routes nothing: -1, the trainer's NO_ROUTE
+            rows = np.stack([self._step[layer][at:at + n].numpy() if layer in self._step else
+                             np.full((n, self.top_k), -1, dtype=np.int16) for layer in range(self.num_layers)], 1)
             rid = rid.rsplit("-", 1)[0]  # the caller's id (InputProcessor.assign_request_id appends "-<8 hex>")
             held = self._by_request.get(rid)
             if held is None or len(held) < start + n:
@@ -267,7 +271,7 @@ class RouteCapture:
         """The routes of the request the caller named ``request_id``, for its first ``length`` tokens (forgotten
         afterwards)."""
         held = self._by_request.pop(request_id)
-        if (held[:length] < 0).any():
+        if (held[:length, sorted(self._routed)] < 0).any():
             raise RuntimeError(f"vLLM request {request_id}: routes of some of its first {length} tokens were not "
                                "captured (a cached prefix?)")
         return held[:length]

@@ -1,4 +1,4 @@
-"""Qwen3 (QK-norm) and the MoE models (Qwen3-MoE, Qwen2-MoE) in vLLM: trained with expert parallelism 2 (TP 1
+"""Qwen3 (QK-norm) and the MoE models (Qwen3-MoE, Qwen2-MoE, GLM-4.5) in vLLM: trained with expert parallelism 2 (TP 1
 x DP 2), generated with vLLM TP 2 over the same two ranks (every rank holds every expert, sliced), greedy output
 equal to HF's after the first sync and after an update's in-place reload of the experts (the transition's shards themselves are checked
 bit for bit in test_moe_resharding.py)."""
@@ -12,8 +12,6 @@ from hybridflow.spawn import run_ranks
 from tests.distributed.test_vllm_generation_tp import PROMPTS, _hf_greedy
 
 pytestmark = pytest.mark.distributed
-
-ARCHS = ("qwen3", "qwen3_moe", "qwen2_moe")
 
 
 def _rank_fn(rank, world, hf_dir, t_g=2):
@@ -68,7 +66,7 @@ def _rank_fn(rank, world, hf_dir, t_g=2):
 # it every MoE case here fails from the first sync.
 # Qwen3 dense through vLLM: test_check_model.py (TP 2, 100% greedy agreement); Qwen2-MoE's experts take
 # Qwen3-MoE's reload path (its shards: test_moe_resharding.py). One engine start costs ~20 s here.
-@pytest.mark.parametrize("arch", ["qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])  # GLM-4.5: vLLM's float32 gate and expert bias
 def test_vllm_greedy_equals_hf_after_each_sync(tmp_path, arch):
     from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.models.tiny_arch import build_tiny

@@ -59,3 +59,34 @@ def test_routing_replay_trains_with_the_rollouts_or_the_old_log_probs_routes(ass
         # one), and after its first optimizer step the routers would choose others for many tokens (measured 0.21
         # over both epochs): those the replay holds to the routes the old log-probs were computed with
         assert 0 < metrics["actor/routing_replay/update_differing_fraction"] < 0.5, metrics
+
+
+def test_glm_4_5_trains_with_expert_parallelism_and_replayed_routes(assets, tmp_path_factory, tmp_path, ray_cluster):
+    """GLM-4.5 (issue 47): the MoE overlay with ``prepare.arch=glm4_moe`` (its first layer dense, a shared expert, the
+    sigmoid router with its expert bias) briefly warm-started, then 2 GRPO steps at expert parallelism 2 with vLLM's
+    routes replayed: finite metrics, vLLM's probabilities the trainer's within the fp32 rule, and the expert bias
+    frozen (megatron's update off: moe_config._sigmoid_router_fields)."""
+    from hybridflow.plan import load_experiment
+    from hybridflow.trainer.prepare import prepare_quickstart
+    from tests.integration.conftest import SMALL
+
+    out = tmp_path_factory.mktemp("glm")
+    cfg = load_experiment(["configs/quickstart_moe_cpu.yaml"], [
+        f"prepare.data_dir={assets}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
+        "prepare.vocab_multiple=128", *SMALL, "prepare.sft_steps=10", "prepare.sft_target_accuracy=null",
+        "prepare.moe_top_k=3", "prepare.arch=glm4_moe"])
+    prepare_quickstart(cfg)
+    cfg = make_cfg(assets, tmp_path, f"model.path={out}/sft", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
+                   config="configs/quickstart_moe_cpu.yaml")
+    biases = []
+    history = run_steps(cfg, 2, check=lambda trainer, step, m: biases.append(_expert_bias(trainer)))
+    for metrics in history:
+        assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+        assert metrics["training/rollout_probs_diff_max"] < 1e-3, metrics
+        assert 0 <= metrics["actor/routing_replay/update_differing_fraction"] <= 0.02, metrics
+    assert biases[0] is not None and all(b.equal(biases[0]) for b in biases), "the expert bias moved"
+
+
+def _expert_bias(trainer):
+    """The actor's expert bias of the MoE layer (layer 1) after a step, from its exported weights."""
+    return trainer.actor_rollout.export_hf_state_dict()[0]["model.layers.1.mlp.gate.e_score_correction_bias"].clone()
