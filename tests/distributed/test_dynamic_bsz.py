@@ -6,7 +6,7 @@ running the largest (agreed by an all-reduce, as verl's same_micro_num_in_dp): s
 parallelism 2, whose token all-to-all needs both ranks in every micro-batch. And the entropy bonus: its
 gradient through the whole model equals Hugging Face's in float64. Context parallel 2 gives all of it too, in
 the GPU's packed-sequence layout as well. A model with a sliding window (3 positions) shorter than the rows packs
-exactly too (its window measured in each packed row's positions).
+exactly too (its window measured in each packed row's positions), and so does GLM-4.5.
 
 All cases of one world size (layouts and entropy checks) run in one spawned world, one after another
 (tests/distributed/batched.py), each torn down by test_layouts.one_case."""
@@ -154,13 +154,16 @@ def moe_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def window_dir(tmp_path_factory):
+def model_dirs(tmp_path_factory):
+    """{case: folder} of the models packed on one rank besides the Qwen2: Mistral with a 3-position window, GLM-4.5
+    (half-rotary heads at each packed row's positions, routed and shared experts)."""
     from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.models.tiny_arch import build_tiny
 
-    root = tmp_path_factory.mktemp("dynbsz_window")
-    build_tiny(root, build_char_tokenizer(root), "mistral", sliding_window=3, seed=13)
-    return str(root)
+    root = tmp_path_factory.mktemp("dynbsz_models")
+    build_tiny(root / "window", build_char_tokenizer(root / "window"), "mistral", sliding_window=3, seed=13)
+    build_tiny(root / "glm4_moe", build_char_tokenizer(root / "glm4_moe"), "glm4_moe", seed=13)
+    return {case: str(root / case) for case in PACKED_MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -177,13 +180,14 @@ def hf_dir(tmp_path_factory):
 LAYOUTS = [(1, 1, 1, 1), (1, 1, 2, 1), (2, 1, 1, 1), (2, 1, 2, 1), (1, 2, 1, 1), (1, 1, 1, 2)]
 IDS = [f"tp{t}_pp{p}_dp{d}" + (f"_cp{c}" if c > 1 else "") for t, p, d, c in LAYOUTS]
 ENTROPY_TP = [1, 2]
+PACKED_MODELS = ("window", "glm4_moe")
 
 
 @pytest.fixture(scope="module")
-def case_results(hf_dir, moe_dir, window_dir):
+def case_results(hf_dir, moe_dir, model_dirs):
     cases = {i: (t * p * d * c, (_rank_fn, hf_dir, t, p, c)) for i, (t, p, d, c) in zip(IDS, LAYOUTS)}
     cases["moe_ep2"] = (2, (_moe_rank_fn, moe_dir))
-    cases["window"] = (1, (_rank_fn, window_dir, 1, 1))
+    cases.update({case: (1, (_rank_fn, model_dirs[case], 1, 1)) for case in PACKED_MODELS})
     cases.update({f"entropy_tp{tp}": (tp, (_entropy_rank_fn, hf_dir, tp)) for tp in ENTROPY_TP})
     return batched_worlds(one_case, cases)
 
@@ -217,12 +221,14 @@ def test_dynamic_bsz_equals_fixed_micro_batches(case_results, tp, pp, dp, cp):
     assert max(v.abs().max().item() for v in g.values()) > 1e-4  # a real gradient was compared
 
 
-def test_a_windowed_model_packs_exactly(case_results):
-    """Token-budget micro-batches of a sliding-window model, with and without shared prompts, equal its fixed run."""
-    (r,) = case_results("window")
+@pytest.mark.parametrize("case", PACKED_MODELS)
+def test_a_windowed_model_and_glm_pack_exactly(case_results, case):
+    """Token-budget micro-batches of a sliding-window model and of GLM-4.5, with and without shared prompts, equal
+    their fixed run."""
+    (r,) = case_results(case)
     for mode in ("dynamic", "dynamic_shared"):
         assert r[mode]["n_mbs"] > 1
-        _assert_same_run(r[mode], r["fixed"], f"window {mode}")
+        _assert_same_run(r[mode], r["fixed"], f"{case} {mode}")
 
 
 def test_context_parallel_equals_the_single_rank_in_every_batching(case_results):

@@ -1,9 +1,10 @@
 """The shared-prompt layout (row_layout.shared_prompt_rows, the CPU path for GRPO groups): one packed row per
 group of rows with the same prompt gives the same log-probs, entropy, values and gradient as the rotated
 one-row-per-sample layout, for prompts of different lengths, responses of 0 to R tokens, and groups cut by
-a micro-batch boundary; at TP=2 with sequence parallel too; and for a model with a sliding window (3 positions)
+a micro-batch boundary; at TP=2 with sequence parallel too; for a model with a sliding window (3 positions)
 shorter than the rows, whose responses sit apart from their prompt in the packed row (the window is measured in
-positions, within the packed mask: patches/megatron_layers.py WINDOW_WITHIN_ROWS).
+positions, within the packed mask: patches/megatron_layers.py WINDOW_WITHIN_ROWS); and for GLM-4.5 (half-rotary
+heads at the packed positions, its routed and shared experts).
 
 The cases of one world size run in one spawned world, one after another (tests/distributed/batched.py),
 each torn down by test_layouts.one_case."""
@@ -22,8 +23,9 @@ P, R = 9, 6
 PROMPT_LENS = [4, 9, 6, 2]  # one per group of GROUP rows
 GROUP = 3
 RESPONSE_LENS = [6, 1, 3, 0, 2, 6, 5, 5, 1, 4, 6, 2]
-CASES = [(1, 12, False), (1, 5, False), (2, 12, False), (1, 12, True)]  # (tp, micro-batch rows, windowed model)
-IDS = [f"{tp}-{micro}" + ("-window" if window else "") for tp, micro, window in CASES]
+# (tp, micro-batch rows, model: the tiny Qwen2, Mistral with a window, GLM-4.5)
+CASES = [(1, 12, "qwen2"), (1, 5, "qwen2"), (2, 12, "qwen2"), (1, 12, "mistral_window"), (1, 12, "glm4_moe")]
+IDS = [f"{tp}-{micro}" + ("" if model == "qwen2" else f"-{model}") for tp, micro, model in CASES]
 
 
 def grouped_batch():
@@ -46,7 +48,7 @@ def grouped_batch():
         ref_log_prob=(-3 + torch.randn(rows, R, generator=g)) * rm))
 
 
-def _rank_fn(rank, world, hf_dir, tp, micro, window):
+def _rank_fn(rank, world, hf_dir, tp, micro, model):
     from hybridflow.config.schema import Actor
     from hybridflow.megatron import parallel
     from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
@@ -54,7 +56,7 @@ def _rank_fn(rank, world, hf_dir, tp, micro, window):
     from hybridflow.workers.common import load_hf_folder
 
     parallel.init_model_parallel(tp, 1, seed=1)
-    cfg, state = load_hf_folder(f"{hf_dir}/windowed" if window else hf_dir)
+    cfg, state = load_hf_folder(f"{hf_dir}/{model}")
     batch = grouped_batch()
     actor = Actor(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_gpu=micro, use_kl_loss=True)
     out = {}
@@ -78,13 +80,15 @@ def case_results(tmp_path_factory):
     from hybridflow.models.tiny_qwen2 import build_tiny_qwen2
 
     root = tmp_path_factory.mktemp("shared_prompt")
-    build_tiny_qwen2(root, build_char_tokenizer(root), hidden_size=64, num_layers=2, seed=11)
-    build_tiny(root / "windowed", build_char_tokenizer(root / "windowed"), "mistral", sliding_window=3, seed=11)
+    build_tiny_qwen2(root / "qwen2", build_char_tokenizer(root / "qwen2"), hidden_size=64, num_layers=2, seed=11)
+    build_tiny(root / "mistral_window", build_char_tokenizer(root / "mistral_window"), "mistral", sliding_window=3,
+               seed=11)
+    build_tiny(root / "glm4_moe", build_char_tokenizer(root / "glm4_moe"), "glm4_moe", seed=11)
     return batched_worlds(one_case, {i: (case[0], (_rank_fn, str(root), *case)) for i, case in zip(IDS, CASES)})
 
 
-@pytest.mark.parametrize("tp,micro,window", CASES, ids=IDS)
-def test_shared_prompt_rows_equal_rotated_rows(case_results, tp, micro, window):
+@pytest.mark.parametrize("tp,micro,model", CASES, ids=IDS)
+def test_shared_prompt_rows_equal_rotated_rows(case_results, tp, micro, model):
     from hybridflow.workers import row_layout
 
     packed = row_layout.shared_prompt_rows(grouped_batch(), P)
@@ -92,7 +96,7 @@ def test_shared_prompt_rows_equal_rotated_rows(case_results, tp, micro, window):
     assert packed["input_ids"].shape[1] == max(PROMPT_LENS[g] + sum(RESPONSE_LENS[g * GROUP:(g + 1) * GROUP])
                                               for g in range(len(PROMPT_LENS)))
 
-    rank0 = case_results(IDS[CASES.index((tp, micro, window))])[0]
+    rank0 = case_results(IDS[CASES.index((tp, micro, model))])[0]
     rotated, shared = rank0[False], rank0[True]
     for key in ("log_probs", "entropy"):
         assert_close(shared["lp"][key], rotated["lp"][key], what=key)
