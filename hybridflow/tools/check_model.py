@@ -40,7 +40,8 @@ import torch
 from hybridflow import device, families
 from hybridflow.config import ConfigError
 from hybridflow.megatron import context_parallel, parallel
-from hybridflow.megatron.model import check_architecture, check_rope_supported, te_available
+from hybridflow.megatron.attention_config import check_rope_supported
+from hybridflow.megatron.model import check_architecture, te_available
 from hybridflow.megatron.quantized import quantization_of, unquantized_config
 from hybridflow.megatron.role import MegatronRole, ModelBuild
 from hybridflow.resharding.bytes_formula import expected_bytes_received

@@ -11,7 +11,7 @@ from pathlib import Path
 from hybridflow import families
 from hybridflow.config import ConfigError
 from hybridflow.config.schema import ExperimentConfig
-from hybridflow.megatron.model import check_rope_supported
+from hybridflow.megatron.attention_config import check_rope_supported
 from hybridflow.megatron.quantized import SCALE_SUFFIX, quantization_of
 from hybridflow.trainer.lora_checks import header_shapes
 

@@ -40,7 +40,7 @@ def test_unsupported_rope_type_is_one_line(tmp_path, rope_type, rope_scaling):
 def test_llama31_rope_passes(tmp_path):
     from transformers import AutoConfig
 
-    from hybridflow.megatron.model import check_rope_supported
+    from hybridflow.megatron.attention_config import check_rope_supported
 
     llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}

@@ -9,7 +9,8 @@ import pytest
 import torch
 import transformers
 
-from hybridflow.megatron.model import transformer_config_from_hf, windowed_layers
+from hybridflow.megatron.attention_config import windowed_layers
+from hybridflow.megatron.model import transformer_config_from_hf
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
