@@ -6,11 +6,11 @@ that declares its ``FAMILY``, listed below. Torch-free."""
 
 from __future__ import annotations
 
-from hybridflow.families import glm4_moe, llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from hybridflow.families import glm4_moe, gpt_oss, llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from hybridflow.families.family import Family
 
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (qwen2, qwen3, llama, mistral, qwen3_moe, qwen2_moe,
-                                                                  glm4_moe)}
+                                                                  glm4_moe, gpt_oss)}
 SUPPORTED_ARCHS = tuple(f.architecture for f in FAMILIES.values())
 
 

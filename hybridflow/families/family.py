@@ -18,7 +18,24 @@ class Family:
     expert: tuple[w.Weight, ...] = ()  # each routed expert's (names hold {e})
     qkv_bias_if: str | None = None  # the config flag that adds QKV_BIAS where the family does not always have it
     qk_norm_if: str | None = None  # the config flag that adds QK_NORM where the family does not always have it
-    sliding_window_by_default: bool = False  # Mistral: config.json's use_sliding_window absent means on
+    sliding_window_by_default: bool = False  # Mistral, gpt-oss: config.json's use_sliding_window absent means on
+    experts_fused: bool = False  # the checkpoint holds each layer's experts as [experts, ...] tensors (gpt-oss)
+    layer_windows: bool = False  # a window on the layers layer_types names only (vLLM's model honours it: gpt-oss)
+    yarn: bool = False  # its RoPE may be YaRN (gpt-oss's always is): megatron's YarnRotaryEmbedding reproduces it
+    # the top-k router's chosen scores renormalized where config.json has no norm_topk_prob (gpt-oss: softmax of the
+    # top-k logits, GptOssTopKRouter; vLLM's FusedMoE renormalize=True)
+    norm_topk_by_default: bool = False
+    clamped_swiglu: bool = False  # gpt-oss's (up + 1) * gate * sigmoid(alpha gate), gate and up clamped at swiglu_limit
+
+    @property
+    def attention_sinks(self) -> bool:
+        """gpt-oss's learned sink logit per head (megatron's learnable softmax offset)."""
+        return all(n in self.attention for n in w.SINKS)
+
+    @property
+    def linear_bias(self) -> bool:
+        """Biases on every linear (attention output, router, experts): megatron's add_bias_linear."""
+        return all(n in self.attention for n in w.OUT_BIAS)
 
     @property
     def has_experts(self) -> bool:
@@ -66,6 +83,11 @@ class Family:
         return (getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
                 or getattr(hf_config, "n_routed_experts", None) or 0)
 
+    def expert_width(self, hf_config) -> int:
+        """A routed expert's intermediate size: ``moe_intermediate_size``, or gpt-oss's ``intermediate_size`` (its
+        layers are all sparse)."""
+        return getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+
     def moe_layer_pattern(self, hf_config) -> list[int]:
         """1 for each decoder layer with a sparse MoE block, 0 for a dense MLP (Qwen-MoE's decoder_sparse_step
         and mlp_only_layers, as transformers' Qwen2MoeDecoderLayer/Qwen3MoeDecoderLayer decide; DeepSeek-V3's and
@@ -105,11 +127,12 @@ class Family:
         return range(n, n + (getattr(hf_config, "num_nextn_predict_layers", 0) or 0))
 
     def hf_names(self, hf_config) -> set[str]:
-        """Every tensor name of this model's HF checkpoint (experts one by one, as checkpoints hold them)."""
+        """Every tensor name of this model's HF checkpoint (experts one by one, as checkpoints hold them, or
+        fused over the experts: ``experts_fused``)."""
         names = {w.EMBEDDING.hf[0], w.FINAL_NORM.hf[0]}
         if not getattr(hf_config, "tie_word_embeddings", False):
             names.add(w.LM_HEAD.hf[0])
         for layer in range(hf_config.num_hidden_layers):
             for weight in self.layer_weights(hf_config, layer) + self.layer_experts(hf_config, layer):
                 names.update(f"model.layers.{layer}.{h}" for h in weight.hf)
-        return names
+        return {w.fused_name(n) for n in names} if self.experts_fused else names

@@ -23,11 +23,49 @@ class Split(enum.Enum):
     VOCAB = 0  # embedding and output rows
     QKV = "qkv"  # fused [q heads; k heads; v heads] of each rank's query groups (HF: q_proj, k_proj, v_proj)
     GATED = "gated"  # fused [gate rows; up rows] of each rank (HF: gate_proj, up_proj)
+    HEADS = "heads"  # one value per attention head, split by heads (gpt-oss's sinks)
 
     @property
     def dim(self) -> int | None:
         """The dim TP splits (megatron's and vLLM's shards alike)."""
         return None if self is Split.REPLICATED else (1 if self is Split.ROW else 0)
+
+
+class HFForm(enum.Enum):
+    """How a checkpoint holds a weight that megatron holds otherwise (gpt-oss's experts, one expert's slice of the
+    fused [experts, ...] tensors: modeling_gpt_oss.GptOssExperts computes ``x @ gate_up_proj[e]`` with gate and up
+    interleaved, ``gate_up[..., ::2], gate_up[..., 1::2]``). megatron's form is [gate; up] rows of [out, in]
+    weights; vLLM's gpt-oss loader takes the checkpoint's form (models/gpt_oss.py GptOssRoutedExperts
+    ``_load_unquantized_expert``: rank k narrows the checkpoint's TP dim, ``hf_dim``, then transposes)."""
+
+    INTERLEAVED_T = "interleaved_t"  # [in, 2 x out], gate/up columns interleaved (gate_up_proj)
+    INTERLEAVED = "interleaved"  # [2 x out], gate/up interleaved (gate_up_proj_bias)
+    TRANSPOSED = "transposed"  # [in, out] (down_proj)
+
+    def hf_dim(self, split: Split) -> int:
+        """The checkpoint tensor's dim that the megatron split ``split`` cuts (a TP shard is a block of it)."""
+        return {HFForm.INTERLEAVED_T: 1, HFForm.INTERLEAVED: 0}.get(self, 1 - split.dim)
+
+    def to_hf(self, t):
+        """megatron's form -> the checkpoint's; a GATED tensor is [gate; up] (whole or one TP shard)."""
+        if self is HFForm.TRANSPOSED:
+            return t.t()
+        gate, up = t.chunk(2)
+        fused = _torch().stack((gate, up), dim=1).flatten(0, 1)  # row 2i: gate i, row 2i+1: up i
+        return fused.t() if self is HFForm.INTERLEAVED_T else fused
+
+    def to_megatron(self, t):
+        """The checkpoint's form (whole or one block along ``hf_dim``) -> megatron's."""
+        if self is HFForm.TRANSPOSED:
+            return t.t().contiguous()
+        fused = t.t() if self is HFForm.INTERLEAVED_T else t
+        return _torch().cat((fused[0::2], fused[1::2])).contiguous()
+
+
+def _torch():
+    import torch  # the declarations stay torch-free until a tensor is converted
+
+    return torch
 
 
 @dataclass(frozen=True)
@@ -39,15 +77,20 @@ class Weight:
     # Kept in float32 by megatron, transformers and vLLM whatever the model's dtype (the router's expert bias):
     # sent to the rollout as is, never cast to its dtype.
     float32: bool = False
+    hf_form: HFForm | None = None  # where the checkpoint (and vLLM's loader) holds it otherwise than megatron
 
     def expert(self, local: int, global_: int) -> Weight:
         """This expert template's names for the expert at local (megatron) and global (HF, vLLM) index."""
         return Weight(self.megatron.format(e=local), tuple(h.format(e=global_) for h in self.hf),
-                      self.vllm.format(e=global_), self.split, self.float32)
+                      self.vllm.format(e=global_), self.split, self.float32, self.hf_form)
 
 
 def _same(name: str, split: Split) -> Weight:
     return Weight(name, (name,), name, split)
+
+
+def _renamed(weight: Weight, megatron: str) -> Weight:
+    return Weight(megatron, weight.hf, weight.vllm, weight.split, weight.float32, weight.hf_form)
 
 
 def gated_mlp(megatron: str, hf: str) -> tuple[Weight, ...]:
@@ -88,6 +131,24 @@ EXPERT_BIAS = (Weight("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bi
                       "mlp.gate.e_score_correction_bias", Split.REPLICATED, float32=True),)
 EXPERT = gated_mlp("mlp.experts.local_experts.{e}.", "mlp.experts.{e}.")
 
+# gpt-oss: biases on every linear, attention sinks (one logit per head, megatron's learnable softmax offset), a
+# biased router named ``mlp.router``, and experts held fused over the experts in the checkpoint
+# ([experts, ...] tensors, families/stacked_experts.py): expert e's names here are its slice ``mlp.experts.{e}.*``,
+# which vLLM's gpt-oss loader also takes one expert at a time (GptOssRoutedExperts, ``_try_load_streamed_expert``)
+OUT_BIAS = (_renamed(_same("self_attn.o_proj.bias", Split.REPLICATED), "self_attention.linear_proj.bias"),)
+SINKS = (_renamed(_same("self_attn.sinks", Split.HEADS), "self_attention.core_attention.softmax_offset"),)
+BIASED_ROUTER = tuple(Weight(f"mlp.router.{p}", (f"mlp.router.{p}",), f"mlp.router.{p}", Split.REPLICATED)
+                      for p in ("weight", "bias"))
+FUSED_EXPERT = (
+    Weight("mlp.experts.local_experts.{e}.linear_fc1.weight", ("mlp.experts.{e}.gate_up_proj",),
+           "mlp.experts.{e}.gate_up_proj", Split.GATED, hf_form=HFForm.INTERLEAVED_T),
+    Weight("mlp.experts.local_experts.{e}.linear_fc1.bias", ("mlp.experts.{e}.gate_up_proj_bias",),
+           "mlp.experts.{e}.gate_up_proj_bias", Split.GATED, hf_form=HFForm.INTERLEAVED),
+    Weight("mlp.experts.local_experts.{e}.linear_fc2.weight", ("mlp.experts.{e}.down_proj",),
+           "mlp.experts.{e}.down_proj", Split.ROW, hf_form=HFForm.TRANSPOSED),
+    Weight("mlp.experts.local_experts.{e}.linear_fc2.bias", ("mlp.experts.{e}.down_proj_bias",),
+           "mlp.experts.{e}.down_proj_bias", Split.REPLICATED))
+
 
 # --- from a full name back to its declaration -------------------------------------------------------------
 _MEGATRON_LAYER = re.compile(r"^(?:.*\.)?decoder\.layers\.\d+\.")
@@ -96,9 +157,9 @@ _LOCAL_EXPERT = re.compile(r"^(.*\bmlp\.experts\.)local_experts\.(\d+)\.(.*)$")
 _EXPERT_INDEX = re.compile(r"\bmlp\.experts\.(local_experts\.)?(\d+)\.")
 
 _ALL = (EMBEDDING, FINAL_NORM, LM_HEAD, *NORMS, *ATTENTION, *QKV_BIAS, *QK_NORM, *DENSE_MLP, *ROUTER,
-        *SHARED_EXPERT, *SHARED_EXPERTS, *EXPERT_BIAS, *EXPERT)
-# Qwen2-MoE's shared expert and DeepSeek-V3's shared experts are the same megatron weights (same split): the
-# first declaration answers for the megatron name
+        *SHARED_EXPERT, *SHARED_EXPERTS, *EXPERT_BIAS, *EXPERT, *OUT_BIAS, *SINKS, *BIASED_ROUTER, *FUSED_EXPERT)
+# Qwen2-MoE's shared expert and DeepSeek-V3's shared experts are the same megatron weights (same split), as are the
+# routers and routed experts of gpt-oss and the others: the first declaration answers for the megatron name
 _BY_MEGATRON = {w.megatron: w for w in reversed(_ALL)}
 _BY_VLLM = {w.vllm: w for w in _ALL}
 _BY_HF = {h: w for w in (*_ALL, VALUE_HEAD) for h in w.hf}
@@ -143,6 +204,17 @@ def hf_weight(name: str) -> Weight:
         return _BY_HF[_template(name, _VLLM_LAYER)]
     except KeyError:
         raise KeyError(f"{name} is not a weight any model family declares (hybridflow/families)") from None
+
+
+_FUSED_PARAMS = "gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias"
+FUSED_TENSOR = re.compile(rf"^(.*\bmlp\.experts\.)({_FUSED_PARAMS})$")  # [experts, ...] (families/stacked_experts.py)
+FUSED_SLICE = re.compile(rf"^(.*\bmlp\.experts\.)(\d+)\.({_FUSED_PARAMS})$")  # expert e's slice of it
+
+
+def fused_name(name: str) -> str:
+    """The checkpoint tensor a declared name is in: a fused expert tensor for an expert's slice of one."""
+    m = FUSED_SLICE.match(name)
+    return m[1] + m[3] if m else name
 
 
 def is_expert(name: str) -> bool:

@@ -24,15 +24,26 @@ def windowed_layers(hf_config) -> list[bool]:
 
 
 def window_fields(hf_config) -> dict:
-    """megatron's window (``window_size`` = keys before, after the query) for a config whose layers all slide."""
-    if not any(windowed_layers(hf_config)):
+    """megatron's window (``window_size`` = keys before, after the query) and the layers it applies to
+    (``window_attn_skip_freq``: None for all, else 1 per windowed layer: megatron's is_layer_window_attention
+    reads a list by global layer number), as ``windowed_layers`` says."""
+    windowed = windowed_layers(hf_config)
+    if not any(windowed):
         return {}
-    return dict(window_size=(hf_config.sliding_window - 1, 0), window_attn_skip_freq=None)
+    return dict(window_size=(hf_config.sliding_window - 1, 0),
+                window_attn_skip_freq=None if all(windowed) else [int(x) for x in windowed])
+
+
+def sink_fields(hf_config) -> dict:
+    """gpt-oss's sinks: one learned logit per head joins each query's softmax (transformers' eager_attention_forward
+    concatenates it to the scores, then drops its column), megatron's learnable softmax offset (SoftmaxOne)."""
+    return dict(softmax_type="learnable") if families.of(hf_config).attention_sinks else {}
 
 
 # HF rope types that megatron's RotaryEmbedding reproduces once it holds HF's inverse frequencies: both
 # rotate position p by p * inv_freq with no cos/sin scale. Types that also scale cos/sin (yarn, longrope:
-# HF's "attention_factor") or recompute the frequencies per sequence length (dynamic) are refused.
+# HF's "attention_factor") or recompute the frequencies per sequence length (dynamic) are refused, except
+# YaRN for the families whose RoPE it is (Family.yarn: megatron's YarnRotaryEmbedding, yarn_fields).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -52,10 +63,37 @@ def rotary_percent(hf_config) -> float:
                                                  getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0))
 
 
+def uses_yarn(hf_config) -> bool:
+    return rope_parameters(hf_config).get("rope_type") == "yarn" and families.of(hf_config).yarn
+
+
 def check_rope_supported(hf_config) -> None:
     kind = rope_parameters(hf_config).get("rope_type", "default")
-    if kind not in SUPPORTED_ROPE_TYPES:
+    if kind not in SUPPORTED_ROPE_TYPES and not uses_yarn(hf_config):
         raise ValueError(f"rope_type '{kind}' is not supported yet (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if uses_yarn(hf_config):
+        yarn_attributes(hf_config)
+
+
+def yarn_attributes(hf_config) -> dict:
+    """The attributes megatron's YaRN reads from the TransformerConfig (GPTModel and attention getattr them; they
+    are no dataclass fields in 0.16.1) equal to transformers' _compute_yarn_parameters: the attention factor
+    0.1 ln(factor) + 1 unless both mscale and mscale_all_dim are given (their ratio), beta_fast/slow defaulting
+    to 32/1, and the correction range rounded out unless ``truncate`` is false (gpt-oss). A given
+    ``attention_factor`` or a missing ``factor`` is refused in one line."""
+    p = rope_parameters(hf_config)
+    if p.get("attention_factor") is not None:
+        raise ValueError("rope_parameters.attention_factor: a YaRN attention factor given explicitly is not "
+                             "supported (megatron derives it from factor, mscale and mscale_all_dim)")
+    if not p.get("factor") or not p.get("original_max_position_embeddings"):
+        raise ValueError("rope_parameters: YaRN needs factor and original_max_position_embeddings")
+    both = bool(p.get("mscale") and p.get("mscale_all_dim"))
+    return dict(yarn_rotary_scaling_factor=float(p["factor"]),
+                yarn_original_max_position_embeddings=int(p["original_max_position_embeddings"]),
+                yarn_beta_fast=float(p.get("beta_fast") or 32), yarn_beta_slow=float(p.get("beta_slow") or 1),
+                yarn_mscale=float(p["mscale"]) if both else None,
+                yarn_mscale_all_dim=float(p["mscale_all_dim"]) if both else None,
+                yarn_correction_range_round_to_int=bool(p.get("truncate", True)))
 
 
 def use_hf_rope_frequencies(rope, hf_config) -> None:
@@ -70,5 +108,5 @@ def use_hf_rope_frequencies(rope, hf_config) -> None:
     The rollout needs nothing: vLLM reads the same ``rope_parameters`` from config.json itself
     (model_executor/layers/rotary_embedding get_rope)."""
     kind = rope_parameters(hf_config).get("rope_type", "default")
-    if kind != "default":
+    if kind != "default" and not uses_yarn(hf_config):  # YaRN: megatron's own (yarn_attributes)
         megatron_layers.set_rope_inverse_frequencies(rope, hf_inverse_frequencies(hf_config, kind, rope.inv_freq.device))

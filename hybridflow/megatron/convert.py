@@ -113,6 +113,9 @@ def is_expert_param(name: str) -> bool:
 
 def weight_to_megatron(weight: weights.Weight, src: str, part, cfg, tp_size: int) -> torch.Tensor:
     """One megatron tensor (this rank's TP chunk) from its HF tensors under layer prefix ``src``."""
+    if weight.hf_form is not None:  # the checkpoint's TP block of it, in megatron's form
+        dim = weight.hf_form.hf_dim(weight.split) if weight.split.dim is not None else None
+        return weight.hf_form.to_megatron(part(src + weight.hf[0], dim))
     if weight.split is Split.QKV:
         return fuse_qkv(*(part(src + h, 0) for h in weight.hf), cfg, tp_size)
     if weight.split is Split.GATED:  # [gate_r; up_r]
@@ -123,6 +126,11 @@ def weight_to_megatron(weight: weights.Weight, src: str, part, cfg, tp_size: int
 def weight_to_hf(weight: weights.Weight, tensor: torch.Tensor, dst: str, cfg, tp_size: int) -> dict:
     """The HF tensors of one TP-gathered megatron tensor, under layer prefix ``dst``. A gathered linear_fc1
     is ``tp_size`` concatenated [gate_r; up_r] blocks."""
+    if weight.hf_form is not None:
+        if weight.split is Split.GATED:  # the blocks back to [gate; up]
+            blocks = [torch.chunk(b, 2, dim=0) for b in torch.chunk(tensor, tp_size, dim=0)]
+            tensor = torch.cat([g for g, _ in blocks] + [u for _, u in blocks])
+        return {dst + weight.hf[0]: weight.hf_form.to_hf(tensor).contiguous()}
     if weight.split is Split.QKV:
         return {dst + h: t for h, t in zip(weight.hf, split_qkv(tensor, cfg))}
     if weight.split is Split.GATED:

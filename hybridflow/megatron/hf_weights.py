@@ -46,6 +46,15 @@ class HFWeights(Mapping):
     def __len__(self) -> int:
         return len(self._file_of)
 
+    def shape_of(self, name: str) -> list[int]:
+        """The tensor's shape, from the file's header (nothing is read)."""
+        return self._file_of[name].get_slice(name).get_shape()
+
+    def expert(self, name: str, e: int) -> torch.Tensor:
+        """``self[name][e]``, reading only that slice (a checkpoint's experts fused in one tensor:
+        families/stacked_experts.py)."""
+        return self._count(self._file_of[name].get_slice(name)[e:e + 1][0])
+
     def chunk(self, name: str, dim: int, parts: int, index: int) -> torch.Tensor:
         """``torch.chunk(self[name], parts, dim)[index]``, reading only that chunk."""
         piece = self._file_of[name].get_slice(name)

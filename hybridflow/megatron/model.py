@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from hybridflow import device
 from hybridflow import families
 from hybridflow.megatron import context_parallel, moe_config
-from hybridflow.megatron.attention_config import (check_rope_supported, rope_theta, rotary_percent,
-                                                 use_hf_rope_frequencies, window_fields, windowed_layers)
+from hybridflow.megatron.attention_config import (check_rope_supported, rope_theta, rotary_percent, sink_fields,
+                                                 use_hf_rope_frequencies, uses_yarn, window_fields, windowed_layers,
+                                                 yarn_attributes)
 from hybridflow.families import SUPPORTED_ARCHS, head_dim, is_moe, qk_layernorm, qkv_bias
 from hybridflow.patches import megatron_core, megatron_layers
 
@@ -23,7 +24,7 @@ def check_architecture(hf_config) -> None:
     if archs and archs[0] not in SUPPORTED_ARCHS:
         raise ValueError(f"model architecture {archs[0]} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
     windowed = windowed_layers(hf_config)
-    if any(windowed) and not all(windowed):
+    if any(windowed) and not all(windowed) and not families.of(hf_config).layer_windows:
         raise ValueError(f"sliding_window {hf_config.sliding_window} on some layers only (layer_types) is not supported "
                          "(vLLM's Qwen2 refuses it too): every layer or none")
     experts = families.num_experts(hf_config)
@@ -40,7 +41,8 @@ DECIDED_FIELDS = {
     **{name: _FROM_MODEL for name in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
         "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear",
-        "add_qkv_bias", "init_method_std")},
+        "add_qkv_bias", "init_method_std", "activation_func_clamp_value", "glu_linear_offset", "softmax_type",
+        "window_size", "window_attn_skip_freq")},
     "tensor_model_parallel_size": "megatron.tensor_model_parallel_size",
     "pipeline_model_parallel_size": "megatron.pipeline_model_parallel_size",
     "sequence_parallel": "megatron.sequence_parallel",
@@ -188,7 +190,11 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
         persist_layer_norm=False,
         use_cpu_initialization=not on_gpu,
     )
-    return TransformerConfig(**{**base, **extra})
+    config = TransformerConfig(**{**base, **extra})
+    if uses_yarn(hf_config):  # read with getattr by GPTModel and the attention (no dataclass fields in 0.16.1)
+        for name, value in yarn_attributes(hf_config).items():
+            setattr(config, name, value)
+    return config
 
 
 def _architecture_fields(hf_config) -> dict:
@@ -203,16 +209,32 @@ def _architecture_fields(hf_config) -> dict:
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        **_activation_fields(hf_config),
+        add_bias_linear=families.of(hf_config).linear_bias,
         add_qkv_bias=qkv_bias(hf_config),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         qk_layernorm=qk_layernorm(hf_config),
         **window_fields(hf_config),
+        **sink_fields(hf_config),
         **moe_config.moe_fields(hf_config),
     )
+
+
+def _activation_fields(hf_config) -> dict:
+    """SwiGLU, or gpt-oss's clamped one (transformers' GptOssExperts._apply_gate): gate clamped above and up on both
+    sides at swiglu_limit, ``gate * sigmoid(alpha * gate) * (up + 1)``; megatron's quick_gelu is alpha 1.702 (the
+    one value gpt-oss uses), its glu with activation_func_clamp_value and glu_linear_offset 1 (transformer/mlp.py)."""
+    if not families.of(hf_config).clamped_swiglu:
+        return dict(activation_func=F.silu)
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    alpha = float(getattr(hf_config, "swiglu_alpha", 1.702))
+    if abs(alpha - 1.702) > 1e-9:
+        raise ValueError(f"swiglu_alpha {alpha}: megatron's clamped SwiGLU uses quick_gelu's 1.702")
+    return dict(activation_func=quick_gelu, activation_func_clamp_value=float(hf_config.swiglu_limit),
+                glu_linear_offset=1.0)
 
 
 def te_available() -> bool:
@@ -333,7 +355,7 @@ def build_gpt(hf_config, tf_config, *, value_head: bool = False, pre_process: bo
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=tie,
-            position_embedding_type="rope",
+            position_embedding_type="yarn" if uses_yarn(hf_config) else "rope",
             rotary_base=rope_theta(hf_config),
             rotary_percent=rotary_percent(hf_config),
             parallel_output=True,
@@ -349,4 +371,6 @@ def build_gpt(hf_config, tf_config, *, value_head: bool = False, pre_process: bo
     for m in model.modules():
         if getattr(m, "expert_bias", None) is not None:
             m._maintain_float32_expert_bias()
+    if tf_config.num_moe_experts and tf_config.add_bias_linear:
+        megatron_layers.mend_biased_experts(model)
     return model

@@ -34,7 +34,7 @@ def moe_fields(hf_config) -> dict:
     return dict(
         num_moe_experts=families.num_experts(hf_config),
         moe_router_topk=hf_config.num_experts_per_tok,
-        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_ffn_hidden_size=family.expert_width(hf_config),
         moe_shared_expert_intermediate_size=families.shared_expert_width(hf_config) or None,
         moe_shared_expert_gate=family.shared_expert_gate,
         moe_aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
@@ -42,7 +42,8 @@ def moe_fields(hf_config) -> dict:
         moe_grouped_gemm=False,
         moe_layer_freq=pattern if 0 in pattern else 1,
         **(_sigmoid_router_fields(hf_config) if family.expert_bias else dict(
-            moe_router_score_function="softmax", moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", False))),
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", family.norm_topk_by_default))),
     )
 
 

@@ -1,4 +1,5 @@
-"""Tiny random-init models of the other supported architectures (Qwen3, Mistral, Qwen3-MoE, Qwen2-MoE, GLM-4.5), saved
+"""Tiny random-init models of the other supported architectures (Qwen3, Mistral, Qwen3-MoE, Qwen2-MoE, GLM-4.5,
+gpt-oss), saved
 as HF folders: what conversion, resharding and ``check-model`` are tested on, and the MoE quickstart's model."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from pathlib import Path
 from hybridflow.models.char_tokenizer import build_char_tokenizer
 from hybridflow.models.tiny_qwen2 import padded_vocab, save_random_model, special_tokens
 
-ARCHS = ("qwen3", "mistral", "qwen3_moe", "qwen2_moe", "glm4_moe")
+ARCHS = ("qwen3", "mistral", "qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss")
 
 
 def build_tiny(out_dir: str | Path, tokenizer, arch: str, *, hidden_size: int = 64, num_layers: int = 2,
@@ -21,7 +22,9 @@ def build_tiny(out_dir: str | Path, tokenizer, arch: str, *, hidden_size: int = 
     every norm weight gets ``norm_noise`` so that a swapped or missing norm changes the logits (and GLM-4.5's
     expert bias a tenth of it: a lost bias changes the routing). ``sliding_window``: Mistral's, on every layer
     (None: full attention). GLM-4.5: its first layer dense, q/k norms, half-rotary heads, a shared expert and a
-    routed_scaling_factor of 2.5 (one expert group, as GLM-4.5's own configs)."""
+    routed_scaling_factor of 2.5 (one expert group, as GLM-4.5's own configs). gpt-oss: head_dim 64 (vLLM-CPU's
+    smallest for sinks), a window of 4 on every other layer, YaRN, and ``norm_noise`` on every bias and sink
+    (transformers starts the expert biases at zero, where a lost one would not show)."""
     import torch
     import transformers
 
@@ -36,7 +39,7 @@ def build_tiny(out_dir: str | Path, tokenizer, arch: str, *, hidden_size: int = 
     model_cls = getattr(transformers, cls)
 
     def with_noisy_norms(cfg):
-        return _noisy(model_cls(cfg), torch.Generator().manual_seed(seed + 1), norm_noise)
+        return _noisy(model_cls(cfg), torch.Generator().manual_seed(seed + 1), norm_noise, biases=arch == "gpt_oss")
 
     return save_random_model(with_noisy_norms, config, out_dir, tokenizer, seed)
 
@@ -63,16 +66,21 @@ def _arch_config(arch: str, common: dict, head_dim: int, num_experts: int, top_k
             moe_intermediate_size=moe_intermediate_size, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
             topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
             partial_rotary_factor=0.5, **common), "Glm4MoeForCausalLM"
+    if arch == "gpt_oss":
+        return transformers.GptOssConfig(
+            **{**common, "intermediate_size": moe_intermediate_size}, head_dim=head_dim if head_dim >= 64 else 64,
+            num_local_experts=num_experts, num_experts_per_tok=top_k, sliding_window=sliding_window or 4), "GptOssForCausalLM"
     raise ValueError(f"unknown tiny architecture {arch!r} (known: {', '.join(ARCHS)})")
 
 
-def _noisy(model, g, norm_noise: float):
-    """``model`` with ``norm_noise`` added to every norm weight and a tenth of it to every expert bias."""
+def _noisy(model, g, norm_noise: float, biases: bool = False):
+    """``model`` with ``norm_noise`` added to every norm weight (``biases``: every bias and sink too) and a tenth of
+    it to every expert bias."""
     import torch
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or (biases and (name.endswith("bias") or name.endswith("sinks"))):
                 p.add_(norm_noise * torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

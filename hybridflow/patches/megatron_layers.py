@@ -43,6 +43,18 @@ WINDOW_WITHIN_ROWS = declare(
     "from the tokens' positions and combined with the mask given. On GPU, TE's attention gets window_size "
     "(extensions/transformer_engine.py TEDotProductAttention) and windows each packed sequence (cu_seqlens) itself")
 
+BIASED_EXPERTS = declare(
+    "megatron.biased_experts", "megatron-core", MCORE,
+    "megatron.core.transformer.mlp:MLP.forward",
+    "two faults of an expert MLP's linear_fc2 bias (gpt-oss; megatron builds biased experts only at expert TP 1). "
+    "(1) MLP.forward adds it to linear_fc2's output in place, scaled by the routing probability (transformer/mlp.py "
+    "`output += output_bias...`); where that linear reduces over a TP group of one (explicit_expert_comm False: no "
+    "TP, no EP) its output is its input returned by _ReduceFromModelParallelRegion, a view autograd forbids "
+    "modifying in place, so a training step fails: a forward hook hands MLP.forward a copy there. (2) "
+    "RowParallelLinear marks the bias `sequence_parallel`, so finalize_model_grads sums its gradient over the TP "
+    "group, whose ranks hold other experts (expert TP 1 < TP): unmarked, it is reduced over its expert-data-parallel "
+    "ranks only, as the expert weights are")
+
 _lock = threading.Lock()
 _sp_norm_patched = False
 _window_patched = False
@@ -85,13 +97,17 @@ def set_rope_inverse_frequencies(rope, inv_freq) -> None:
 def rope_at_positions(model, position_ids):
     """Rotary embeddings at ``position_ids`` [b, s] for the forwards of the GPTModel ``model`` run inside.
     Same formula as ``RotaryEmbedding.get_emb`` (non-interleaved), one [s, b, 1, dim] table that
-    ``_apply_rotary_pos_emb_bshd`` broadcasts per row."""
+    ``_apply_rotary_pos_emb_bshd`` broadcasts per row; for YaRN the rows of its own table (and its mscale, which
+    GPTModel unpacks and drops: the attention reads it from the config)."""
     import torch
 
     rope = model.rotary_pos_emb
     ROPE_POSITIONS.require(rope)
 
     def at_positions(*_, **__):
+        if hasattr(rope, "inv_freq_extra"):  # YaRN: its get_emb blends two frequency sets; (table, mscale)
+            table, mscale = rope.get_emb(int(position_ids.max()) + 1)  # [max + 1, 1, 1, dim]
+            return table[:, 0][position_ids.t()], mscale
         freqs = position_ids.t()[..., None].to(rope.inv_freq) * rope.inv_freq  # [s, b, dim/2]
         return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
 
@@ -198,3 +214,19 @@ def gathered_kv_attention(cp_group):
             return super().forward(query, key, value, attention_mask, *args, **kwargs)
 
     return GatheredKVAttention
+
+
+def mend_biased_experts(model) -> int:
+    """The two BIASED_EXPERTS fixes on each expert linear_fc2 with a bias; returns how many it found."""
+    BIASED_EXPERTS.require()
+    n = 0
+    for name, m in model.named_modules():
+        if ".local_experts." in name and name.endswith("linear_fc2") and getattr(m, "bias", None) is not None:
+            # explicit_expert_comm: the linear's own output, no view. TE's linears keep it as a local only
+            # (extensions/transformer_engine.py TELinear): copied there too, the safe side of an unknown
+            local = type(m).__name__ == "RowParallelLinear"
+            if not (m.explicit_expert_comm if local else False):
+                m.register_forward_hook(lambda _m, _i, out: (out[0].clone(), *out[1:]))
+            m.bias.sequence_parallel = False
+            n += 1
+    return n

@@ -120,7 +120,7 @@ class ParallelLayout:
         self.check_experts(model, path, on_gpu)
 
     def check_experts(self, model, path: str, on_gpu: bool) -> None:
-        """EP divides the model's experts, expert TP its expert width. On CPU, expert TP above 1 with EP above 1
+        """EP divides the model's experts, expert TP its expert width (and is 1 for biased experts: gpt-oss). On CPU, expert TP above 1 with EP above 1
         is refused for every role: megatron's all-to-all dispatcher then all-gathers uneven token counts over
         the expert-TP group (token_dispatcher.py dispatch_postprocess), which gloo cannot do (it hangs; NCCL
         can). The actor's experts must be whole per rank (expert TP 1) wherever the transition exchanges them."""
@@ -131,9 +131,13 @@ class ParallelLayout:
         if experts % self.ep:
             raise ValueError(f"{key}.expert_model_parallel_size ({self.ep}) does not divide the model's {experts} "
                              f"experts in {path}")
-        if model.moe_intermediate_size % self.etp:
+        width = families.of(model).expert_width(model)
+        if width % self.etp:
             raise ValueError(f"{key}.expert_tensor_parallel_size ({self.etp}) does not divide the model's "
-                             f"moe_intermediate_size ({model.moe_intermediate_size}) in {path}")
+                             f"expert width ({width}) in {path}")
+        if self.etp > 1 and families.of(model).linear_bias:
+            raise ValueError(f"{key}.expert_tensor_parallel_size ({self.etp}) must be 1 for {families.of(model).architecture}:"
+                             " megatron-core builds biased experts only without expert TP (TransformerConfig asserts it)")
         if self.ep > 1 and self.etp > 1 and not on_gpu:
             raise ValueError(f"{key}.expert_tensor_parallel_size ({self.etp}) must be 1 with "
                              f"expert_model_parallel_size {self.ep} on CPU: gloo cannot all-gather the uneven token "

@@ -42,7 +42,7 @@ class Shape:
         sparse = sum(families.moe_layer_pattern(hf))
         return cls(h, c["intermediate_size"], c["num_hidden_layers"], a, c.get("num_key_value_heads", a),
                    c.get("head_dim") or h // a, c["vocab_size"], bool(c.get("tie_word_embeddings", False)),
-                   families.qkv_bias(hf), experts, c.get("moe_intermediate_size") or 0,
+                   families.qkv_bias(hf), experts, families.of(hf).expert_width(hf) if experts else 0,
                    families.shared_expert_width(hf), families.qk_layernorm(hf),
                    c.get("num_experts_per_tok") or 0, sparse if experts else None,
                    shared_gate=families.of(hf).shared_expert_gate, expert_bias=families.of(hf).expert_bias)

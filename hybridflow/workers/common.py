@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from hybridflow import rng
+from hybridflow.families import stacked_experts
 from hybridflow.megatron import lr_schedule, parallel, quantized
 from hybridflow.megatron.checkpoint import load_role, load_weights, save_role
 from hybridflow.megatron.checkpoint_files import resolve_dist_checkpoint
@@ -16,12 +17,13 @@ from hybridflow.megatron.role import ModelBuild, OffloadSettings, OptimSettings
 def open_hf_folder(path: str) -> tuple:
     """(HF config, ``HFWeights``) of a HF model folder with safetensors weights: nothing is read until
     asked for, so a rank converting its shard reads only that (megatron/hf_weights.py); a quantized checkpoint's
-    tensors are read dequantized (megatron/quantized.py)."""
+    tensors are read dequantized (megatron/quantized.py), experts fused in one tensor one by one
+    (families/stacked_experts.py)."""
     from transformers import AutoConfig
 
     weights = HFWeights(path)
     config = AutoConfig.from_pretrained(path)
-    return config, quantized.readable(weights, config)
+    return config, quantized.readable(stacked_experts.readable(weights, config), config)
 
 
 def load_hf_folder(path: str) -> tuple:

@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from hybridflow.families import stacked_experts
 from hybridflow.megatron.quantized import unquantized_config
 
 MAX_SHARD_BYTES = 4 * 2**30  # transformers' default shard size for save_pretrained is 5 GB
@@ -59,12 +60,14 @@ def _write_shards(tmp: Path, items, max_shard_bytes: int) -> None:
 
 def save_hf_folder(out_dir: str, hf_config, weights, tokenizer=None, max_shard_bytes: int = MAX_SHARD_BYTES,
                    replace: bool = True) -> None:
-    """``weights``: a state dict, or an iterable of (HF name, tensor) consumed as it is produced. An
+    """``weights``: a state dict, or an iterable of (HF name, tensor) consumed as it is produced, under the
+    family's declared names (experts the checkpoint fuses are stacked back: families/stacked_experts.py). An
     existing ``out_dir`` (a folder or a file) is replaced once the new folder is whole; one holding a run's
     files is refused (FileExistsError) before anything is written."""
     def fill(tmp: Path) -> None:
         unquantized_config(hf_config).save_pretrained(str(tmp))  # the weights written are not quantized
-        _write_shards(tmp, weights.items() if isinstance(weights, dict) else weights, max_shard_bytes)
+        items = weights.items() if isinstance(weights, dict) else weights
+        _write_shards(tmp, stacked_experts.stacked_items(items, hf_config), max_shard_bytes)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
 

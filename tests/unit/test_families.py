@@ -29,6 +29,8 @@ CONFIGS = {
     "glm4_moe": transformers.Glm4MoeConfig(head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=2,
                                            use_qk_norm=True, attention_bias=True, **_COMMON),
+    # every layer sparse, biases everywhere, sinks, experts fused over the experts in the checkpoint
+    "gpt_oss": transformers.GptOssConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, **_COMMON),
 }
 
 
@@ -71,13 +73,17 @@ def test_the_facts_follow_from_the_family():
     assert families.qk_layernorm(glm) and families.qkv_bias(glm) and families.of(glm).expert_bias
     no_norms = transformers.Glm4MoeConfig(**{**glm.to_dict(), "use_qk_norm": False, "attention_bias": False})
     assert not families.qk_layernorm(no_norms) and not families.qkv_bias(no_norms)
+    oss = families.of(CONFIGS["gpt_oss"])
+    assert families.moe_layer_pattern(CONFIGS["gpt_oss"]) == [1] * 4 and oss.expert_width(CONFIGS["gpt_oss"]) == 64
+    assert oss.linear_bias and oss.attention_sinks and oss.experts_fused and not oss.expert_bias
+    assert not (families.of(glm).linear_bias or families.of(glm).attention_sinks or families.of(glm).experts_fused)
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         families.of(transformers.GPT2Config())
 
 
 def test_adding_an_architecture_is_one_module():
     """Every module of hybridflow/families besides the shared ones declares a FAMILY, and each is registered."""
-    shared = {"family", "weights"}
+    shared = {"family", "weights", "stacked_experts"}
     declared = {importlib.import_module(f"hybridflow.families.{m.name}").FAMILY.model_type
                 for m in pkgutil.iter_modules(families.__path__) if m.name not in shared}
     assert declared == set(families.FAMILIES)
@@ -116,3 +122,49 @@ def test_a_checkpoints_multi_token_prediction_layers_are_skipped_with_a_note(cap
     with pytest.raises(ConfigError, match="holds model.layers.4.eh_proj.weight .and 3 more., which hybridflow's "
                                           "Glm4MoeForCausalLM does not have"):
         check_declared_weights("/m", cfg, file_of)
+
+
+@pytest.mark.parametrize("form", list(weights.HFForm))
+def test_a_checkpoint_form_round_trips_and_a_tp_block_of_it_is_megatrons_tp_shard(form):
+    """gpt-oss's expert tensors (gate/up interleaved, transposed): the checkpoint's block k of t along hf_dim is, in
+    megatron's form, megatron's TP shard k ([gate_k; up_k] for GATED, input columns k for ROW)."""
+    import torch
+
+    split = weights.Split.ROW if form is weights.HFForm.TRANSPOSED else weights.Split.GATED
+    full = torch.randn(12, 8) if form is not weights.HFForm.INTERLEAVED else torch.randn(12)
+    hf = form.to_hf(full)
+    assert torch.equal(form.to_megatron(hf), full)
+    for k, block in enumerate(torch.chunk(hf, 2, dim=form.hf_dim(split))):
+        if split is weights.Split.GATED:
+            want = torch.cat([torch.chunk(h, 2)[k] for h in torch.chunk(full, 2)])
+        else:
+            want = torch.chunk(full, 2, dim=1)[k]
+        assert torch.equal(form.to_megatron(block), want)
+    if form is weights.HFForm.INTERLEAVED_T:  # transformers' own reading: gate_up[..., ::2] is the gate
+        assert torch.equal(hf[:, ::2], full[:6].t()) and torch.equal(hf[:, 1::2], full[6:].t())
+
+
+def test_fused_experts_read_one_by_one_and_are_stacked_back_on_write(tmp_path):
+    """A gpt-oss checkpoint's [experts, ...] tensors read as the declared per-expert names (from the file one slice at
+    a time) and written back fused, bit for bit; an expert missing on write is refused in one line."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hybridflow.families import stacked_experts
+    from hybridflow.megatron.hf_weights import HFWeights
+
+    cfg = CONFIGS["gpt_oss"]
+    model = transformers.GptOssForCausalLM(cfg)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    view = stacked_experts.readable(HFWeights(str(tmp_path)), cfg)
+    assert set(view) == {n for n in families.of(cfg).hf_names(cfg) if "mlp.experts." not in n} | {
+        f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(4) for e in range(4)
+        for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+    assert torch.equal(view["model.layers.2.mlp.experts.3.down_proj"], sd["model.layers.2.mlp.experts.down_proj"][3])
+    assert view.raw.bytes_read == sd["model.layers.2.mlp.experts.down_proj"][3].numel() * 4  # one slice read
+    again = dict(stacked_experts.stacked_items(reversed(list(view.items())), cfg))
+    assert set(again) == set(sd) and all(torch.equal(again[k], sd[k]) for k in sd)
+    partial = [(k, v) for k, v in view.items() if ".experts.1." not in k]
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.(gate_up_proj|down_proj)(_bias)?: 3 of the 4 "):
+        dict(stacked_experts.stacked_items(partial, cfg))

@@ -28,7 +28,7 @@ EXPECTED = {
     "megatron.optimizer_step_skips_nonfinite", "megatron.cpu_moe_dispatch_without_streams",
     "megatron.cpu_moe_dispatch_stream", "megatron.moe_router_gemm_without_te", "megatron.grouped_gemm_from_torch",
     "megatron.cpu_grouped_mlp_eager", "megatron.context_parallel_local_attention", "megatron.p2p_shape_exchange_order",
-    "megatron.sync_save_results_queue", "megatron.sliding_window_within_rows",
+    "megatron.sync_save_results_queue", "megatron.sliding_window_within_rows", "megatron.biased_experts",
     "vllm.init_model_parallel_group", "vllm.cpu_shm_group_name", "vllm.cpu_worker_set_num_threads",
     "vllm.cpu_eager_vocab_mask", "vllm.cpu_eager_logprob_ranks", "vllm.cpu_moe_repack_after_reload",
     "vllm.cpu_routed_experts_capture", "vllm.aux_output_on_every_tp_rank", "vllm.reload_warnings_once",
