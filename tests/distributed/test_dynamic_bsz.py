@@ -156,13 +156,15 @@ def moe_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """{case: folder} of the models packed on one rank besides the Qwen2: Mistral with a 3-position window, GLM-4.5
-    (half-rotary heads at each packed row's positions, routed and shared experts)."""
+    (half-rotary heads at each packed row's positions, routed and shared experts), gpt-oss (sinks with a window on
+    every other layer, YaRN at each packed row's positions)."""
     from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.models.tiny_arch import build_tiny
 
     root = tmp_path_factory.mktemp("dynbsz_models")
     build_tiny(root / "window", build_char_tokenizer(root / "window"), "mistral", sliding_window=3, seed=13)
     build_tiny(root / "glm4_moe", build_char_tokenizer(root / "glm4_moe"), "glm4_moe", seed=13)
+    build_tiny(root / "gpt_oss", build_char_tokenizer(root / "gpt_oss"), "gpt_oss", seed=13)
     return {case: str(root / case) for case in PACKED_MODELS}
 
 
@@ -180,7 +182,7 @@ def hf_dir(tmp_path_factory):
 LAYOUTS = [(1, 1, 1, 1), (1, 1, 2, 1), (2, 1, 1, 1), (2, 1, 2, 1), (1, 2, 1, 1), (1, 1, 1, 2)]
 IDS = [f"tp{t}_pp{p}_dp{d}" + (f"_cp{c}" if c > 1 else "") for t, p, d, c in LAYOUTS]
 ENTROPY_TP = [1, 2]
-PACKED_MODELS = ("window", "glm4_moe")
+PACKED_MODELS = ("window", "glm4_moe", "gpt_oss")
 
 
 @pytest.fixture(scope="module")
@@ -222,9 +224,9 @@ def test_dynamic_bsz_equals_fixed_micro_batches(case_results, tp, pp, dp, cp):
 
 
 @pytest.mark.parametrize("case", PACKED_MODELS)
-def test_a_windowed_model_and_glm_pack_exactly(case_results, case):
-    """Token-budget micro-batches of a sliding-window model and of GLM-4.5, with and without shared prompts, equal
-    their fixed run."""
+def test_a_windowed_model_glm_and_gpt_oss_pack_exactly(case_results, case):
+    """Token-budget micro-batches of a sliding-window model, of GLM-4.5 and of gpt-oss, with and without shared
+    prompts, equal their fixed run."""
     (r,) = case_results(case)
     for mode in ("dynamic", "dynamic_shared"):
         assert r[mode]["n_mbs"] > 1

@@ -1,4 +1,5 @@
-"""LoRA on a MoE model (megatron/lora.py): the tiny Qwen3-MoE, Qwen2-MoE (shared expert) and GLM-4.5 with adapters on the
+"""LoRA on a MoE model (megatron/lora.py): the tiny Qwen3-MoE, Qwen2-MoE (shared expert), GLM-4.5 and gpt-oss (biased
+linears: the bias stays in the base layer) with adapters on the
 attention, the shared expert and every routed expert (SequentialMLP, expert TP 1), at TP 1, EP 2 (data parallel 2)
 and TP 2 with sequence parallel x EP 2. Both factors start non-zero: the LoRA model's log-probs equal those of the
 plain model holding its merged weights, and after one update each adapter's gradient is the chain rule through the
@@ -17,7 +18,7 @@ from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "glm4_moe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss")
 LAYOUTS = [(1, 1), (1, 2), (2, 2)]  # (t, e); data parallel = e / t ... the world is max(t, e)
 IDS = ["tp1_ep1", "tp1_ep2", "tp2_sp_ep2"]
 

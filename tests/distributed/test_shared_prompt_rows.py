@@ -4,7 +4,8 @@ one-row-per-sample layout, for prompts of different lengths, responses of 0 to R
 a micro-batch boundary; at TP=2 with sequence parallel too; for a model with a sliding window (3 positions)
 shorter than the rows, whose responses sit apart from their prompt in the packed row (the window is measured in
 positions, within the packed mask: patches/megatron_layers.py WINDOW_WITHIN_ROWS); and for GLM-4.5 (half-rotary
-heads at the packed positions, its routed and shared experts).
+heads at the packed positions, its routed and shared experts), and for gpt-oss (sinks, a window on every other layer,
+YaRN at the packed positions, biased experts).
 
 The cases of one world size run in one spawned world, one after another (tests/distributed/batched.py),
 each torn down by test_layouts.one_case."""
@@ -23,8 +24,9 @@ P, R = 9, 6
 PROMPT_LENS = [4, 9, 6, 2]  # one per group of GROUP rows
 GROUP = 3
 RESPONSE_LENS = [6, 1, 3, 0, 2, 6, 5, 5, 1, 4, 6, 2]
-# (tp, micro-batch rows, model: the tiny Qwen2, Mistral with a window, GLM-4.5)
-CASES = [(1, 12, "qwen2"), (1, 5, "qwen2"), (2, 12, "qwen2"), (1, 12, "mistral_window"), (1, 12, "glm4_moe")]
+# (tp, micro-batch rows, model: the tiny Qwen2, Mistral with a window, GLM-4.5, gpt-oss)
+CASES = [(1, 12, "qwen2"), (1, 5, "qwen2"), (2, 12, "qwen2"), (1, 12, "mistral_window"), (1, 12, "glm4_moe"),
+         (1, 12, "gpt_oss")]
 IDS = [f"{tp}-{micro}" + ("" if model == "qwen2" else f"-{model}") for tp, micro, model in CASES]
 
 
@@ -84,6 +86,7 @@ def case_results(tmp_path_factory):
     build_tiny(root / "mistral_window", build_char_tokenizer(root / "mistral_window"), "mistral", sliding_window=3,
                seed=11)
     build_tiny(root / "glm4_moe", build_char_tokenizer(root / "glm4_moe"), "glm4_moe", seed=11)
+    build_tiny(root / "gpt_oss", build_char_tokenizer(root / "gpt_oss"), "gpt_oss", seed=11)
     return batched_worlds(one_case, {i: (case[0], (_rank_fn, str(root), *case)) for i, case in zip(IDS, CASES)})
 
 
