@@ -22,10 +22,12 @@ def _experts_of(weights: Mapping, name: str) -> int:
 
 class PerExpertWeights(Mapping):
     """{HF name: tensor} of ``weights`` (a mapping, read lazily where it is) with each fused expert tensor
-    replaced by its per-expert slices; a slice is read alone where the mapping can (``HFWeights.expert``)."""
+    replaced by its per-expert slices; a slice is read alone where the mapping can (``HFWeights.expert``), else its
+    fused tensor is read whole once for its experts read in turn (a dequantized MXFP4 one: megatron/quantized.py)."""
 
     def __init__(self, weights: Mapping):
         self.raw = weights
+        self._last = (None, None)  # the fused tensor last read whole
         self._slices = {}
         for name in weights:
             m = _FUSED.match(name)
@@ -38,7 +40,11 @@ class PerExpertWeights(Mapping):
             return self.raw[name]
         fused, e = self._slices[name]
         read = getattr(self.raw, "expert", None)
-        return read(fused, e) if read else self.raw[fused][e].clone()
+        if read:
+            return read(fused, e)
+        if self._last[0] != fused:  # read whole (dequantized, say): once while its experts are read in turn
+            self._last = (fused, self.raw[fused])
+        return self._last[1][e].clone()
 
     def __contains__(self, name) -> bool:
         return name in self._slices or (name in self.raw and not _FUSED.match(str(name)))

@@ -157,6 +157,7 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
 
     extra = check_transformer_overrides(overrides or {}, key)
     check_architecture(hf_config)
+    _check_grouped_biased_experts(hf_config, extra, key)
     check_rope_supported(hf_config)
     if cp > 1 and any(windowed_layers(hf_config)):
         raise ValueError(f"megatron.context_parallel_size={cp}: a model with a sliding window "
@@ -195,6 +196,12 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
         for name, value in yarn_attributes(hf_config).items():
             setattr(config, name, value)
     return config
+
+
+def _check_grouped_biased_experts(hf_config, overrides: dict, key: str) -> None:
+    if overrides.get("moe_grouped_gemm") and families.of(hf_config).linear_bias:
+        raise ValueError(f"{key}.moe_grouped_gemm: {families.of(hf_config).architecture}'s experts have biases, which "
+                         "megatron's GroupedMLP refuses (moe/experts.py); its experts run as SequentialMLP here")
 
 
 def _architecture_fields(hf_config) -> dict:

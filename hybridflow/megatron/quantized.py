@@ -1,12 +1,18 @@
 """Quantized checkpoints read as unquantized weights: training, the rollout engines and exports hold the model in
 its training dtype, so a checkpoint whose config.json has a ``quantization_config`` is dequantized as it is read.
 
-Known layout: FP8 block-wise (``quant_method: fp8`` with ``weight_block_size: [m, n]``: DeepSeek-V3/R1, Kimi-K2,
-Qwen3-*-FP8): each quantized ``<name>`` is float8_e4m3fn beside a float32 ``<name>_scale_inv`` holding one scale
-per [m, n] block (the grid rounded up where a dimension is not a multiple), and the weight is their product, as
-transformers' ``Fp8Dequantize`` computes it (integrations/finegrained_fp8.py). Any other quantization is refused
-in one line. What is written back (exports, checkpoints' ``hf`` folders) has no ``quantization_config``, and the
-vLLM engines are built without it (rollout/vllm_rollout.py)."""
+Known layouts:
+- FP8 block-wise (``quant_method: fp8`` with ``weight_block_size: [m, n]``: DeepSeek-V3/R1, Kimi-K2,
+  Qwen3-*-FP8): each quantized ``<name>`` is float8_e4m3fn beside a float32 ``<name>_scale_inv`` holding one scale
+  per [m, n] block (the grid rounded up where a dimension is not a multiple), and the weight is their product, as
+  transformers' ``Fp8Dequantize`` computes it (integrations/finegrained_fp8.py).
+- MXFP4 (``quant_method: mxfp4``: gpt-oss's official checkpoints): each quantized ``<name>`` (its fused experts'
+  ``gate_up_proj``, ``down_proj``) is stored as ``<name>_blocks`` [experts, rows, groups, 16] (two E2M1 values a
+  byte, the low nibble first) and ``<name>_scales`` [experts, rows, groups] (one power-of-two E8M0 exponent per
+  32 values, biased by 127), read through transformers' own ``convert_moe_packed_tensors``
+  (integrations/mxfp4.py), which also lays the result out as the bf16 checkpoints hold it ([experts, in, out]).
+Any other quantization is refused in one line. What is written back (exports, checkpoints' ``hf`` folders) has no
+``quantization_config``, and the vLLM engines are built without it (rollout/vllm_rollout.py)."""
 
 from __future__ import annotations
 
@@ -26,9 +32,12 @@ def quantization_of(hf_config) -> dict | None:
         return None
     q = q if isinstance(q, dict) else q.to_dict()
     method, block = q.get("quant_method"), q.get("weight_block_size")
+    if method == "mxfp4":
+        return q
     if method != "fp8" or not (isinstance(block, (list, tuple)) and len(block) == 2):
         raise ValueError(f"quantization_config: quant_method {method!r} with weight_block_size {block!r} is not "
-                         "read here (supported: fp8 with weight_block_size [m, n]); dequantize the checkpoint first")
+                         "read here (supported: fp8 with weight_block_size [m, n], mxfp4); dequantize the checkpoint "
+                         "first")
     return q
 
 
@@ -95,7 +104,69 @@ class DequantizedWeights(Mapping):
         return self.raw.bytes_read
 
 
+MXFP4_SUFFIXES = ("_blocks", "_scales")
+
+
+class MXFP4Weights(Mapping):
+    """{HF name: float32 tensor} of an MXFP4 checkpoint's ``weights`` (a mapping read lazily): each quantized tensor
+    under its own name (its ``_blocks`` and ``_scales`` no names of their own), dequantized as it is read."""
+
+    def __init__(self, weights: Mapping):
+        self.raw = weights
+        blocks = {n.removesuffix("_blocks") for n in weights if n.endswith("_blocks")}
+        scales = {n.removesuffix("_scales") for n in weights if n.endswith("_scales")}
+        if blocks != scales:
+            odd = sorted(blocks ^ scales)[0]
+            raise ValueError(f"the checkpoint holds {odd}{'_blocks' if odd in blocks else '_scales'} without "
+                             f"{odd}{'_scales' if odd in blocks else '_blocks'}")
+        self._quantized = blocks
+        self._names = [n for n in weights if not n.endswith(MXFP4_SUFFIXES)] + sorted(blocks)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._quantized:
+            return self.raw[name]
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        return convert_moe_packed_tensors(self.raw[name + "_blocks"], self.raw[name + "_scales"], dtype=torch.float32)
+
+    def shape_of(self, name: str) -> list[int]:
+        """The tensor's shape as read (dequantized: [experts, groups x 32, rows]), from the file's header."""
+        if name not in self._quantized:
+            return list(self.raw.shape_of(name) if hasattr(self.raw, "shape_of") else self.raw[name].shape)
+        experts, rows, groups, _ = (self.raw.shape_of(name + "_blocks") if hasattr(self.raw, "shape_of")
+                                    else self.raw[name + "_blocks"].shape)
+        return [experts, groups * 32, rows]
+
+    def __contains__(self, name) -> bool:
+        return name in self._quantized or (name in self.raw and not str(name).endswith(MXFP4_SUFFIXES))
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.raw.bytes_read
+
+
 def readable(weights: Mapping, hf_config) -> Mapping:
     """``weights`` as the training dtype reads them: dequantized where config.json says they are quantized."""
     q = quantization_of(hf_config)
-    return weights if q is None else DequantizedWeights(weights, q["weight_block_size"])
+    if q is None:
+        return weights
+    return MXFP4Weights(weights) if q["quant_method"] == "mxfp4" else DequantizedWeights(weights, q["weight_block_size"])
+
+
+def stored_names(declared: set, file_names, hf_config) -> set:
+    """The checkpoint's tensor names for the ``declared`` ones: with each FP8 weight's scales beside it, an MXFP4
+    weight's blocks and scales in its place."""
+    q = quantization_of(hf_config)
+    if q is None:
+        return set(declared)
+    files = set(file_names)
+    if q["quant_method"] == "mxfp4":
+        packed = {n for n in declared if n + "_blocks" in files}
+        return (set(declared) - packed) | {n + s for n in packed for s in MXFP4_SUFFIXES}
+    return set(declared) | {n for n in files if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in declared}

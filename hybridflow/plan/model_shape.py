@@ -32,6 +32,8 @@ class Shape:
     routing_skew: float = 2.0
     shared_gate: bool = False  # Qwen2-MoE's sigmoid gate on it
     expert_bias: bool = False  # GLM-4.5's / DeepSeek-V3's router bias, one float32 per expert (counted as a parameter)
+    linear_bias: bool = False  # gpt-oss: a bias on the attention output, the router and every expert projection
+    sinks: bool = False  # gpt-oss: one sink logit per attention head
 
     @classmethod
     def from_hf(cls, c: dict) -> Shape:
@@ -45,7 +47,8 @@ class Shape:
                    families.qkv_bias(hf), experts, families.of(hf).expert_width(hf) if experts else 0,
                    families.shared_expert_width(hf), families.qk_layernorm(hf),
                    c.get("num_experts_per_tok") or 0, sparse if experts else None,
-                   shared_gate=families.of(hf).shared_expert_gate, expert_bias=families.of(hf).expert_bias)
+                   shared_gate=families.of(hf).shared_expert_gate, expert_bias=families.of(hf).expert_bias,
+                   linear_bias=families.of(hf).linear_bias, sinks=families.of(hf).attention_sinks)
 
     @property
     def moe_layers(self) -> int:
@@ -59,9 +62,11 @@ def layer_params(s: Shape, sparse: bool | None = None) -> int:
     (None: whether the model has any)."""
     sparse = bool(s.moe_layers) if sparse is None else sparse
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    attn = s.hidden * (q + 2 * kv) + (q + 2 * kv) * s.qkv_bias + q * s.hidden
-    if sparse:  # router (and its expert bias), shared expert (and its gate), no dense MLP
-        mlp = s.experts * (s.hidden + s.expert_bias) + 3 * s.hidden * s.shared_intermediate + s.hidden * s.shared_gate
+    attn = s.hidden * (q + 2 * kv) + (q + 2 * kv) * s.qkv_bias + q * s.hidden + s.hidden * s.linear_bias
+    attn += s.heads * s.sinks
+    if sparse:  # router (and its expert bias or its bias), shared expert (and its gate), no dense MLP
+        mlp = (s.experts * (s.hidden + s.expert_bias + s.linear_bias) + 3 * s.hidden * s.shared_intermediate
+               + s.hidden * s.shared_gate)
     else:
         mlp = 3 * s.hidden * s.intermediate  # gate/up/down
     return attn + mlp + 2 * s.hidden + 2 * s.head_dim * s.qk_norm  # + two RMSNorms (+ Qwen3's q/k norms)
@@ -75,7 +80,12 @@ def decoder_params(s: Shape) -> int:
 
 def expert_params(s: Shape) -> int:
     """The routed experts of the whole model (sharded over expert_model_parallel x expert TP, not TP x DP)."""
-    return s.moe_layers * s.experts * 3 * s.hidden * s.moe_intermediate
+    return s.moe_layers * s.experts * one_expert_params(s)
+
+
+def one_expert_params(s: Shape) -> int:
+    """One routed expert: [gate; up] and down (and gpt-oss's biases on both)."""
+    return 3 * s.hidden * s.moe_intermediate + (2 * s.moe_intermediate + s.hidden) * s.linear_bias
 
 
 def lora_params(s: Shape, rank: int, targets, t: int = 1) -> float:
@@ -138,7 +148,7 @@ def largest_layer_params(s: Shape) -> int:
     """The largest single decoder layer, experts included."""
     sizes = [layer_params(s, False)] if s.layers > s.moe_layers else []
     if s.moe_layers:
-        sizes.append(layer_params(s, True) + s.experts * 3 * s.hidden * s.moe_intermediate)
+        sizes.append(layer_params(s, True) + s.experts * one_expert_params(s))
     return max(sizes)
 
 

@@ -38,6 +38,7 @@ import warnings
 import torch
 
 from hybridflow import device, families
+from hybridflow.families import stacked_experts
 from hybridflow.config import ConfigError
 from hybridflow.megatron import context_parallel, parallel
 from hybridflow.megatron.attention_config import check_rope_supported
@@ -304,7 +305,8 @@ def _hf_reference(model_dir: str, cfg, state: dict):
     if quantization_of(cfg) is None:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_config(unquantized_config(cfg), dtype=torch.float32)
-    _, unexpected = model.load_state_dict(state, strict=False)  # a tied output layer is not in the state
+    stacked = dict(stacked_experts.stacked_items(state.items(), cfg))  # gpt-oss's experts as transformers holds them
+    _, unexpected = model.load_state_dict(stacked, strict=False)  # a tied output layer is not in the state
     if unexpected:
         raise ValueError(f"{model_dir}: transformers' {type(model).__name__} has no {unexpected[0]}")
     return model.eval()

@@ -12,7 +12,7 @@ from hybridflow import families
 from hybridflow.config import ConfigError
 from hybridflow.config.schema import ExperimentConfig
 from hybridflow.megatron.attention_config import check_rope_supported
-from hybridflow.megatron.quantized import SCALE_SUFFIX, quantization_of
+from hybridflow.megatron.quantized import quantization_of, stored_names
 from hybridflow.trainer.lora_checks import header_shapes
 
 
@@ -107,9 +107,7 @@ def check_declared_weights(path: str, model, file_of: dict) -> None:
     family = families.FAMILIES.get(getattr(model, "model_type", None))
     if family is None:  # refused by name with the supported list (megatron.model.check_architecture)
         return
-    declared = family.hf_names(model)
-    if quantization_of(model) is not None:  # each quantized weight's scales, read with it (megatron/quantized.py)
-        declared |= {n for n in file_of if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in declared}
+    declared = stored_names(family.hf_names(model), file_of, model)  # as quantized (megatron/quantized.py)
     mtp = _mtp_tensors(family, model, file_of)
     unread = sorted(n for n in file_of if n not in declared and n not in mtp and not _UNREAD.search(n))
     if unread:

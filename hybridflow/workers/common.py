@@ -23,7 +23,7 @@ def open_hf_folder(path: str) -> tuple:
 
     weights = HFWeights(path)
     config = AutoConfig.from_pretrained(path)
-    return config, quantized.readable(stacked_experts.readable(weights, config), config)
+    return config, stacked_experts.readable(quantized.readable(weights, config), config)
 
 
 def load_hf_folder(path: str) -> tuple:

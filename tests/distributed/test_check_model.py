@@ -81,6 +81,18 @@ def test_an_fp8_checkpoint_converts_and_reaches_vllm_unquantized(tmp_path, capsy
     assert "OK: the model converts" in out and "vLLM greedy agreement with HF: 100.0% of tokens" in out
 
 
+def test_an_mxfp4_checkpoint_converts_and_reaches_vllm_unquantized(tmp_path, capsys):
+    """An MXFP4 gpt-oss made here from the tiny one (its fused experts as blocks and scales, as openai's checkpoints):
+    megatron equals transformers on the dequantized experts, and vLLM, built without the quantization, runs on the
+    trainer's weights (its greedy agreement: the gpt-oss case above)."""
+    from hybridflow.models.mxfp4_checkpoint import write_mxfp4_checkpoint
+
+    write_mxfp4_checkpoint(_build(tmp_path / "base", "gpt_oss"), tmp_path / "mxfp4")
+    assert main(["check-model", str(tmp_path / "mxfp4"), "--ep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: the model converts" in out and "vLLM greedy agreement with HF" in out
+
+
 def test_a_corrupted_checkpoint_names_the_first_differing_layer(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 

@@ -168,7 +168,7 @@ def test_missing_shapes_name_the_file(tiny, capsys, monkeypatch):
 
 SHIPPED = ["gsm8k_qwen2.5_0.5b_ppo", "gsm8k_qwen2.5_0.5b_grpo", "gsm8k_qwen2.5_7b_ppo", "gsm8k_qwen2.5_7b_grpo",
            "gsm8k_qwen2.5_7b_dapo", "gsm8k_qwen3_8b_grpo", "gsm8k_qwen3_8b_tools_grpo", "gsm8k_qwen3_30b_a3b_gspo",
-           "gsm8k_qwen2.5_32b_lora_grpo", "gsm8k_glm4.5_air_lora_grpo"]
+           "gsm8k_qwen2.5_32b_lora_grpo", "gsm8k_glm4.5_air_lora_grpo", "gsm8k_gpt_oss_20b_grpo"]
 MARGIN = 0.9  # the plan is an estimate: every phase of a shipped config leaves a tenth of the card free
 
 
@@ -294,6 +294,24 @@ def test_glm_4_5_air_counts_as_transformers_builds_it():
     assert (shape.moe_layers, shape.shared_intermediate, biases) == (45, 1408, 45 * 128)
     assert mp.count_params(shape) == sum(p.numel() for p in model.parameters()) + biases
     assert mp.expert_params(shape) == 45 * 128 * 3 * 4096 * 1408
+
+
+def test_gpt_oss_20b_counts_as_transformers_builds_it():
+    """gpt-oss-20b's shapes (configs/models/gpt-oss-20b.json): every layer sparse, biases on every linear and expert,
+    a sink per head: 20,914,757,184 parameters, as transformers builds it."""
+    import json
+
+    import torch
+    import transformers
+
+    with open(os.path.join(REPO, "configs", "models", "gpt-oss-20b.json")) as f:
+        oss = json.load(f)
+    with torch.device("meta"):
+        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**oss))
+    shape = mp.Shape.from_hf(oss)
+    assert (shape.moe_layers, shape.moe_intermediate, shape.linear_bias, shape.sinks) == (24, 2880, True, True)
+    assert mp.count_params(shape) == sum(p.numel() for p in model.parameters()) == 20_914_757_184
+    assert mp.expert_params(shape) == 24 * 32 * (3 * 2880 * 2880 + 3 * 2880)
 
 
 def test_moe_activations_count_every_token_top_k_times():

@@ -115,3 +115,44 @@ def test_deepseek_v3s_groups_route_alike():
 
     check_architecture(SimpleNamespace(**{**GLM, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8,
                                           "topk_group": 4}))
+
+
+def _gpt_oss(**change):
+    import transformers
+
+    return transformers.GptOssConfig(**{**dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                               num_local_experts=4, num_experts_per_tok=2), **change})
+
+
+def test_gpt_oss_settings_megatron_cannot_take_are_refused_in_one_line():
+    """Grouped-GEMM experts (megatron's GroupedMLP refuses biases), an activation other than quick_gelu's 1.702, a
+    YaRN attention factor given outright, and an expert TP above 1 (megatron builds biased experts only whole)."""
+    from hybridflow.megatron.model import transformer_config_from_hf
+    from hybridflow.plan.layout import ParallelLayout
+
+    key = "actor.megatron.override_transformer_config"
+    with pytest.raises(ValueError, match=f"{key}.moe_grouped_gemm: GptOssForCausalLM's experts have biases"):
+        transformer_config_from_hf(_gpt_oss(), overrides={"moe_grouped_gemm": True}, key=key)
+    with pytest.raises(ValueError, match="swiglu_alpha 1.5: megatron's clamped SwiGLU uses quick_gelu's 1.702"):
+        transformer_config_from_hf(_gpt_oss(swiglu_alpha=1.5))
+    yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "attention_factor": 1.2}
+    with pytest.raises(ValueError, match="rope_parameters.attention_factor: a YaRN attention factor given explicitly"):
+        transformer_config_from_hf(_gpt_oss(rope_parameters=yarn))
+    with pytest.raises(ValueError, match=r"actor.megatron.expert_tensor_parallel_size \(2\) must be 1 for "
+                                         "GptOssForCausalLM"):
+        ParallelLayout("actor", 2, "resources.n_workers", tp=2, etp=2).check_experts(_gpt_oss(), "m", on_gpu=True)
+
+
+def test_gpt_oss_maps_to_megatrons_settings():
+    """The window on layer_types' sliding layers (megatron reads the list by layer), sinks, biases, the clamped
+    SwiGLU, top-k then softmax (no pre-softmax), and YaRN's attributes from its rope_parameters (truncate false:
+    the correction range not rounded)."""
+    from hybridflow.megatron.model import transformer_config_from_hf
+
+    c = transformer_config_from_hf(_gpt_oss(sliding_window=8))
+    assert (c.window_size, c.window_attn_skip_freq, c.softmax_type) == ((7, 0), [1, 0], "learnable")
+    assert c.add_bias_linear and c.activation_func_clamp_value == 7.0 and c.glu_linear_offset == 1.0
+    assert c.activation_func.__name__ == "quick_gelu" and not c.moe_router_pre_softmax
+    assert (c.yarn_rotary_scaling_factor, c.yarn_original_max_position_embeddings, c.yarn_mscale,
+            c.yarn_correction_range_round_to_int) == (32.0, 4096, None, False)
