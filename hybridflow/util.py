@@ -7,6 +7,7 @@ import os
 import random
 import socket
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Iterator
 
 
@@ -83,3 +84,22 @@ def free_port(host: str = "") -> int:
                 continue
             return s.getsockname()[1]
     raise OSError(f"no free TCP port in {_RENDEZVOUS_PORTS_FROM}-{ephemeral_from - 1}")
+
+
+class MappingView(Mapping):
+    """A read-only view of another mapping of tensors (``raw``, e.g. a checkpoint read lazily) under names of its own
+    (``_names``, in order), which a subclass reads (``__getitem__``, ``__contains__``); ``bytes_read`` is the
+    underlying reader's."""
+
+    raw: Mapping
+    _names: list
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.raw.bytes_read

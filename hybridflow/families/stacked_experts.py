@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 
 from hybridflow import families
+from hybridflow.util import MappingView
 from hybridflow.families.weights import FUSED_SLICE as _SLICE
 from hybridflow.families.weights import FUSED_TENSOR as _FUSED
 
@@ -20,7 +21,7 @@ def _experts_of(weights: Mapping, name: str) -> int:
     return (shape(name) if shape else weights[name].shape)[0]
 
 
-class PerExpertWeights(Mapping):
+class PerExpertWeights(MappingView):
     """{HF name: tensor} of ``weights`` (a mapping, read lazily where it is) with each fused expert tensor
     replaced by its per-expert slices; a slice is read alone where the mapping can (``HFWeights.expert``), else its
     fused tensor is read whole once for its experts read in turn (a dequantized MXFP4 one: megatron/quantized.py)."""
@@ -48,16 +49,6 @@ class PerExpertWeights(Mapping):
 
     def __contains__(self, name) -> bool:
         return name in self._slices or (name in self.raw and not _FUSED.match(str(name)))
-
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    @property
-    def bytes_read(self) -> int:
-        return self.raw.bytes_read
 
 
 def readable(weights: Mapping, hf_config) -> Mapping:

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 
 import torch
 
+from hybridflow.util import MappingView
+
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -71,7 +73,7 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     return weight.float() * scale
 
 
-class DequantizedWeights(Mapping):
+class DequantizedWeights(MappingView):
     """{HF name: float32 tensor} of an FP8 block-quantized checkpoint's ``weights`` (a mapping read lazily): the
     scale tensors are not names of their own, each quantized tensor comes back dequantized."""
 
@@ -93,21 +95,11 @@ class DequantizedWeights(Mapping):
     def __contains__(self, name) -> bool:
         return name in self.raw and not str(name).endswith(SCALE_SUFFIX)
 
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    @property
-    def bytes_read(self) -> int:
-        return self.raw.bytes_read
-
 
 MXFP4_SUFFIXES = ("_blocks", "_scales")
 
 
-class MXFP4Weights(Mapping):
+class MXFP4Weights(MappingView):
     """{HF name: float32 tensor} of an MXFP4 checkpoint's ``weights`` (a mapping read lazily): each quantized tensor
     under its own name (its ``_blocks`` and ``_scales`` no names of their own), dequantized as it is read."""
 
@@ -139,16 +131,6 @@ class MXFP4Weights(Mapping):
 
     def __contains__(self, name) -> bool:
         return name in self._quantized or (name in self.raw and not str(name).endswith(MXFP4_SUFFIXES))
-
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    @property
-    def bytes_read(self) -> int:
-        return self.raw.bytes_read
 
 
 def readable(weights: Mapping, hf_config) -> Mapping:

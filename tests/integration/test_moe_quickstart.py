@@ -61,23 +61,27 @@ def test_routing_replay_trains_with_the_rollouts_or_the_old_log_probs_routes(ass
         assert 0 < metrics["actor/routing_replay/update_differing_fraction"] < 0.5, metrics
 
 
+def _warm_started(assets, out, tmp_path, arch: str):
+    """The MoE overlay's run config on a tiny ``arch`` model (top-3 of 8 experts) briefly warm-started in ``out``."""
+    from hybridflow.plan import load_experiment
+    from hybridflow.trainer.prepare import prepare_quickstart
+    from tests.integration.conftest import SMALL
+
+    cfg = load_experiment(["configs/quickstart_moe_cpu.yaml"], [
+        f"prepare.data_dir={assets}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
+        "prepare.vocab_multiple=128", *SMALL, "prepare.sft_steps=10", "prepare.sft_target_accuracy=null",
+        "prepare.moe_top_k=3", f"prepare.arch={arch}"])
+    prepare_quickstart(cfg)
+    return make_cfg(assets, tmp_path, f"model.path={out}/sft", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
+                    config="configs/quickstart_moe_cpu.yaml")
+
+
 def test_glm_4_5_trains_with_expert_parallelism_and_replayed_routes(assets, tmp_path_factory, tmp_path, ray_cluster):
     """GLM-4.5 (issue 47): the MoE overlay with ``prepare.arch=glm4_moe`` (its first layer dense, a shared expert, the
     sigmoid router with its expert bias) briefly warm-started, then 2 GRPO steps at expert parallelism 2 with vLLM's
     routes replayed: finite metrics, vLLM's probabilities the trainer's within the fp32 rule, and the expert bias
     frozen (megatron's update off: moe_config._sigmoid_router_fields)."""
-    from hybridflow.plan import load_experiment
-    from hybridflow.trainer.prepare import prepare_quickstart
-    from tests.integration.conftest import SMALL
-
-    out = tmp_path_factory.mktemp("glm")
-    cfg = load_experiment(["configs/quickstart_moe_cpu.yaml"], [
-        f"prepare.data_dir={assets}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
-        "prepare.vocab_multiple=128", *SMALL, "prepare.sft_steps=10", "prepare.sft_target_accuracy=null",
-        "prepare.moe_top_k=3", "prepare.arch=glm4_moe"])
-    prepare_quickstart(cfg)
-    cfg = make_cfg(assets, tmp_path, f"model.path={out}/sft", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
-                   config="configs/quickstart_moe_cpu.yaml")
+    cfg = _warm_started(assets, tmp_path_factory.mktemp("glm"), tmp_path, "glm4_moe")
     biases = []
     history = run_steps(cfg, 2, check=lambda trainer, step, m: biases.append(_expert_bias(trainer)))
     for metrics in history:
@@ -97,18 +101,7 @@ def test_gpt_oss_trains_with_expert_parallelism_and_replayed_routes(assets, tmp_
     biases everywhere, the clamped SwiGLU, experts fused over the experts in the checkpoint) briefly warm-started,
     then 2 GRPO steps at expert parallelism 2 with vLLM's routes replayed: finite metrics, vLLM's probabilities the
     trainer's within the fp32 rule (the biases' training: test_model_archs.py)."""
-    from hybridflow.plan import load_experiment
-    from hybridflow.trainer.prepare import prepare_quickstart
-    from tests.integration.conftest import SMALL
-
-    out = tmp_path_factory.mktemp("gpt_oss")
-    cfg = load_experiment(["configs/quickstart_moe_cpu.yaml"], [
-        f"prepare.data_dir={assets}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
-        "prepare.vocab_multiple=128", *SMALL, "prepare.sft_steps=10", "prepare.sft_target_accuracy=null",
-        "prepare.moe_top_k=3", "prepare.arch=gpt_oss"])
-    prepare_quickstart(cfg)
-    cfg = make_cfg(assets, tmp_path, f"model.path={out}/sft", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
-                   config="configs/quickstart_moe_cpu.yaml")
+    cfg = _warm_started(assets, tmp_path_factory.mktemp("gpt_oss"), tmp_path, "gpt_oss")
     history = run_steps(cfg, 2)
     for metrics in history:
         assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
