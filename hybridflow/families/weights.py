@@ -152,7 +152,7 @@ FUSED_EXPERT = (
 
 # --- from a full name back to its declaration -------------------------------------------------------------
 _MEGATRON_LAYER = re.compile(r"^(?:.*\.)?decoder\.layers\.\d+\.")
-_VLLM_LAYER = re.compile(r"^model\.layers\.\d+\.")
+_VLLM_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"^(.*\bmlp\.experts\.)local_experts\.(\d+)\.(.*)$")
 _EXPERT_INDEX = re.compile(r"\bmlp\.experts\.(local_experts\.)?(\d+)\.")
 
@@ -190,6 +190,12 @@ def vllm_weight(name: str) -> tuple[str, Weight]:
     if expert:
         weight = weight.expert(int(expert[2]), int(expert[2]))
     return prefix, weight
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a HF / vLLM name (``model.layers.{i}.``-prefixed) belongs to; None for a global one."""
+    m = _VLLM_LAYER.match(name)
+    return int(m[1]) if m else None
 
 
 def keeps_float32(vllm_name: str) -> bool:

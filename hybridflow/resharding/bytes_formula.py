@@ -4,13 +4,9 @@ tests hold the measured bytes to."""
 
 from __future__ import annotations
 
-import re
-
-from hybridflow.families.weights import EMBEDDING, Split, hf_weight, is_expert
+from hybridflow.families.weights import EMBEDDING, Split, hf_weight, is_expert, layer_index
 from hybridflow.megatron.convert import stage_layers
 from hybridflow.resharding.plan import HybridPlan, Layout
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def stage_bytes(state: dict, cfg, pp: int, ep: int, element_size: int | None = None) -> tuple[list, list, list, list]:
@@ -23,8 +19,8 @@ def stage_bytes(state: dict, cfg, pp: int, ep: int, element_size: int | None = N
     for name, t in state.items():
         weight = hf_weight(name)
         n = t.numel() * (4 if weight.float32 else element_size or t.element_size())
-        layer = _LAYER.match(name)
-        s = stage_of[int(layer[1])] if layer else (0 if weight == EMBEDDING else pp - 1)
+        layer = layer_index(name)
+        s = stage_of[layer] if layer is not None else (0 if weight == EMBEDDING else pp - 1)
         if is_expert(name) and ep > 1:
             (whole if weight.split is Split.REPLICATED else experts)[s] += n
         elif weight.split is Split.REPLICATED:

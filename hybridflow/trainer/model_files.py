@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from hybridflow import families
+from hybridflow.families import weights
 from hybridflow.config import ConfigError
 from hybridflow.config.schema import ExperimentConfig
 from hybridflow.megatron.attention_config import check_rope_supported
@@ -86,14 +87,13 @@ def check_weight_shapes(path: str, model) -> None:
 
 # Tensors a checkpoint may hold that no conversion reads: old rotary caches, a tied model's saved output layer.
 _UNREAD = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^lm_head\.weight$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 log = logging.getLogger(__name__)
 
 
 def _mtp_tensors(family, model, file_of: dict) -> set[str]:
     """The tensors of the checkpoint's multi-token-prediction layers (family.mtp_layers), noted once: not read."""
     layers = family.mtp_layers(model)
-    mtp = {n for n in file_of if (m := _LAYER.match(n)) and int(m[1]) in layers}
+    mtp = {n for n in file_of if weights.layer_index(n) in layers}
     if mtp:
         log.info("model.path: the %d tensors of its %d multi-token-prediction layer(s) (num_nextn_predict_layers) are "
                  "not read: MTP is not trained here, and exports and vLLM go without them", len(mtp), len(layers))
