@@ -105,3 +105,16 @@ class HarmonyCalls:
                 continue
             calls.append(decoded_call(recipient.group(1), m.group("body")))
         return calls
+
+
+HARMONY_CHANNEL = "<|channel|>"  # a special token of gpt-oss's tokenizer (o200k_harmony) and of no other here
+
+
+def harmony_final(text: str) -> str | None:
+    """The answer of a turn in the harmony format (decoded with its special tokens): the bodies of its messages on
+    the final channel, joined by newlines, analysis and commentary left out ("" where the turn was cut before its
+    answer); None for text that is not in the format."""
+    if HARMONY_CHANNEL not in text:
+        return None
+    return "\n".join(m.group("body") for m in HarmonyCalls._message.finditer(text)
+                     if f"{HARMONY_CHANNEL}final" in m.group("header"))

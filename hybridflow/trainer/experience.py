@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from hybridflow import rng
+from hybridflow.agent.vllm_parsers import HARMONY_CHANNEL, harmony_final
 from hybridflow.algorithms import ADVANTAGE_ESTIMATORS, compute_advantage, kl_penalty, masked_mean
 from hybridflow.protocol import Batch
 from hybridflow.rewards import on_last_token, score_batch
@@ -50,16 +51,30 @@ def score_responses(batch: Batch, tokenizer, scorer) -> Batch:
 def sampled_text(tokenizer, response: torch.Tensor, mask: torch.Tensor) -> str:
     """The text the model wrote: each run of sampled tokens decoded on its own, runs joined by newlines. A
     multi-turn response's tool messages (mask 0) are left out, so a scorer never rewards text a tool wrote; verl
-    0.9.1 decodes the whole response, tool messages included (a deliberate difference)."""
+    0.9.1 decodes the whole response, tool messages included (a deliberate difference). A run in gpt-oss's harmony
+    format counts its final channel only (_decoded_run)."""
     m = mask.bool().tolist()
     ids, runs, start = response.tolist(), [], None
+    harmony = HARMONY_CHANNEL in tokenizer.get_added_vocab()
     for i, on in enumerate(m + [False]):
         if on and start is None:
             start = i
         elif not on and start is not None:
-            runs.append(tokenizer.decode(ids[start:i], skip_special_tokens=True))
+            runs.append(_decoded_run(tokenizer, ids[start:i], harmony))
             start = None
     return "\n".join(runs)
+
+
+def _decoded_run(tokenizer, ids: list[int], harmony: bool) -> str:
+    """One run of sampled tokens as text. With a harmony tokenizer (gpt-oss), a run in the format is its answer:
+    the final channel's messages, its analysis (reasoning) and commentary left out, "" where the length budget cut it
+    before its answer. Deliberate difference: verl 0.9.1 scores the whole decoded response, reasoning included, so a
+    number in the reasoning can pass for the answer."""
+    if harmony:
+        final = harmony_final(tokenizer.decode(ids, skip_special_tokens=False))
+        if final is not None:
+            return final
+    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def returned_entries(entries: list[dict]) -> dict:

@@ -55,3 +55,29 @@ def test_optimal_token_baseline_inputs():
     expected, _ = compute_advantage("optimal_token_baseline", REWARDS, MASK, index=UID, old_log_probs=old,
                                     sum_pi_squared=spi)
     assert_close(add_advantages(b, algo).tensors["advantages"], expected, what="OTB advantages")
+
+
+def test_a_harmony_response_is_scored_by_its_final_channel(tmp_path):
+    """gpt-oss writes its reasoning on the analysis channel and its answer on the final one: the scorer reads the
+    final channel of each sampled run (a turn cut before its answer: nothing), text outside the format as decoded,
+    and a tokenizer without harmony's tokens decodes as before."""
+    from hybridflow.models.char_tokenizer import build_char_tokenizer
+    from hybridflow.trainer.experience import sampled_text
+
+    tok = build_char_tokenizer(tmp_path)
+
+    def text(s: str, mask=None) -> str:
+        ids = tok(s, add_special_tokens=False)["input_ids"]
+        return sampled_text(tok, torch.tensor(ids), torch.ones(len(ids)) if mask is None else mask(len(ids)))
+
+    assert text("7 plus 5 is 12") == "7 plus 5 is 12"
+    tok.add_special_tokens({"additional_special_tokens": ["<|start|>", "<|channel|>", "<|message|>", "<|end|>",
+                                                          "<|return|>"]})
+    turn = ("<|channel|>analysis<|message|>7 plus 5 is 12, or 13?<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>#### 12<|return|>")
+    assert text(turn) == "#### 12"
+    assert text("<|channel|>analysis<|message|>7 plus 5 is 12, or") == ""  # cut by the length budget
+    assert text("7 plus 5 is 12") == "7 plus 5 is 12"
+    n_turn = len(tok(turn, add_special_tokens=False)["input_ids"])
+    two = turn + "#### 99" + turn.replace("12<|return|>", "13<|return|>")  # a tool's text (mask 0) between two turns
+    assert text(two, lambda n: torch.tensor([1] * n_turn + [0] * 7 + [1] * (n - n_turn - 7))) == "#### 12\n#### 13"
