@@ -229,14 +229,20 @@ def _architecture_fields(hf_config) -> dict:
     )
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """megatron's quick_gelu, ``x * sigmoid(1.702 x)``, not compiled: megatron wraps its own in torch.compile
+    (fusions/fused_bias_geglu.py ``@jit_fuser``), and that compiled CPU kernel corrupts memory here (torch 2.13 CPU:
+    "malloc(): unaligned tcache chunk detected" on a [4, 64] input; garbage outputs under AVX2 dispatch). megatron
+    reads the function only to pick a fused bias-activation kernel (bias_activation_fusion, off here)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 def _activation_fields(hf_config) -> dict:
     """SwiGLU, or gpt-oss's clamped one (transformers' GptOssExperts._apply_gate): gate clamped above and up on both
     sides at swiglu_limit, ``gate * sigmoid(alpha * gate) * (up + 1)``; megatron's quick_gelu is alpha 1.702 (the
     one value gpt-oss uses), its glu with activation_func_clamp_value and glu_linear_offset 1 (transformer/mlp.py)."""
     if not families.of(hf_config).clamped_swiglu:
         return dict(activation_func=F.silu)
-    from megatron.core.fusions.fused_bias_geglu import quick_gelu
-
     alpha = float(getattr(hf_config, "swiglu_alpha", 1.702))
     if abs(alpha - 1.702) > 1e-9:
         raise ValueError(f"swiglu_alpha {alpha}: megatron's clamped SwiGLU uses quick_gelu's 1.702")

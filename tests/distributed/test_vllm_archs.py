@@ -102,12 +102,14 @@ def _vllm_last_log_probs(rank, world, hf_dir, seqs):
     return [{k: v.logprob for k, v in o.outputs[0].logprobs[0].items()} for o in outs]
 
 
-def test_vllm_cpu_windowed_attention_with_sinks_errs_on_repeated_tokens(tmp_path):
-    """A known vLLM-CPU fault, measured so that its fix shows (then test_check_model's gpt-oss case can require HF's
-    greedy tokens again): gpt-oss's windowed layers with sinks match transformers (and megatron, which matches
-    transformers to 1e-7 there) on varied tokens, but where the window holds one token repeated the next token's
-    log-probs are off by ~0.1 (0.11 on this model at lengths 15 to 33; 5e-4 with the sinks off or the window wider
-    than the row). The GPU kernels are other code (vLLM's FlashAttention/Triton sinks)."""
+def test_vllm_cpu_windowed_attention_with_sinks_on_varied_and_repeated_tokens(tmp_path):
+    """gpt-oss's windowed layers with sinks in vLLM-CPU match transformers (and megatron, which matches transformers
+    to 1e-7 there) on varied tokens. A known vLLM-CPU fault, measured on an AVX-512 host, is reported as an expected
+    failure where it shows, so that its fix shows (then test_check_model's gpt-oss case can require HF's greedy
+    tokens again): where the window holds one token repeated, the next token's log-probs are off by ~0.1 (0.11 on
+    this model at lengths 15 to 33; 5e-4 with the sinks off or the window wider than the row). Its attention kernel
+    is chosen by the CPU's instruction set (cpu_attn.py _get_attn_isa), so another CPU may not show it. The GPU
+    kernels are other code (vLLM's FlashAttention/Triton sinks)."""
     from transformers import AutoModelForCausalLM
 
     from hybridflow.models.char_tokenizer import build_char_tokenizer
@@ -123,4 +125,5 @@ def test_vllm_cpu_windowed_attention_with_sinks_errs_on_repeated_tokens(tmp_path
         want = [torch.log_softmax(hf(torch.tensor([s])).logits[0, -1], -1) for s in seqs]
     errors = [max(abs(lp - w[k].item()) for k, lp in g_.items()) for g_, w in zip(got, want)]
     assert max(errors[:3]) < 3e-3, errors  # fp32 kernels of different order
-    assert min(errors[3:]) > 3e-2, f"vLLM-CPU now matches on repeated tokens: {errors}"
+    if max(errors[3:]) > 3e-3:
+        pytest.xfail(f"vLLM-CPU's windowed attention with sinks errs on repeated tokens: {errors[3:]}")
