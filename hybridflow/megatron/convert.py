@@ -128,16 +128,19 @@ def weight_to_hf(weight: weights.Weight, tensor: torch.Tensor, dst: str, cfg, tp
     is ``tp_size`` concatenated [gate_r; up_r] blocks."""
     if weight.hf_form is not None:
         if weight.split is Split.GATED:  # the blocks back to [gate; up]
-            blocks = [torch.chunk(b, 2, dim=0) for b in torch.chunk(tensor, tp_size, dim=0)]
-            tensor = torch.cat([g for g, _ in blocks] + [u for _, u in blocks])
+            tensor = torch.cat(_gate_and_up(tensor, tp_size))
         return {dst + weight.hf[0]: weight.hf_form.to_hf(tensor).contiguous()}
     if weight.split is Split.QKV:
         return {dst + h: t for h, t in zip(weight.hf, split_qkv(tensor, cfg))}
     if weight.split is Split.GATED:
-        blocks = [torch.chunk(b, 2, dim=0) for b in torch.chunk(tensor, tp_size, dim=0)]
-        return {dst + weight.hf[0]: torch.cat([g for g, _ in blocks], dim=0),
-                dst + weight.hf[1]: torch.cat([u for _, u in blocks], dim=0)}
+        return {dst + h: t for h, t in zip(weight.hf, _gate_and_up(tensor, tp_size))}
     return {dst + weight.hf[0]: tensor}
+
+
+def _gate_and_up(tensor: torch.Tensor, tp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) of a TP-gathered linear_fc1: ``tp_size`` concatenated [gate_r; up_r] blocks."""
+    blocks = [torch.chunk(b, 2, dim=0) for b in torch.chunk(tensor, tp_size, dim=0)]
+    return torch.cat([g for g, _ in blocks]), torch.cat([u for _, u in blocks])
 
 
 def hf_to_megatron(hf_sd: Mapping, cfg, shard: Shard = Shard(), *, value_head: bool = False) -> dict:

@@ -159,10 +159,7 @@ def _to_vllm(weight: weights.Weight, parts: list[torch.Tensor], cfg, k: int, t_g
     """vLLM shard k of t_g of one weight from its full HF tensors (in megatron's form where the checkpoint's
     differs: Weight.hf_form; to_checkpoint_names turns it back)."""
     if weight.hf_form is not None:
-        full = weight.hf_form.to_megatron(parts[0])
-        if weight.split is Split.GATED:
-            return torch.cat([torch.chunk(half, t_g)[k] for half in torch.chunk(full, 2)])
-        return full if weight.split is Split.REPLICATED else torch.chunk(full, t_g, dim=weight.split.dim)[k]
+        return expert_generation_shard(weight.split, weight.hf_form.to_megatron(parts[0]), k, t_g)
     if weight.split is Split.QKV:
         _, _, hd = _heads(cfg)
         first, count = kv_heads(cfg, k, t_g)
