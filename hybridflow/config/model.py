@@ -8,6 +8,10 @@ from hybridflow.config.checks import check_number
 
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron's linears an adapter can take
+# megatron's MLA linears (DeepSeek-V3): no adapter (megatron/lora.py adapts the four above; its latent projections
+# are whole on every TP rank and its up-projections split by heads, which the adapter's split kinds do not describe)
+MLA_PROJECTIONS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+                   "linear_kv_up_proj")
 LORA_INITS = ("xavier", "kaiming", "zero")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's max_lora_rank values (config/lora.py)
 
@@ -55,7 +59,9 @@ class LoRA:
         check_number("model.lora.dropout", self.dropout, ge=0, lt=1)
         unknown = [t for t in self.target_modules if t not in LORA_TARGETS and not any(c in t for c in "*?[")]
         if unknown:
-            raise ValueError(f"model.lora.target_modules: {unknown[0]!r} is none of {', '.join(LORA_TARGETS)}")
+            latent = (" (multi-latent attention's q/kv projections take no adapter here)"
+                      if unknown[0] in MLA_PROJECTIONS else "")
+            raise ValueError(f"model.lora.target_modules: {unknown[0]!r} is none of {', '.join(LORA_TARGETS)}{latent}")
         if self.exclude_modules and self.target_modules:
             raise ValueError("model.lora.exclude_modules needs target_modules empty (every linear but the excluded)")
         if not self.merge and self.rank > VLLM_LORA_RANKS[-1]:

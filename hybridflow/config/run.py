@@ -50,7 +50,8 @@ class Prepare:
     # the warm start's folder, built when model.path names it and holds no model yet (None: sft_model beside
     # base_model_dir); any other missing model.path is an error, not a warm start trained into a typo's folder
     model_dir: str | None = None
-    arch: Literal["qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss"] = "qwen2"  # the tiny base model's
+    arch: Literal["qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss", "deepseek_v3",
+                  "moonlight"] = "qwen2"  # the tiny base model's
     num_experts: int = 8  # MoE archs: experts per layer, each token routed to moe_top_k of them
     moe_top_k: int = 2
     max_operand: int = 99  # addition's operands: 0 .. max_operand

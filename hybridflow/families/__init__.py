@@ -6,12 +6,14 @@ that declares its ``FAMILY``, listed below. Torch-free."""
 
 from __future__ import annotations
 
-from hybridflow.families import glm4_moe, gpt_oss, llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from hybridflow.families import deepseek_v3, glm4_moe, gpt_oss, llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from hybridflow.families.family import Family
 
-FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (qwen2, qwen3, llama, mistral, qwen3_moe, qwen2_moe,
-                                                                  glm4_moe, gpt_oss)}
-SUPPORTED_ARCHS = tuple(f.architecture for f in FAMILIES.values())
+# a module may also declare ALIASES: its family under other model_types (Kimi-K2's kimi_k2 for DeepSeek-V3's)
+FAMILIES: dict[str, Family] = {f.model_type: f for m in (qwen2, qwen3, llama, mistral, qwen3_moe, qwen2_moe, glm4_moe,
+                                                         gpt_oss, deepseek_v3)
+                               for f in (m.FAMILY, *getattr(m, "ALIASES", ()))}
+SUPPORTED_ARCHS = tuple(dict.fromkeys(f.architecture for f in FAMILIES.values()))
 
 
 def of(hf_config) -> Family:
@@ -28,7 +30,7 @@ def num_experts(hf_config) -> int:
 
 
 def is_moe(hf_config) -> bool:
-    """A mixture of experts (Qwen3-MoE, Qwen2-MoE, GLM-4.5): routed experts in its sparse layers."""
+    """A mixture of experts (Qwen3-MoE, Qwen2-MoE, GLM-4.5, DeepSeek-V3): routed experts in its sparse layers."""
     return num_experts(hf_config) > 0
 
 

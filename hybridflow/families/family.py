@@ -25,6 +25,9 @@ class Family:
     # the top-k router's chosen scores renormalized where config.json has no norm_topk_prob (gpt-oss: softmax of the
     # top-k logits, GptOssTopKRouter; vLLM's FusedMoE renormalize=True)
     norm_topk_by_default: bool = False
+    # config.json keys vLLM's model reads for a router transformers' has fixed (DeepSeek-V3: vLLM's DeepseekV2MoE
+    # defaults to softmax and no expert bias without scoring_func sigmoid and topk_method noaux_tc)
+    router_config: tuple[tuple[str, str], ...] = ()
     clamped_swiglu: bool = False  # gpt-oss's (up + 1) * gate * sigmoid(alpha gate), gate and up clamped at swiglu_limit
 
     @property
@@ -36,6 +39,23 @@ class Family:
     def linear_bias(self) -> bool:
         """Biases on every linear (attention output, router, experts): megatron's add_bias_linear."""
         return all(n in self.attention for n in w.OUT_BIAS)
+
+    @property
+    def multi_latent(self) -> bool:
+        """DeepSeek-V3's multi-latent attention (megatron's MLATransformerConfig and MLASelfAttention)."""
+        return all(n in self.attention for n in w.MLA_KV)
+
+    def attention_weights(self, hf_config) -> tuple[w.Weight, ...]:
+        """Each layer's norms and attention: MLA's q latent and its norm only where config.json has a
+        q_lora_rank (Moonlight, DeepSeek-V2-Lite: one q projection instead)."""
+        attention = self.attention
+        if self.multi_latent and not getattr(hf_config, "q_lora_rank", None):
+            attention = tuple(n for n in attention if n not in w.MLA_Q_LORA) + w.MLA_Q
+        if self.qkv_bias(hf_config) and not all(n in attention for n in w.QKV_BIAS):
+            attention = attention + w.QKV_BIAS
+        if self.qk_layernorm(hf_config) and not all(n in attention for n in w.QK_NORM):
+            attention = attention + w.QK_NORM
+        return attention
 
     @property
     def has_experts(self) -> bool:
@@ -102,13 +122,8 @@ class Family:
 
     def layer_weights(self, hf_config, layer: int) -> tuple[w.Weight, ...]:
         """Decoder layer ``layer``'s weights besides its routed experts (layer_experts)."""
-        attention = self.attention
-        if self.qkv_bias(hf_config) and not all(n in attention for n in w.QKV_BIAS):
-            attention = attention + w.QKV_BIAS
-        if self.qk_layernorm(hf_config) and not all(n in attention for n in w.QK_NORM):
-            attention = attention + w.QK_NORM
         sparse = self.moe_layer_pattern(hf_config)[layer]
-        return attention + (self.sparse_mlp if sparse else self.mlp)
+        return self.attention_weights(hf_config) + (self.sparse_mlp if sparse else self.mlp)
 
     def layer_experts(self, hf_config, layer: int, local_to_global=None) -> tuple[w.Weight, ...]:
         """The routed experts' weights of decoder layer ``layer``: ``local_to_global`` maps the experts held

@@ -23,7 +23,7 @@ class Split(enum.Enum):
     VOCAB = 0  # embedding and output rows
     QKV = "qkv"  # fused [q heads; k heads; v heads] of each rank's query groups (HF: q_proj, k_proj, v_proj)
     GATED = "gated"  # fused [gate rows; up rows] of each rank (HF: gate_proj, up_proj)
-    HEADS = "heads"  # one value per attention head, split by heads (gpt-oss's sinks)
+    HEADS = "heads"  # dim 0 in blocks of whole heads (gpt-oss's sinks, MLA's up-projections)
 
     @property
     def dim(self) -> int | None:
@@ -150,6 +150,27 @@ FUSED_EXPERT = (
            "mlp.experts.{e}.down_proj_bias", Split.REPLICATED))
 
 
+# DeepSeek-V3's multi-latent attention (Kimi-K2, Moonlight; the probe's renames, shared/notes model-families-2026):
+# q and kv are projected down to latents (whole on every rank: megatron's TE spec and ours, megatron/model.py
+# layer_spec, and vLLM's fused_qkv_a_proj / kv_a_proj_with_mqa), normed, and up per head (split by heads in both).
+# Without q_lora_rank (Moonlight, DeepSeek-V2-Lite) q is one projection per head.
+MLA_KV = (Weight("self_attention.linear_kv_down_proj.weight", ("self_attn.kv_a_proj_with_mqa.weight",),
+                 "self_attn.kv_a_proj_with_mqa.weight", Split.REPLICATED),
+          Weight("self_attention.kv_layernorm.weight", ("self_attn.kv_a_layernorm.weight",),
+                 "self_attn.kv_a_layernorm.weight", Split.REPLICATED),
+          Weight("self_attention.linear_kv_up_proj.weight", ("self_attn.kv_b_proj.weight",), "self_attn.kv_b_proj.weight",
+                 Split.HEADS),
+          ATTENTION[1])
+MLA_Q_LORA = (Weight("self_attention.linear_q_down_proj.weight", ("self_attn.q_a_proj.weight",),
+                     "self_attn.q_a_proj.weight", Split.REPLICATED),
+              Weight("self_attention.q_layernorm.weight", ("self_attn.q_a_layernorm.weight",),
+                     "self_attn.q_a_layernorm.weight", Split.REPLICATED),
+              Weight("self_attention.linear_q_up_proj.weight", ("self_attn.q_b_proj.weight",), "self_attn.q_b_proj.weight",
+                     Split.HEADS))
+MLA_Q = (Weight("self_attention.linear_q_proj.weight", ("self_attn.q_proj.weight",), "self_attn.q_proj.weight",
+                Split.HEADS),)
+
+
 # --- from a full name back to its declaration -------------------------------------------------------------
 _MEGATRON_LAYER = re.compile(r"^(?:.*\.)?decoder\.layers\.\d+\.")
 _VLLM_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -157,9 +178,10 @@ _LOCAL_EXPERT = re.compile(r"^(.*\bmlp\.experts\.)local_experts\.(\d+)\.(.*)$")
 _EXPERT_INDEX = re.compile(r"\bmlp\.experts\.(local_experts\.)?(\d+)\.")
 
 _ALL = (EMBEDDING, FINAL_NORM, LM_HEAD, *NORMS, *ATTENTION, *QKV_BIAS, *QK_NORM, *DENSE_MLP, *ROUTER,
-        *SHARED_EXPERT, *SHARED_EXPERTS, *EXPERT_BIAS, *EXPERT, *OUT_BIAS, *SINKS, *BIASED_ROUTER, *FUSED_EXPERT)
+        *SHARED_EXPERT, *SHARED_EXPERTS, *EXPERT_BIAS, *EXPERT, *OUT_BIAS, *SINKS, *BIASED_ROUTER, *FUSED_EXPERT, *MLA_KV, *MLA_Q_LORA, *MLA_Q)
 # Qwen2-MoE's shared expert and DeepSeek-V3's shared experts are the same megatron weights (same split), as are the
-# routers and routed experts of gpt-oss and the others: the first declaration answers for the megatron name
+# routers and routed experts of gpt-oss and the others, Qwen3's q norm and MLA's q-latent norm (replicated both): the
+# first declaration answers for the megatron name
 _BY_MEGATRON = {w.megatron: w for w in reversed(_ALL)}
 _BY_VLLM = {w.vllm: w for w in _ALL}
 _BY_HF = {h: w for w in (*_ALL, VALUE_HEAD) for h in w.hf}

@@ -110,3 +110,40 @@ def use_hf_rope_frequencies(rope, hf_config) -> None:
     kind = rope_parameters(hf_config).get("rope_type", "default")
     if kind != "default" and not uses_yarn(hf_config):  # YaRN: megatron's own (yarn_attributes)
         megatron_layers.set_rope_inverse_frequencies(rope, hf_inverse_frequencies(hf_config, kind, rope.inv_freq.device))
+
+
+def latent_attention_fields(hf_config) -> dict:
+    """MLATransformerConfig's fields for DeepSeek-V3's multi-latent attention (none for other families): the
+    latent ranks and head parts; the local core attention sized by ``kv_channels`` = v_head_dim, one query group
+    per head (each head has its own key); ``qk_layernorm`` so the local spec builds the latents' norms. RoPE is MLA's
+    own per layer (megatron's ``rope`` or ``yarn`` rope_type) on the interleaved rope part, as transformers'
+    ``rope_interleave`` and vLLM's DeepSeek attention (is_neox_style False) do; a config without it is refused.
+    YaRN: megatron's MLA scales the softmax by mscale(factor, mscale_all_dim)^2 and cos/sin by mscale(factor,
+    mscale) / mscale(factor, mscale_all_dim), transformers' DeepseekV3Attention and _compute_yarn_parameters
+    the same where both are given (DeepSeek-V3's and Kimi-K2's configs); one of them alone is refused."""
+    if not families.of(hf_config).multi_latent:
+        return {}
+    if not getattr(hf_config, "rope_interleave", True):
+        raise ValueError("rope_interleave false: megatron's MLA rotates the interleaved rope part only "
+                         "(rope_utils._apply_rotary_pos_emb_bshd), as vLLM's DeepSeek attention does")
+    fields = dict(q_lora_rank=getattr(hf_config, "q_lora_rank", None), kv_lora_rank=hf_config.kv_lora_rank,
+                  qk_head_dim=hf_config.qk_nope_head_dim, qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
+                  v_head_dim=hf_config.v_head_dim, kv_channels=hf_config.v_head_dim,
+                  num_query_groups=hf_config.num_attention_heads, qk_layernorm=True, rotary_base=rope_theta(hf_config),
+                  rope_type="yarn" if uses_yarn(hf_config) else "rope")
+    if uses_yarn(hf_config):
+        fields.update(_latent_yarn_fields(hf_config))
+    return fields
+
+
+def _latent_yarn_fields(hf_config) -> dict:
+    yarn, p = yarn_attributes(hf_config), rope_parameters(hf_config)
+    if bool(p.get("mscale")) != bool(p.get("mscale_all_dim")):
+        raise ValueError("rope_parameters: mscale and mscale_all_dim are given together or not at all for MLA "
+                         "(megatron's MLA and transformers derive YaRN's scale from both)")
+    if not yarn["yarn_correction_range_round_to_int"]:
+        raise ValueError("rope_parameters.truncate false: megatron's MLA rounds YaRN's correction range")
+    return dict(rotary_scaling_factor=yarn["yarn_rotary_scaling_factor"],
+                original_max_position_embeddings=yarn["yarn_original_max_position_embeddings"],
+                beta_fast=yarn["yarn_beta_fast"], beta_slow=yarn["yarn_beta_slow"],
+                mscale=yarn["yarn_mscale"] or 1.0, mscale_all_dim=yarn["yarn_mscale_all_dim"] or 0.0)

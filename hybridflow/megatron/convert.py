@@ -189,7 +189,11 @@ def _te_norm_renames() -> tuple[tuple[str, str], ...]:
     (gpt_layer_specs.get_gpt_layer_local_spec, ``sharded_state_dict_keys_map``), so we read it there."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return tuple(get_gpt_layer_local_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map.items())
+    # MLA's latent norms: TE's spec fuses them into the up-projections (get_gpt_layer_with_transformer_engine_spec:
+    # column_parallel_layer_norm_linear, q_layernorm/kv_layernorm IdentityOp), which its local spec does not record
+    latent = (("self_attention.q_layernorm.", "self_attention.linear_q_up_proj.layer_norm_"),
+              ("self_attention.kv_layernorm.", "self_attention.linear_kv_up_proj.layer_norm_"))
+    return tuple(get_gpt_layer_local_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map.items()) + latent
 
 
 _LAYER = re.compile(r"^((?:.*\.)?decoder\.layers\.\d+\.)(.*)$")

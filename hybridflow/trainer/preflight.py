@@ -19,7 +19,8 @@ from hybridflow.device import DTYPES
 from hybridflow.megatron import lr_schedule
 from hybridflow.megatron.checkpoint_files import resolve_dist_checkpoint
 from hybridflow.megatron.optimizer_config import check_optimizer_overrides
-from hybridflow.megatron.model import check_grouped_gemm_dtype, check_transformer_config, check_transformer_overrides
+from hybridflow.megatron.model import (check_grouped_gemm_dtype, check_trained_layout, check_transformer_config,
+                                       check_transformer_overrides)
 from hybridflow.plan import RunPlan, model_shape, resolve
 from hybridflow.resharding.vllm_layout import check_supported
 from hybridflow.rewards.routing import SourceRouter
@@ -180,6 +181,7 @@ def check_roles(cfg: ExperimentConfig, model, plan: RunPlan) -> None:
     """Each trained role's whole megatron TransformerConfig builds (megatron's own checks of the overrides)."""
     try:
         for role in plan.trained_roles:
+            check_trained_layout(model, getattr(cfg, role).megatron, f"{role}.megatron")
             check_transformer_config(model, getattr(cfg, role).megatron, f"{role}.megatron.override_transformer_config")
     except ValueError as e:
         raise ConfigError(str(e)) from None

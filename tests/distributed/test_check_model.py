@@ -30,6 +30,8 @@ def _build(path, arch):
 @pytest.mark.parametrize("arch,args", [("qwen3", ["--tp", "2", "--cp", "2", "--rollout-tp", "2"]),
                                        ("qwen3_moe", ["--ep", "2", "--no-vllm"]),
                                        ("qwen2_moe", ["--no-vllm"]),
+                                       # MLA without a q latent (its q projection split by heads), default RoPE
+                                       ("moonlight", ["--tp", "2", "--no-vllm"]),
                                        # dense first stage, MoE second: the stages' bytes differ
                                        ("glm4_moe", ["--pp", "2", "--ep", "2", "--rollout-tp", "2"]),
                                        # grouped-GEMM experts (bf16 here) through the transition into vLLM

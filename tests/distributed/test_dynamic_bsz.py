@@ -157,7 +157,8 @@ def moe_dir(tmp_path_factory):
 def model_dirs(tmp_path_factory):
     """{case: folder} of the models packed on one rank besides the Qwen2: Mistral with a 3-position window, GLM-4.5
     (half-rotary heads at each packed row's positions, routed and shared experts), gpt-oss (sinks with a window on
-    every other layer, YaRN at each packed row's positions)."""
+    every other layer, YaRN at each packed row's positions), DeepSeek-V3 (each MLA layer's own YaRN table at each
+    packed row's positions)."""
     from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.models.tiny_arch import build_tiny
 
@@ -165,6 +166,7 @@ def model_dirs(tmp_path_factory):
     build_tiny(root / "window", build_char_tokenizer(root / "window"), "mistral", sliding_window=3, seed=13)
     build_tiny(root / "glm4_moe", build_char_tokenizer(root / "glm4_moe"), "glm4_moe", seed=13)
     build_tiny(root / "gpt_oss", build_char_tokenizer(root / "gpt_oss"), "gpt_oss", seed=13)
+    build_tiny(root / "deepseek_v3", build_char_tokenizer(root / "deepseek_v3"), "deepseek_v3", seed=13)
     return {case: str(root / case) for case in PACKED_MODELS}
 
 
@@ -182,7 +184,7 @@ def hf_dir(tmp_path_factory):
 LAYOUTS = [(1, 1, 1, 1), (1, 1, 2, 1), (2, 1, 1, 1), (2, 1, 2, 1), (1, 2, 1, 1), (1, 1, 1, 2)]
 IDS = [f"tp{t}_pp{p}_dp{d}" + (f"_cp{c}" if c > 1 else "") for t, p, d, c in LAYOUTS]
 ENTROPY_TP = [1, 2]
-PACKED_MODELS = ("window", "glm4_moe", "gpt_oss")
+PACKED_MODELS = ("window", "glm4_moe", "gpt_oss", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from tests.numerics import assert_close
 pytestmark = pytest.mark.distributed
 
 # Mistral converts as Llama does (Llama at TP 1 and 2: test_rope_scaling.py); its own check: test_check_model.py
-ARCHS = ("qwen3", "qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss")
+ARCHS = ("qwen3", "qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss", "deepseek_v3")
 WINDOWED = "mistral_window"  # every layer within 4 positions (rows of up to 15 tokens)
 # (t, p, e); data parallel = e. TP 2 with EP 2 keeps the experts whole (expert TP 1): with both above 1,
 # megatron's dispatcher all-gathers uneven token counts, which gloo cannot (plan.layout.ParallelLayout.check_experts).

@@ -18,7 +18,7 @@ from tests.distributed.moe_archs import runs_at
 
 pytestmark = pytest.mark.distributed
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss")
+ARCHS = ("qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss", "deepseek_v3")
 BF16 = "glm4_moe"  # also built in bfloat16 (key "glm4_moe_bf16")
 # (t, p, e, t_g): EP with generation TP above training TP, TP 2 x EP 2 (expert TP 1), TP-split
 # experts (EP 1, expert TP = TP) into a smaller generation TP, and two pipeline stages gathered.

@@ -18,7 +18,7 @@ from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss")  # GLM-4.5: sigmoid router with expert bias; gpt-oss: biased
+ARCHS = ("qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss", "deepseek_v3")  # GLM-4.5: sigmoid router with expert bias; gpt-oss: biased
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (t, e, p); data parallel = e
 IDS = [f"tp{t}_ep{e}" + (f"_pp{p}" if p > 1 else "") for t, e, p in LAYOUTS]
 

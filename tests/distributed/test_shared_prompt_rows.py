@@ -24,9 +24,9 @@ P, R = 9, 6
 PROMPT_LENS = [4, 9, 6, 2]  # one per group of GROUP rows
 GROUP = 3
 RESPONSE_LENS = [6, 1, 3, 0, 2, 6, 5, 5, 1, 4, 6, 2]
-# (tp, micro-batch rows, model: the tiny Qwen2, Mistral with a window, GLM-4.5, gpt-oss)
+# (tp, micro-batch rows, model: the tiny Qwen2, Mistral with a window, GLM-4.5, gpt-oss, DeepSeek-V3's MLA)
 CASES = [(1, 12, "qwen2"), (1, 5, "qwen2"), (2, 12, "qwen2"), (1, 12, "mistral_window"), (1, 12, "glm4_moe"),
-         (1, 12, "gpt_oss")]
+         (1, 12, "gpt_oss"), (1, 12, "deepseek_v3")]
 IDS = [f"{tp}-{micro}" + ("" if model == "qwen2" else f"-{model}") for tp, micro, model in CASES]
 
 
@@ -87,6 +87,7 @@ def case_results(tmp_path_factory):
                seed=11)
     build_tiny(root / "glm4_moe", build_char_tokenizer(root / "glm4_moe"), "glm4_moe", seed=11)
     build_tiny(root / "gpt_oss", build_char_tokenizer(root / "gpt_oss"), "gpt_oss", seed=11)
+    build_tiny(root / "deepseek_v3", build_char_tokenizer(root / "deepseek_v3"), "deepseek_v3", seed=11)
     return batched_worlds(one_case, {i: (case[0], (_rank_fn, str(root), *case)) for i, case in zip(IDS, CASES)})
 
 

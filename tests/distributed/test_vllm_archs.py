@@ -66,7 +66,7 @@ def _rank_fn(rank, world, hf_dir, t_g=2):
 # it every MoE case here fails from the first sync.
 # Qwen3 dense through vLLM: test_check_model.py (TP 2, 100% greedy agreement); Qwen2-MoE's experts take
 # Qwen3-MoE's reload path (its shards: test_moe_resharding.py). One engine start costs ~20 s here.
-@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "gpt_oss"])  # GLM-4.5: vLLM's float32 gate and expert bias
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "gpt_oss", "deepseek_v3"])  # GLM-4.5: vLLM's float32 gate and expert bias; DeepSeek-V3: MLA
 def test_vllm_greedy_equals_hf_after_each_sync(tmp_path, arch):
     from hybridflow.models.char_tokenizer import build_char_tokenizer
     from hybridflow.models.tiny_arch import build_tiny

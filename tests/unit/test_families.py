@@ -31,7 +31,14 @@ CONFIGS = {
                                            use_qk_norm=True, attention_bias=True, **_COMMON),
     # every layer sparse, biases everywhere, sinks, experts fused over the experts in the checkpoint
     "gpt_oss": transformers.GptOssConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, **_COMMON),
+    # multi-latent attention with a q latent, a dense first layer, two ungated shared experts, the expert bias
+    "deepseek_v3": transformers.DeepseekV3Config(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        num_nextn_predict_layers=0, **{**_COMMON, "num_key_value_heads": 4}),
 }
+# Moonlight's: no q latent (one q projection per head)
+MOONLIGHT = transformers.DeepseekV3Config(**{**CONFIGS["deepseek_v3"].to_dict(), "q_lora_rank": None})
 
 
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
@@ -43,6 +50,18 @@ def test_a_family_declares_exactly_the_checkpoint_of_its_transformers_model(kind
     getattr(transformers, cfg.architectures[0])(cfg).save_pretrained(tmp_path)
     with safetensors.safe_open(tmp_path / "model.safetensors", "pt") as f:
         assert families.of(cfg).hf_names(cfg) == set(f.keys())
+
+
+def test_moonlight_declares_its_q_projection_and_kimi_k2_is_deepseek_v3(tmp_path):
+    MOONLIGHT.architectures = ["DeepseekV3ForCausalLM"]
+    transformers.DeepseekV3ForCausalLM(MOONLIGHT).save_pretrained(tmp_path)
+    with safetensors.safe_open(tmp_path / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert families.of(MOONLIGHT).hf_names(MOONLIGHT) == names
+    assert "model.layers.0.self_attn.q_proj.weight" in names and not any("q_a_proj" in k for k in names)
+    kimi = families.FAMILIES["kimi_k2"]
+    assert kimi.architecture == "DeepseekV3ForCausalLM" and kimi.multi_latent and kimi.expert_bias
+    assert kimi.attention == families.of(CONFIGS["deepseek_v3"]).attention
 
 
 def test_each_declared_weight_has_one_name_per_side_and_a_split():
@@ -77,6 +96,10 @@ def test_the_facts_follow_from_the_family():
     assert families.moe_layer_pattern(CONFIGS["gpt_oss"]) == [1] * 4 and oss.expert_width(CONFIGS["gpt_oss"]) == 64
     assert oss.linear_bias and oss.attention_sinks and oss.experts_fused and not oss.expert_bias
     assert not (families.of(glm).linear_bias or families.of(glm).attention_sinks or families.of(glm).experts_fused)
+    ds = families.of(CONFIGS["deepseek_v3"])
+    assert ds.multi_latent and ds.expert_bias and not families.of(glm).multi_latent
+    assert families.moe_layer_pattern(CONFIGS["deepseek_v3"]) == [0, 1, 1, 1]
+    assert families.shared_expert_width(CONFIGS["deepseek_v3"]) == 64
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         families.of(transformers.GPT2Config())
 
@@ -84,8 +107,9 @@ def test_the_facts_follow_from_the_family():
 def test_adding_an_architecture_is_one_module():
     """Every module of hybridflow/families besides the shared ones declares a FAMILY, and each is registered."""
     shared = {"family", "weights", "stacked_experts"}
-    declared = {importlib.import_module(f"hybridflow.families.{m.name}").FAMILY.model_type
-                for m in pkgutil.iter_modules(families.__path__) if m.name not in shared}
+    modules = [importlib.import_module(f"hybridflow.families.{m.name}") for m in pkgutil.iter_modules(families.__path__)
+               if m.name not in shared]
+    declared = {f.model_type for m in modules for f in (m.FAMILY, *getattr(m, "ALIASES", ()))}
     assert declared == set(families.FAMILIES)
     assert set(families.SUPPORTED_ARCHS) == {f.architecture for f in families.FAMILIES.values()}
 

@@ -162,3 +162,25 @@ def _settings(cfg):
     from hybridflow.workers.common import lora_settings
 
     return lora_settings(cfg.model.lora, 1)
+
+
+def test_multi_latent_attention_takes_adapters_on_its_output_and_mlps_only(model_dir, caplog):
+    """DeepSeek-V3's MLA linears are no LoRA target (one line naming them); its linear_qkv target finds nothing there
+    (a warning), its linear_proj and MLPs take adapters."""
+    import logging
+
+    from transformers import DeepseekV3Config
+
+    with pytest.raises(ConfigError, match="'linear_kv_up_proj' is none of linear_qkv, linear_proj, linear_fc1, "
+                                          "linear_fc2 .multi-latent attention's q/kv projections take no adapter"):
+        _cfg(model_dir, "model.lora.target_modules=[linear_kv_up_proj]")
+    ds = DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                          num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
+                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    cfg, _ = _cfg(model_dir)
+    with caplog.at_level(logging.WARNING, "hybridflow.trainer.lora_checks"):
+        lora_checks.check_lora_targets(cfg, ds)
+    assert "DeepseekV3ForCausalLM's multi-latent attention has no linear_qkv" in caplog.text
+    adapted = {full.split(".", 3)[3] for _, full, _ in lora_checks.adapted_linears(ds, _settings(cfg))}
+    assert "self_attention.linear_proj" in adapted and not any("q_" in a or "kv_" in a for a in adapted)

@@ -168,7 +168,8 @@ def test_missing_shapes_name_the_file(tiny, capsys, monkeypatch):
 
 SHIPPED = ["gsm8k_qwen2.5_0.5b_ppo", "gsm8k_qwen2.5_0.5b_grpo", "gsm8k_qwen2.5_7b_ppo", "gsm8k_qwen2.5_7b_grpo",
            "gsm8k_qwen2.5_7b_dapo", "gsm8k_qwen3_8b_grpo", "gsm8k_qwen3_8b_tools_grpo", "gsm8k_qwen3_30b_a3b_gspo",
-           "gsm8k_qwen2.5_32b_lora_grpo", "gsm8k_glm4.5_air_lora_grpo", "gsm8k_gpt_oss_20b_grpo"]
+           "gsm8k_qwen2.5_32b_lora_grpo", "gsm8k_glm4.5_air_lora_grpo", "gsm8k_gpt_oss_20b_grpo",
+           "gsm8k_moonlight_16b_a3b_grpo"]
 MARGIN = 0.9  # the plan is an estimate: every phase of a shipped config leaves a tenth of the card free
 
 
@@ -453,3 +454,24 @@ def test_pipeline_activations_count_every_sample_of_the_mini_batch(tiny):
     role = mp.make_role("actor", cfg.actor, TINY_P, shape, 8, 8, shape.vocab, rollout_n=cfg.rollout.n)
     assert role.activations == mp.activation_bytes(shape, 4, 8, mg, shape.vocab, True, in_flight=4)
     assert role.activations > mp.activation_bytes(shape, 4, 8, mg, shape.vocab, True, in_flight=1)
+
+
+def test_moonlight_counts_as_transformers_builds_it_and_caches_its_latent():
+    """Moonlight-16B-A3B (configs/models/moonlight-16b-a3b.json): multi-latent attention without a q latent, its
+    first layer dense, 64 routed experts beside two shared ones: 15,960,110,208 parameters as transformers builds
+    it (its float32 expert biases counted); vLLM caches one 512 + 64 latent per layer and token, whole on every
+    generation rank."""
+    import json
+
+    import torch
+    import transformers
+
+    with open(os.path.join(REPO, "configs", "models", "moonlight-16b-a3b.json")) as f:
+        moon = json.load(f)
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**moon))
+    biases = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    shape = mp.Shape.from_hf(moon)
+    assert (shape.moe_layers, shape.kv_lora, shape.q_lora, biases) == (26, 512, 0, 26 * 64)
+    assert mp.count_params(shape) == sum(p.numel() for p in model.parameters()) + biases == 15_960_110_208
+    assert mp.kv_bytes_per_token(shape, 2) == mp.kv_bytes_per_token(shape, 2, t_g=4) == 27 * 576 * 2

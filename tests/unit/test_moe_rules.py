@@ -156,3 +156,63 @@ def test_gpt_oss_maps_to_megatrons_settings():
     assert c.activation_func.__name__ == "quick_gelu" and not c.moe_router_pre_softmax
     assert (c.yarn_rotary_scaling_factor, c.yarn_original_max_position_embeddings, c.yarn_mscale,
             c.yarn_correction_range_round_to_int) == (32.0, 4096, None, False)
+
+
+def _deepseek(**change):
+    import transformers
+
+    return transformers.DeepseekV3Config(**{**dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        scoring_func="sigmoid", topk_method="noaux_tc"), **change})
+
+
+YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+
+
+def test_deepseek_v3_maps_to_megatrons_latent_attention():
+    """MLATransformerConfig with the latent ranks and head parts, the core attention sized by v_head_dim with one
+    query group per head, the latents' norms, and YaRN's factor and both mscales (DeepSeek-V3's own rope_scaling)."""
+    from megatron.core.transformer import MLATransformerConfig
+
+    from hybridflow.megatron.model import transformer_config_from_hf
+
+    c = transformer_config_from_hf(_deepseek(rope_parameters=YARN))
+    assert isinstance(c, MLATransformerConfig) and c.multi_latent_attention and c.qk_layernorm
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim) == (16, 16, 8, 8, 8)
+    assert (c.kv_channels, c.num_query_groups, c.rope_type) == (8, 4, "yarn")
+    assert (c.rotary_scaling_factor, c.original_max_position_embeddings, c.mscale, c.mscale_all_dim) == (40.0, 4096,
+                                                                                                        1.0, 1.0)
+    plain = transformer_config_from_hf(_deepseek(q_lora_rank=None))
+    assert plain.q_lora_rank is None and plain.rope_type == "rope"
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(rope_interleave=False), "rope_interleave false: megatron's MLA rotates the interleaved rope part only"),
+    (dict(scoring_func="softmax"), "scoring_func 'softmax': transformers' router computes as scoring_func 'sigmoid'"),
+    (dict(topk_method=None), "topk_method None: transformers' router computes as topk_method 'noaux_tc'"),
+    (dict(rope_parameters={**YARN, "mscale": None}), "rope_parameters: mscale and mscale_all_dim are given together"),
+    (dict(rope_parameters={**YARN, "truncate": False}), "rope_parameters.truncate false: megatron's MLA rounds"),
+])
+def test_a_deepseek_v3_config_megatron_or_vllm_would_compute_otherwise_is_refused_in_one_line(change, message):
+    from hybridflow.megatron.model import transformer_config_from_hf
+
+    with pytest.raises(ValueError, match=message):
+        transformer_config_from_hf(_deepseek(**change))
+
+
+def test_latent_attention_layouts_megatron_cannot_train_are_refused_in_one_line():
+    """Context parallelism (MLA rotates by its own per-layer table), and a trained role at TP 2 without sequence
+    parallelism (the rope key's gradient summed over TP only in the sequence-parallel gather)."""
+    from hybridflow.megatron.model import check_trained_layout, transformer_config_from_hf
+
+    with pytest.raises(ValueError, match="megatron.context_parallel_size=2: multi-latent attention runs without"):
+        transformer_config_from_hf(_deepseek(), cp=2)
+    key = "actor.megatron"
+    with pytest.raises(ValueError, match=f"{key}.sequence_parallel: multi-latent attention trains at "
+                                         "tensor_model_parallel_size 2 with sequence parallelism only"):
+        check_trained_layout(_deepseek(), SimpleNamespace(tensor_model_parallel_size=2, sequence_parallel=False), key)
+    check_trained_layout(_deepseek(), SimpleNamespace(tensor_model_parallel_size=2, sequence_parallel=True), key)
+    check_trained_layout(_gpt_oss(), SimpleNamespace(tensor_model_parallel_size=2, sequence_parallel=False), key)

@@ -29,6 +29,7 @@ EXPECTED = {
     "megatron.cpu_moe_dispatch_stream", "megatron.moe_router_gemm_without_te", "megatron.grouped_gemm_from_torch",
     "megatron.cpu_grouped_mlp_eager", "megatron.context_parallel_local_attention", "megatron.p2p_shape_exchange_order",
     "megatron.sync_save_results_queue", "megatron.sliding_window_within_rows", "megatron.biased_experts",
+    "megatron.mla_have_te_flag", "megatron.mla_local_core_attention",
     "vllm.init_model_parallel_group", "vllm.cpu_shm_group_name", "vllm.cpu_worker_set_num_threads",
     "vllm.cpu_eager_vocab_mask", "vllm.cpu_eager_logprob_ranks", "vllm.cpu_moe_repack_after_reload",
     "vllm.cpu_routed_experts_capture", "vllm.aux_output_on_every_tp_rank", "vllm.reload_warnings_once",
@@ -184,7 +185,7 @@ def test_moe_router_gemm_is_defined_without_te_on_a_gpu_too(monkeypatch):
     monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
     _pretend_gpu(monkeypatch)
     layer_spec(SimpleNamespace(num_moe_experts=4, qk_layernorm=False, sequence_parallel=False, moe_grouped_gemm=False,
-                              context_parallel_size=1, window_size=None))
+                              context_parallel_size=1, window_size=None, multi_latent_attention=False))
     assert moe_utils.te_general_gemm is None
     g = torch.Generator().manual_seed(0)
     inp, weight = torch.randn(3, 8, generator=g), torch.randn(4, 8, generator=g)
