@@ -2,7 +2,8 @@
 architecture, the weights of its layers with their megatron, HF and vLLM names (weights.py), and the config
 facts that follow (is it MoE, which layers are sparse, q/k norms, q/k/v biases). Everything that converts,
 reshards, builds or counts a model asks the family of its config here. Adding an architecture is one module
-that declares its ``FAMILY``, listed below. Torch-free."""
+that declares its ``FAMILY`` (and, for other model_types of the same architecture, ``ALIASES``), listed below.
+Torch-free."""
 
 from __future__ import annotations
 

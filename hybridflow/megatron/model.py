@@ -93,7 +93,24 @@ def check_transformer_overrides(overrides: dict, key: str) -> dict:
         out[name] = value
     _check_recompute_modules(out, key)
     _check_rope_fusion(out, key)
+    _check_pipeline_split(out, key)
     return out
+
+
+# megatron's uneven pipeline stages: conversion, resharding and checkpoints place layers by the even split
+# (convert.stage_layers), which these would change under them
+_UNEVEN_STAGES = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                  "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                  "pipeline_model_parallel_layout")
+
+
+def _check_pipeline_split(overrides: dict, key: str) -> None:
+    """Uneven pipeline stages are refused in one line (a value other than megatron's default: None or False)."""
+    for name in _UNEVEN_STAGES:
+        if overrides.get(name) not in (None, False):
+            raise ValueError(f"{key}.{name}: uneven pipeline stages are not built here (conversion and resharding "
+                             "place layers by megatron's even split); choose a pipeline_model_parallel_size that "
+                             "divides the layers")
 
 
 def _check_rope_fusion(overrides: dict, key: str) -> None:

@@ -1,11 +1,11 @@
-"""LoRA on a MoE model (megatron/lora.py): the tiny Qwen3-MoE, Qwen2-MoE (shared expert), GLM-4.5 and gpt-oss (biased
-linears: the bias stays in the base layer) with adapters on the
-attention, the shared expert and every routed expert (SequentialMLP, expert TP 1), at TP 1, EP 2 (data parallel 2)
-and TP 2 with sequence parallel x EP 2. Both factors start non-zero: the LoRA model's log-probs equal those of the
-plain model holding its merged weights, and after one update each adapter's gradient is the chain rule through the
-merged weight's (dB = s G A^T, dA = s B^T G, G the plain model's weight gradient, summed over TP where a factor is
-whole); the merged weights are the same at every layout (each adapter drawn whole from its global name, routed
-experts by their global index); the adapters of an EP 2 checkpoint load at EP 1."""
+"""LoRA on a MoE model (megatron/lora.py): the tiny Qwen3-MoE, Qwen2-MoE (shared expert), GLM-4.5, gpt-oss (biased
+linears: the bias stays in the base layer) and DeepSeek-V3 (its MLA output projection adapted, its latent projections
+not) with adapters on the attention, the shared expert and every routed expert (SequentialMLP, expert TP 1), at TP 1,
+EP 2 (data parallel 2) and TP 2 with sequence parallel x EP 2. Both factors start non-zero: the LoRA model's log-probs
+equal those of the plain model holding its merged weights, and after one update each adapter's gradient is the chain
+rule through the merged weight's (dB = s G A^T, dA = s B^T G, G the plain model's weight gradient, summed over TP where
+a factor is whole); the merged weights are the same at every layout (each adapter drawn whole from its global name,
+routed experts by their global index); the adapters of an EP 2 checkpoint load at EP 1."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.numerics import assert_close
 
 pytestmark = pytest.mark.distributed
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss")
+ARCHS = ("qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss", "deepseek_v3")
 LAYOUTS = [(1, 1), (1, 2), (2, 2)]  # (t, e); data parallel = e / t ... the world is max(t, e)
 IDS = ["tp1_ep1", "tp1_ep2", "tp2_sp_ep2"]
 

@@ -94,7 +94,13 @@ def test_vllm_greedy_equals_hf_after_each_sync(tmp_path, arch):
 
 
 def _vllm_last_log_probs(rank, world, hf_dir, seqs):
+    import os
+
     from vllm import LLM, SamplingParams
+
+    # in this process, as VLLMRollout runs it: an engine-core subprocess would outlive the rank (nothing shuts it
+    # down), holding its KV cache for the rest of the run
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     llm = LLM(hf_dir, dtype="float32", enforce_eager=True, max_model_len=64, gpu_memory_utilization=0.1, seed=0,
               enable_prefix_caching=False)
