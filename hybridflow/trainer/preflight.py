@@ -19,8 +19,8 @@ from hybridflow.device import DTYPES
 from hybridflow.megatron import lr_schedule
 from hybridflow.megatron.checkpoint_files import resolve_dist_checkpoint
 from hybridflow.megatron.optimizer_config import check_optimizer_overrides
-from hybridflow.megatron.model import (check_grouped_gemm_dtype, check_trained_layout, check_transformer_config,
-                                       check_transformer_overrides)
+from hybridflow.megatron.model import check_grouped_gemm_dtype, check_trained_layout, check_transformer_config
+from hybridflow.megatron.overrides import check_transformer_overrides
 from hybridflow.plan import RunPlan, model_shape, resolve
 from hybridflow.resharding.vllm_layout import check_supported
 from hybridflow.rewards.routing import SourceRouter

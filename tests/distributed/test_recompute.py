@@ -114,7 +114,7 @@ def _hf_config():
     ({"attention_backend": "flashy"}, "override_transformer_config.attention_backend: 'flashy' is not one of"),
 ])
 def test_override_names_are_checked(overrides, words):
-    from hybridflow.megatron.model import check_transformer_overrides
+    from hybridflow.megatron.overrides import check_transformer_overrides
 
     with pytest.raises(ValueError) as e:
         check_transformer_overrides(overrides, "megatron.override_transformer_config")
@@ -139,7 +139,7 @@ def test_megatrons_own_checks_of_the_overrides_run_before_start():
 def test_layernorm_recompute_without_transformer_engine_is_refused_before_start():
     from megatron.core.tensor_parallel import random as mrandom
 
-    from hybridflow.megatron.model import check_transformer_overrides
+    from hybridflow.megatron.overrides import check_transformer_overrides
 
     if mrandom.HAVE_TE:
         pytest.skip("Transformer Engine is installed: megatron's layernorm recompute runs")
@@ -152,7 +152,7 @@ def test_rope_fusion_without_transformer_engine_is_refused_before_start():
     """megatron's fused rotary embedding is TE's: without TE it asserts at the first forward (rope_utils)."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    from hybridflow.megatron.model import check_transformer_overrides
+    from hybridflow.megatron.overrides import check_transformer_overrides
 
     if rope_utils.fused_apply_rotary_pos_emb is not None:
         pytest.skip("Transformer Engine is installed: megatron's fused rotary embedding runs")
