@@ -75,4 +75,8 @@ class LoRA:
 @dataclass
 class Model:
     path: str = "outputs/quickstart/sft_model"  # HF folder (config, safetensors, tokenizer) of the policy
+    # run the folder's own Python where its config.json / tokenizer_config.json name it (auto_map: Moonlight's
+    # tiktoken tokenizer, Kimi-K2's config class) in transformers and vLLM; conversion still needs one of
+    # hybridflow's families (verl's actor_rollout_ref.model.trust_remote_code)
+    trust_remote_code: bool = False
     lora: LoRA = field(default_factory=LoRA)

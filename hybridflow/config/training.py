@@ -33,7 +33,8 @@ class Megatron:
     # that hold the same weights, like data-parallel ranks: the pool divides by tp x cp x pp
     context_parallel_size: int = 1
     # VPP: each pipeline stage holds its layers in this many chunks (megatron's interleaved schedule: a smaller
-    # bubble); null or 1 = none. Layers must divide by pp x vpp; needs pp > 1
+    # bubble); null or 1 = none. Each stage's layers must divide by vpp; needs pp > 1. Stages split the layers
+    # evenly unless override_transformer_config sets num_layers_in_first/last_pipeline_stage (plan/stages.py)
     virtual_pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool = True  # shard activations along the sequence inside TP regions (only when TP > 1)
     # MoE models: EP splits the experts over ranks of the data-parallel dimension (world % (etp*ep*pp) == 0);

@@ -70,6 +70,9 @@ RENAMED = {
     "data.train_batch_size": "data.batch_size",
     "data.seed": "trainer.seed",
     _MODEL + "path": "model.path",
+    _MODEL + "trust_remote_code": "model.trust_remote_code",
+    # verl's timeout (seconds) of its workers' process groups: one torch.distributed timeout for every group here
+    "actor_rollout_ref.nccl_timeout": "trainer.dist_timeout_s",
     _A + "grad_clip": "actor.optim.clip_grad",
     # FSDP's Ulysses sequence parallelism splits each sequence over ranks: on megatron that is context parallelism
     # (a deliberate difference: K/V cross ranks, not heads; the same sizes and results)
@@ -146,6 +149,10 @@ _CHECKPOINTING = {_MODEL + "enable_gradient_checkpointing": "actor.megatron.over
 # Second names for one of our values: accepted when they agree with it (checked after loading).
 MUST_AGREE = {
     "critic.model.path": "model.path",  # the critic starts from the policy's weights here
+    # one tokenizer and config for the policy folder: the data's prompts, the critic and vLLM read the same
+    "critic.model.trust_remote_code": "model.trust_remote_code",
+    "data.trust_remote_code": "model.trust_remote_code",
+    "critic.nccl_timeout": "trainer.dist_timeout_s",
     _R + "name": "rollout.name",
     **{f"{_REF}megatron.{k}": f"actor.megatron.{k}"  # the reference shares the actor's layout
        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -178,7 +185,6 @@ NO_EFFECT = {  # verl key -> why it changes nothing here
     _MODEL + "use_remove_padding": "rows are always laid out padding-free",
     "critic.model.use_remove_padding": "rows are always laid out padding-free",
     _MODEL + "use_fused_kernels": "log-probs come from megatron's vocab-parallel cross entropy without full logits",
-    _MODEL + "trust_remote_code": "only the architectures hybridflow converts are loaded",
     _A + "megatron.use_mbridge": "hybridflow converts HF weights itself (megatron/convert.py)",
     _REF + "megatron.use_mbridge": "hybridflow converts HF weights itself (megatron/convert.py)",
     "critic.megatron.use_mbridge": "hybridflow converts HF weights itself (megatron/convert.py)",

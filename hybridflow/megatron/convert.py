@@ -27,6 +27,7 @@ from hybridflow.families import weights
 from hybridflow.families.weights import Split
 from hybridflow.megatron import lora
 from hybridflow.megatron.hf_weights import tp_chunk
+from hybridflow.plan.stages import StageSplit
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class Shard:
     cp_rank: int = 0  # context parallel: the same weights on every CP rank, as on data-parallel ranks
     cp_size: int = 1
     vpp_size: int = 1  # virtual pipeline stages: the stage's layers in that many chunks (megatron/virtual_stages.py)
+    # uneven stages: megatron's num_layers_in_first/last_pipeline_stage (None: the even split)
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     @property
     def expert_tp(self) -> tuple[int, int]:
@@ -59,7 +63,11 @@ class Shard:
 
     def layers(self, num_layers: int) -> list[int]:
         """The global index of each of this stage's layers, in local order (``decoder.layers.{local}``)."""
-        return stage_layers(num_layers, self.pp_rank, self.pp_size, self.vpp_size)
+        return self.stages.layers(num_layers, self.pp_rank)
+
+    @property
+    def stages(self) -> StageSplit:
+        return StageSplit(self.pp_size, self.vpp_size, self.first_stage_layers, self.last_stage_layers)
 
     @property
     def first_stage(self) -> bool:
@@ -68,14 +76,6 @@ class Shard:
     @property
     def last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
-
-
-def stage_layers(num_layers: int, pp_rank: int, pp_size: int, vpp_size: int = 1) -> list[int]:
-    """The layers of pipeline stage ``pp_rank`` in local order: with virtual stages, chunk c of the stage holds
-    the (c * pp_size + pp_rank)-th block of num_layers / (pp_size * vpp_size) layers (megatron's interleaved
-    assignment, transformer_layer.get_transformer_layer_offset), the chunks' layers numbered one after another."""
-    per_chunk = num_layers // (pp_size * vpp_size)
-    return [(c * pp_size + pp_rank) * per_chunk + j for c in range(vpp_size) for j in range(per_chunk)]
 
 
 def _heads(cfg):

@@ -28,7 +28,7 @@ DECIDED_FIELDS = {
     # what the role's training loop and CPU support rely on (role.py, patches/megatron_core.py)
     **{name: "hybridflow" for name in (
         "variable_seq_lengths", "finalize_model_grads_func", "grad_scale_func", "use_cpu_initialization",
-        "batch_p2p_comm", "moe_token_dispatcher_type")},
+        "batch_p2p_comm")},
 }
 
 
@@ -62,24 +62,47 @@ def check_transformer_overrides(overrides: dict, key: str) -> dict:
         out[name] = value
     _check_recompute_modules(out, key)
     _check_rope_fusion(out, key)
+    _check_grad_accumulation_fusion(out, key)
     _check_pipeline_split(out, key)
+    _check_token_dispatcher(out, key)
     return out
 
 
-# megatron's uneven pipeline stages: conversion, resharding and checkpoints place layers by the even split
-# (convert.stage_layers), which these would change under them
-_UNEVEN_STAGES = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-                  "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-                  "pipeline_model_parallel_layout")
+def _check_token_dispatcher(overrides: dict, key: str) -> None:
+    """The experts' token exchange: hybridflow's ``alltoall`` (gloo has it on CPU; ``allgather`` rejects variable
+    sequence lengths), or ``flex`` (verl's DeepSeek-V3 scripts: DeepEP's fused all-to-all on NVIDIA GPUs) where
+    megatron found its backend (transformer/moe/fused_a2a.py imports ``deep_ep``; without it the dispatcher fails
+    at the first forward). The routing, and so the results, are the same."""
+    value = overrides.get("moe_token_dispatcher_type", "alltoall")
+    if value == "alltoall":
+        return
+    if value != "flex":
+        raise ValueError(f"{key}.moe_token_dispatcher_type: {value!r} is not built here (alltoall, or flex with DeepEP)")
+    from megatron.core.transformer.moe import fused_a2a
+
+    hybrid = overrides.get("moe_flex_dispatcher_backend") == "hybridep"
+    if not (fused_a2a.HAVE_HYBRIDEP if hybrid else fused_a2a.HAVE_DEEP_EP):
+        raise ValueError(f"{key}.moe_token_dispatcher_type: flex needs DeepEP (the deep_ep package, NVIDIA GPUs), "
+                         "which is not installed here; leave it alltoall (the same routing)")
+
+
+# stage splits beyond first/last layer counts (plan/stages.py, which conversion, resharding and checkpoints read):
+# an embedding or loss counted as a layer, or a per-stage layout string
+_OTHER_SPLITS = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                 "pipeline_model_parallel_layout")
 
 
 def _check_pipeline_split(overrides: dict, key: str) -> None:
-    """Uneven pipeline stages are refused in one line (a value other than megatron's default: None or False)."""
-    for name in _UNEVEN_STAGES:
+    """Stage splits other than num_layers_in_first/last_pipeline_stage are refused in one line (a value other
+    than megatron's default: None or False); those two must be whole numbers."""
+    for name in _OTHER_SPLITS:
         if overrides.get(name) not in (None, False):
-            raise ValueError(f"{key}.{name}: uneven pipeline stages are not built here (conversion and resharding "
-                             "place layers by megatron's even split); choose a pipeline_model_parallel_size that "
-                             "divides the layers")
+            raise ValueError(f"{key}.{name}: this pipeline split is not built here; num_layers_in_first_pipeline_stage"
+                             " / num_layers_in_last_pipeline_stage place uneven stages")
+    for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+        value = overrides.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{key}.{name}: a number of layers (1 or more), got {value!r}")
 
 
 def _check_rope_fusion(overrides: dict, key: str) -> None:
@@ -91,6 +114,17 @@ def _check_rope_fusion(overrides: dict, key: str) -> None:
     if overrides.get("apply_rope_fusion") and rope_utils.fused_apply_rotary_pos_emb is None:
         raise ValueError(f"{key}.apply_rope_fusion: megatron's fused rotary embedding needs Transformer Engine, which "
                          "is not installed here; leave it false")
+
+
+def _check_grad_accumulation_fusion(overrides: dict, key: str) -> None:
+    """megatron's fused weight-gradient accumulation is a CUDA extension (tensor_parallel/layers.py imports
+    ``fused_weight_gradient_mlp_cuda`` from Apex or TE; without it every linear layer raises as it is built):
+    refused in one line where that import failed."""
+    from megatron.core.tensor_parallel import layers
+
+    if overrides.get("gradient_accumulation_fusion") and not layers._grad_accum_fusion_available:
+        raise ValueError(f"{key}.gradient_accumulation_fusion: needs the fused_weight_gradient_mlp_cuda extension "
+                         "(Apex or Transformer Engine), which is not installed here; leave it false")
 
 
 def _check_recompute_modules(overrides: dict, key: str) -> None:

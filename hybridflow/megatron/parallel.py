@@ -56,17 +56,20 @@ def init_model_parallel(tp: int, pp: int, seed: int, timeout_s: float = 600, ep:
     megatron_core.model_parallel_seed(seed)
 
 
-def current_layout(sequence_parallel: bool = False, role: str = "role") -> ParallelLayout:
+def current_layout(sequence_parallel: bool = False, role: str = "role", overrides: dict | None = None) -> ParallelLayout:
     """The layout of this process's megatron groups, as the run plan would give it (its arithmetic owns the
     facts derived from it: weight replicas, the sequence multiple, micro-batches, whether experts move)."""
-    s = current_shard()
+    s = current_shard(overrides)
     return ParallelLayout(role, dist.get_world_size(), "", s.tp_size, s.pp_size, s.ep_size, s.expert_tp[1], s.cp_size,
-                          s.vpp_size, sequence_parallel and s.tp_size > 1)
+                          s.vpp_size, sequence_parallel and s.tp_size > 1, s.first_stage_layers, s.last_stage_layers)
 
 
-def current_shard() -> Shard:
+def current_shard(overrides: dict | None = None) -> Shard:
+    """This rank's place; ``overrides`` (the role's override_transformer_config, as megatron is given it) may
+    split the pipeline stages unevenly (plan/stages.py)."""
     from megatron.core import parallel_state as ps
 
+    overrides = overrides or {}
     return Shard(
         tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
@@ -74,6 +77,8 @@ def current_shard() -> Shard:
         etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
         cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
         vpp_size=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+        first_stage_layers=overrides.get("num_layers_in_first_pipeline_stage"),
+        last_stage_layers=overrides.get("num_layers_in_last_pipeline_stage"),
     )
 
 

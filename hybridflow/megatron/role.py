@@ -113,8 +113,8 @@ class MegatronRole:
         back over anything loaded later."""
         self.hf_config = hf_config
         self.value_head = build.value_head
-        self.shard = parallel.current_shard()
-        self.layout = parallel.current_layout(build.sequence_parallel)
+        self.shard = parallel.current_shard(build.transformer_overrides)
+        self.layout = parallel.current_layout(build.sequence_parallel, overrides=build.transformer_overrides)
         self.device = device.current()
         self.tf_config = build.transformer_config(hf_config, self.shard)
         chunks = virtual_stages.build_chunks(partial(build_gpt, hf_config, self.tf_config, value_head=build.value_head,

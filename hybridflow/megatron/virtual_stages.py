@@ -1,5 +1,5 @@
 """Virtual pipeline stages (megatron's interleaved schedule): a pipeline stage holds its layers in ``vpp`` model
-chunks, chunk c being virtual stage c * pp + pp_rank of pp * vpp (convert.stage_layers). The schedule takes the
+chunks, chunk c being virtual stage c * pp + pp_rank of pp * vpp (plan/stages.py). The schedule takes the
 chunks as a list; everything that reads the stage's weights by name (conversion, resharding, checkpoints, export,
 offload) sees them as one GPTModel through ``VirtualStages``: the chunks' layers numbered one after another, the
 embedding of the first chunk and the final norm and output layer of the last."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from hybridflow import families
 from hybridflow.config.schema import SEED_LIMIT
+from hybridflow.plan.stages import StageSplit
 
 
 def context_chunks(cp: int) -> int:
@@ -36,14 +37,24 @@ class ParallelLayout:
     cp: int = 1  # context parallel: ranks holding the same weights, each a part of every sequence
     vpp: int = 1  # virtual pipeline stages: each stage's layers in that many chunks
     sequence_parallel: bool = False  # activations split over the TP ranks along the sequence (TP > 1 only)
+    # uneven pipeline stages: override_transformer_config.num_layers_in_first/last_pipeline_stage (plan/stages.py)
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     @classmethod
     def of(cls, role: str, megatron, world: int, pool_key: str) -> ParallelLayout:
         mp = megatron
         tp = mp.tensor_model_parallel_size
+        overrides = mp.override_transformer_config or {}
         return cls(role, world, pool_key, tp, mp.pipeline_model_parallel_size, mp.expert_model_parallel_size,
                    mp.expert_tensor_parallel_size or tp, mp.context_parallel_size,
-                   mp.virtual_pipeline_model_parallel_size or 1, bool(mp.sequence_parallel) and tp > 1)
+                   mp.virtual_pipeline_model_parallel_size or 1, bool(mp.sequence_parallel) and tp > 1,
+                   overrides.get("num_layers_in_first_pipeline_stage"),
+                   overrides.get("num_layers_in_last_pipeline_stage"))
+
+    @property
+    def stages(self) -> StageSplit:
+        return StageSplit(self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers)
 
     @property
     def dp(self) -> int:
@@ -104,19 +115,14 @@ class ParallelLayout:
                              f"x pipeline parallel size ({self.etp * self.ep * self.pp})")
 
     def check_model(self, model, path: str, on_gpu: bool) -> None:
-        """TP divides the model's (HF config's) heads, KV groups and vocab; PP its layers; EP and expert TP
-        its experts (``check_experts``)."""
+        """TP divides the model's (HF config's) heads, KV groups and vocab; the pipeline stages split its layers
+        as megatron would (``StageSplit.check``); EP and expert TP its experts (``check_experts``)."""
         key = f"{self.role}.megatron"
         for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
             if getattr(model, name) % self.tp:
                 raise ValueError(f"{key}.tensor_model_parallel_size ({self.tp}) does not divide the model's {name} "
                                  f"({getattr(model, name)}) in {path}")
-        if model.num_hidden_layers % self.pp:
-            raise ValueError(f"{key}.pipeline_model_parallel_size ({self.pp}) does not divide the model's "
-                             f"{model.num_hidden_layers} layers in {path}")
-        if model.num_hidden_layers % (self.pp * self.vpp):
-            raise ValueError(f"{key}.virtual_pipeline_model_parallel_size ({self.vpp}) x pipeline_model_parallel_size "
-                             f"({self.pp}) does not divide the model's {model.num_hidden_layers} layers in {path}")
+        self.stages.check(model.num_hidden_layers, key, path)
         self.check_experts(model, path, on_gpu)
 
     def check_experts(self, model, path: str, on_gpu: bool) -> None:

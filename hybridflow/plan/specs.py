@@ -19,6 +19,7 @@ class ProcessSpec:
     seed: int
     dist_timeout_s: float
     total_steps: int | None  # the learning-rate schedules span it (None: the run's length is not known yet)
+    trust_remote_code: bool = False  # model.trust_remote_code: the folder's own Python in transformers and vLLM
 
 
 @dataclass(frozen=True)
@@ -76,11 +77,13 @@ class CriticSpec:
 class RewardModelSpec:
     reward_model: RewardModel
     policy_path: str  # the policy's tokenizer decodes the responses the reward model re-tokenizes
+    trust_remote_code: bool = False  # model.trust_remote_code, for the policy's tokenizer
 
 
 def role_specs(cfg, needs: Needs, total_steps: int | None, actor_layout, critic_layout, generation) -> tuple[
         ActorSpec, CriticSpec | None, RewardModelSpec | None, RolloutSpec | None]:
-    process = ProcessSpec(cfg.model.path, cfg.trainer.seed, cfg.trainer.dist_timeout_s, total_steps)
+    process = ProcessSpec(cfg.model.path, cfg.trainer.seed, cfg.trainer.dist_timeout_s, total_steps,
+                          cfg.model.trust_remote_code)
     r, d = cfg.rollout, cfg.data
     separate = not generation.colocated
     actor = ActorSpec(process, actor_layout, cfg.actor, r, cfg.algorithm.rollout_correction, needs, d.max_prompt_length,
@@ -94,5 +97,6 @@ def role_specs(cfg, needs: Needs, total_steps: int | None, actor_layout, critic_
                            (actor_layout.pp, actor_layout.tp, actor_layout.weight_replicas), serving,
                            cfg.schedule.max_off_policy_threshold) if separate else None)
     critic = CriticSpec(process, critic_layout, cfg.critic, r.n) if needs.critic else None
-    reward_model = RewardModelSpec(cfg.reward_model, cfg.model.path) if cfg.reward_model.enable else None
+    reward_model = (RewardModelSpec(cfg.reward_model, cfg.model.path, cfg.model.trust_remote_code)
+                    if cfg.reward_model.enable else None)
     return actor, critic, reward_model, rollout

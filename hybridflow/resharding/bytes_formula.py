@@ -5,17 +5,18 @@ tests hold the measured bytes to."""
 from __future__ import annotations
 
 from hybridflow.families.weights import EMBEDDING, Split, hf_weight, is_expert, layer_index
-from hybridflow.megatron.convert import stage_layers
+from hybridflow.plan.stages import StageSplit
 from hybridflow.resharding.plan import HybridPlan, Layout
 
 
-def stage_bytes(state: dict, cfg, pp: int, ep: int, element_size: int | None = None) -> tuple[list, list, list, list]:
-    """(split, experts, replicated, whole experts) bytes per training stage of ``state`` (HF names).
+def stage_bytes(state: dict, cfg, stages: StageSplit, ep: int, element_size: int | None = None) -> tuple:
+    """(split, experts, replicated, whole experts) bytes per training stage (of ``stages``) of ``state`` (HF names).
     ``element_size``: the megatron model's (None: each tensor's own); a weight declared float32 (the expert bias)
     counts 4 either way. Experts are their own category only where expert parallelism exchanges them (at EP 1
     they are TP-split); an expert's replicated piece (gpt-oss's down_proj_bias) goes whole to every generation rank."""
+    pp = stages.pp
     split, experts, replicated, whole = ([0] * pp for _ in range(4))
-    stage_of = {layer: s for s in range(pp) for layer in stage_layers(cfg.num_hidden_layers, s, pp)}
+    stage_of = {layer: s for s in range(pp) for layer in stages.layers(cfg.num_hidden_layers, s)}
     for name, t in state.items():
         weight = hf_weight(name)
         n = t.numel() * (4 if weight.float32 else element_size or t.element_size())
@@ -31,10 +32,11 @@ def stage_bytes(state: dict, cfg, pp: int, ep: int, element_size: int | None = N
 
 
 def expected_bytes_received(state: dict, cfg, train: Layout, ep: int, t_g: int, element_size: int | None = None,
-                            stage: int | None = None) -> float:
+                            stage: int | None = None, stages: StageSplit | None = None) -> float:
     """The bytes a rank of training stage ``stage`` (None: the stage whose ranks receive the most) receives in the
-    hybrid transition of ``state``'s model from ``train`` (EP ``ep``, expert TP 1 where ep > 1) to generation TP
-    ``t_g``."""
-    plan, parts = HybridPlan(train, 1, t_g), stage_bytes(state, cfg, train.p, ep, element_size)
+    hybrid transition of ``state``'s model from ``train`` (EP ``ep``, expert TP 1 where ep > 1; its layers split
+    by ``stages``, None: evenly) to generation TP ``t_g``."""
+    stages = stages or StageSplit(train.p)
+    plan, parts = HybridPlan(train, 1, t_g), stage_bytes(state, cfg, stages, ep, element_size)
     stages = range(train.p) if stage is None else [stage]
     return float(max(plan.stage_bytes_received(s, *parts, ep) for s in stages))

@@ -27,6 +27,7 @@ from hybridflow.families import weights
 from hybridflow.megatron import convert, parallel
 from hybridflow.resharding import vllm_layout
 from hybridflow.resharding.plan import HybridPlan
+from hybridflow.plan.stages import StageSplit
 
 
 @dataclass
@@ -69,7 +70,9 @@ def _local_shard(module) -> dict:
 class Resharder:
     """Per rank; build it on every rank of the actor's world together (it creates process groups)."""
 
-    def __init__(self, module, hf_config, plan: HybridPlan, scheme: str = "hybrid"):
+    def __init__(self, module, hf_config, plan: HybridPlan, scheme: str = "hybrid", stages: StageSplit | None = None):
+        """``stages``: which layers each training stage holds (the role's ``shard.stages``; None: megatron's even
+        split of this process's pipeline)."""
         if scheme not in ("hybrid", "gather_all"):
             raise ValueError(f"rollout.resharding must be 'hybrid' or 'gather_all', got {scheme!r}")
         vllm_layout.check_supported(hf_config, plan.t_g)
@@ -87,7 +90,7 @@ class Resharder:
             raise RuntimeError(f"rank {self.rank}: the resharding plan places it at (tp, dp, pp) "
                                f"{train.coords(self.rank)} but megatron's groups at {actual}")
         self.tie = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1  # which layers each stage holds
+        self.stages = stages or StageSplit(train.p, ps.get_virtual_pipeline_model_parallel_world_size() or 1)
         self._new_groups()
         local = _local_shard(module)
         self.device = next(iter(local.values())).device
@@ -258,7 +261,7 @@ class Resharder:
             pieces = []
             if s == 0:
                 pieces.append(vllm_layout.from_megatron_shards([weights.EMBEDDING], members, self.cfg, tr.t))
-            for local, index in enumerate(convert.stage_layers(self.cfg.num_hidden_layers, s, tr.p, self.vpp)):
+            for local, index in enumerate(self.stages.layers(self.cfg.num_hidden_layers, s)):
                 pre = f"decoder.layers.{local}."
                 layer = [{k[len(pre):]: v for k, v in m.items() if k.startswith(pre)} for m in members]
                 pieces.append(vllm_layout.layer_from_megatron_shards(layer, index, self.cfg, tr.t))
@@ -315,7 +318,9 @@ class Resharder:
                         stats.bytes_received += _nbytes(t)
                 biggest = max(biggest, _nbytes(t))
                 full_stage[name] = t
-            hf = convert.megatron_to_hf(full_stage, self.cfg, convert.Shard(0, tr.t, stage, tr.p, vpp_size=self.vpp))
+            at = convert.Shard(0, tr.t, stage, tr.p, vpp_size=self.stages.vpp, first_stage_layers=self.stages.first,
+                               last_stage_layers=self.stages.last)
+            hf = convert.megatron_to_hf(full_stage, self.cfg, at)
             for name, tensor in vllm_layout.hf_to_vllm_shard(hf, self.cfg, k_gen, t_g).items():
                 out[name] = tensor.clone()  # vLLM keeps its own slice; the full tensors are dropped
                 kept += _nbytes(out[name])

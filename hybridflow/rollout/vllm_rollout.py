@@ -64,6 +64,7 @@ OWN_ENGINE_ARGS = {
     "gpu_memory_utilization": "rollout.gpu_memory_utilization", "enforce_eager": "rollout.enforce_eager",
     "enable_sleep_mode": "rollout.free_cache_engine", "max_num_batched_tokens": "rollout.max_num_batched_tokens",
     "max_num_seqs": "rollout.max_num_seqs", "enable_chunked_prefill": "rollout.enable_chunked_prefill",
+    "trust_remote_code": "model.trust_remote_code",
     # fixed: the weights arrive by sync; one engine per generation replica in the trainer's processes
     "load_format": None, "distributed_executor_backend": None, "pipeline_parallel_size": None,
     "data_parallel_size": None, "enable_prefix_caching": None, "disable_log_stats": None,
@@ -130,14 +131,15 @@ class EngineSettings:
     max_num_seqs: int | None = None
     enable_chunked_prefill: bool | None = None
     engine_kwargs: dict | None = None  # further vllm.LLM arguments (check_engine_kwargs)
+    trust_remote_code: bool = False  # model.trust_remote_code
 
     @classmethod
-    def of(cls, rollout, colocated: bool) -> EngineSettings:
+    def of(cls, rollout, colocated: bool, trust_remote_code: bool = False) -> EngineSettings:
         """The engine of the ``rollout`` section; only an engine ``colocated`` with training sleeps."""
         r = rollout
         return cls(r.tensor_model_parallel_size, r.kv_cache_gib, r.dtype, r.gpu_memory_utilization, r.enforce_eager,
                    colocated and r.free_cache_engine, r.max_num_batched_tokens, r.max_num_seqs,
-                   r.enable_chunked_prefill, r.engine_kwargs)
+                   r.enable_chunked_prefill, r.engine_kwargs, trust_remote_code)
 
     def llm_kwargs(self, sleep_mode: bool, lora_rank: int) -> dict:
         """The ``vllm.LLM`` arguments VLLMRollout does not fix: ``engine_kwargs`` (checked by
@@ -166,7 +168,7 @@ def _build_llm(hf_dir: str, engine: EngineSettings, max_model_len: int, seed: in
                enforce_eager=engine.enforce_eager or not device.on_accelerator(), max_model_len=max_model_len,
                tensor_parallel_size=engine.tensor_parallel_size, seed=seed,
                gpu_memory_utilization=engine.gpu_memory_utilization, disable_log_stats=True,
-               disable_custom_all_reduce=True,
+               disable_custom_all_reduce=True, trust_remote_code=engine.trust_remote_code,
                # On GPU this costs FlashInfer's sampler: vLLM falls back to its native top-k/top-p
                # sampler for processed log-probs (v1/sample/ops/topk_topp_sampler.py, __init__).
                logprobs_mode="processed_logprobs", **kwargs)

@@ -154,7 +154,10 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
     ``rollout_n``: samples per prompt; a mini-batch of ``ppo_mini_batch_size`` prompts trains that many rows each."""
     mg = cfg_role.megatron
     layout = ParallelLayout.of(name, mg, n, "")
-    tp, etp = layout.tp * layout.pp, layout.etp * layout.ep * layout.pp  # the groups each kind is split over
+    # the groups each kind is split over; uneven pipeline stages (plan/stages.py): the most loaded stage's share
+    stages = layout.stages
+    heaviest = max(stages.counts(shape.layers)) * stages.pp / shape.layers if stages.uneven else 1.0
+    tp, etp = layout.tp * layout.pp / heaviest, layout.etp * layout.ep * layout.pp / heaviest
     # the distributed optimizer shards over the data x context ranks (megatron's intra_dp_cp group)
     d, ed, by = max(1, layout.weight_replicas), max(1, layout.expert_dp), BYTES[mg.dtype]
     experts = expert_params(shape)
@@ -166,7 +169,7 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
         return Role(name, items, off, act, f"forward {cfg_role.log_prob_micro_batch_size_per_gpu} x {seq} tokens")
     if lora is not None:  # the base frozen: gradients and optimizer state for the adapters only
         targets = lora.targets
-        dense = lora_params(shape, lora.rank, targets, layout.tp) / layout.pp  # per GPU
+        dense = lora_params(shape, lora.rank, targets, layout.tp) / layout.pp * heaviest  # per GPU
         experts = lora_expert_params(shape, lora.rank, targets)  # whole model, split over EP x PP (expert TP 1)
         per_gpu = dense + experts / etp
         items["params"] += per_gpu * by

@@ -3,6 +3,7 @@ safetensors whose headers match it, and a tokenizer (a part of trainer/preflight
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -22,13 +23,13 @@ def check_model_folder(cfg: ExperimentConfig):
     tokenizer, and the model's context fits the longest prompt plus response; returns (HF config, tokenizer)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    path = cfg.model.path
+    path, trust = cfg.model.path, cfg.model.trust_remote_code
     if not os.path.isdir(path):
         raise ConfigError(f"model.path: not a model folder: {path}")
     try:
-        model = AutoConfig.from_pretrained(path)
+        model = AutoConfig.from_pretrained(path, trust_remote_code=trust)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path: cannot read {path}/config.json ({str(e).splitlines()[0][:120]})") from None
+        raise ConfigError(f"model.path: cannot read {path}/config.json ({_remote_code_hint(e, False)})") from None
     try:
         check_rope_supported(model)
         quantization_of(model)
@@ -37,13 +38,17 @@ def check_model_folder(cfg: ExperimentConfig):
     if not list(Path(path).glob("*.safetensors")):
         raise ConfigError(f"model.path: no *.safetensors weights in {path}")
     check_weight_shapes(path, model)
-    # Without its files AutoTokenizer quietly builds an empty tokenizer from config.json alone.
-    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    # Without its files AutoTokenizer quietly builds an empty tokenizer from config.json alone (a tokenizer of the
+    # folder's own code reads files of its own: Moonlight's tiktoken.model)
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json")
+    if not _own_tokenizer_code(path) and not any((Path(path) / f).exists() for f in files):
         raise ConfigError(f"model.path: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json) in {path}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
     except (OSError, ValueError, TypeError) as e:
-        raise ConfigError(f"model.path: no usable tokenizer in {path} ({str(e).splitlines()[0][:120]})") from None
+        # transformers without trust_remote_code falls back to a class of its own, which fails on the files
+        own = not trust and _own_tokenizer_code(path)
+        raise ConfigError(f"model.path: no usable tokenizer in {path} ({_remote_code_hint(e, own)})") from None
     if len(tokenizer) < 2 or tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
         raise ConfigError(f"model.path: the tokenizer in {path} is empty or lacks pad/eos tokens (tokenizer files missing?)")
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
@@ -51,6 +56,24 @@ def check_model_folder(cfg: ExperimentConfig):
         raise ConfigError(f"data.max_prompt_length + data.max_response_length ({longest}) exceeds the model's "
                           f"max_position_embeddings ({model.max_position_embeddings}) in {path}")
     return model, tokenizer
+
+
+def _own_tokenizer_code(path: str) -> bool:
+    """tokenizer_config.json names a tokenizer class of the folder's own code (``auto_map``)."""
+    try:
+        with open(Path(path) / "tokenizer_config.json", encoding="utf-8") as f:
+            return "AutoTokenizer" in json.load(f).get("auto_map", {})
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _remote_code_hint(e: Exception, own_code: bool) -> str:
+    """transformers' reason in one line; where it asks for the folder's own code (or ``own_code``: the folder
+    names its own class), the key that allows it."""
+    text = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+    if own_code or "trust_remote_code" in str(e):
+        return "it needs its own Python code: set model.trust_remote_code=true if you trust the folder"
+    return text
 
 
 def check_weight_shapes(path: str, model) -> None:

@@ -58,17 +58,19 @@ class ActorRolloutRefWorker(Worker):
         # CP ranks hold the same weights as data-parallel ones, numbered inside that dimension (tp-cp-dp-pp)
         train = Layout(spec.layout.pp, spec.layout.tp, spec.layout.weight_replicas)
         r = spec.rollout
-        self.tokenizer = AutoTokenizer.from_pretrained(p.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(p.model_path, trust_remote_code=p.trust_remote_code)
         self.rollout = self.agent = self.feeds = None
         if spec.rollout_pool:  # separate_async: the checkpoint engine feeds a rollout pool of its own
             self.separate = SeparatePlan(train, spec.rollout_pool, r.tensor_model_parallel_size)
             self.hybrid_plan = self.separate.trainer
-            self.resharder = Resharder(self.actor.module, hf_config, self.hybrid_plan, "hybrid")
+            self.resharder = Resharder(self.actor.module, hf_config, self.hybrid_plan, "hybrid",
+                                       self.actor.shard.stages)
             return
         self.hybrid_plan = HybridPlan(train, p_g=1, t_g=r.tensor_model_parallel_size)
-        self.resharder = Resharder(self.actor.module, hf_config, self.hybrid_plan, r.resharding)
+        self.resharder = Resharder(self.actor.module, hf_config, self.hybrid_plan, r.resharding,
+                                   self.actor.shard.stages)
         # ranks of one generation TP group must sample identically: seed per replica
-        self.rollout = build_vllm_rollout(p.model_path, spec, seed=p.seed + self.hybrid_plan.ranks[self.rank].replica,
+        self.rollout = build_vllm_rollout(spec, seed=p.seed + self.hybrid_plan.ranks[self.rank].replica,
                                           generation_groups=self.hybrid_plan.replicas, colocated=True)
         self.agent = (build_agent_loop(r.multi_turn, spec.max_response_length, spec.chat_template_kwargs, self.tokenizer)
                       if r.multi_turn.enable else None)

@@ -96,14 +96,15 @@ def build_agent_loop(multi_turn, max_response_length: int, chat_template_kwargs:
                      AgentSettings.from_config(m, max_response_length), ChatFormat(tokenizer, chat_template_kwargs))
 
 
-def build_vllm_rollout(model_path: str, spec, seed: int, generation_groups, colocated: bool) -> VLLMRollout:
-    """The vLLM engine of ``spec.rollout`` (the actor's or the rollout pool's spec) with dummy weights until the
+def build_vllm_rollout(spec, seed: int, generation_groups, colocated: bool) -> VLLMRollout:
+    """The vLLM engine of ``spec.rollout`` (the actor's or the rollout pool's spec), of the model folder its
+    ``process`` names, with dummy weights until the
     first sync; ``generation_groups``: the ranks of each vLLM TP group of this process's world. Only an engine
     ``colocated`` with training sleeps outside generation (rollout.free_cache_engine): a pool of its own has no one to
     give its memory to, and sleeping it around a batch generation (validation, a greedy baseline) only moved its
     weights to the host and back."""
-    r = spec.rollout
-    return VLLMRollout(model_path, EngineSettings.of(r, colocated),
+    r, p = spec.rollout, spec.process
+    return VLLMRollout(p.model_path, EngineSettings.of(r, colocated, p.trust_remote_code),
                        max_model_len=spec.max_prompt_length + spec.max_response_length, seed=seed,
                        generation_groups=generation_groups, routed_experts=r.enable_rollout_routing_replay,
                        lora_rank=adapter_rank(spec))

@@ -28,7 +28,7 @@ class RewardModelWorker(Worker):
             raise ValueError(f"reward_model.path {rm.path}: expected one output logit, got num_labels="
                              f"{self.model.config.num_labels}")
         self.tokenizer = AutoTokenizer.from_pretrained(rm.path)
-        self.policy_tokenizer = AutoTokenizer.from_pretrained(spec.policy_path)
+        self.policy_tokenizer = AutoTokenizer.from_pretrained(spec.policy_path, trust_remote_code=spec.trust_remote_code)
         self.micro_batch_size, self.max_length = rm.micro_batch_size, rm.max_length
 
     def _texts(self, batch: Batch) -> list[str]:

@@ -36,14 +36,14 @@ class RolloutWorker(Worker):
         p, r = spec.process, spec.rollout
         self.spec = spec
         self.init_distributed(timeout_s=p.dist_timeout_s)
-        self.hf_config = AutoConfig.from_pretrained(p.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(p.model_path)
+        self.hf_config = AutoConfig.from_pretrained(p.model_path, trust_remote_code=p.trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(p.model_path, trust_remote_code=p.trust_remote_code)
         # what preflight checked, again where the shards land (as the hybrid engine's Resharder does): vLLM's vocab
         # and head shards must be the ones the checkpoint engine cuts
         vllm_layout.check_supported(self.hf_config, r.tensor_model_parallel_size)
         self.plan = SeparatePlan(Layout(*spec.train_layout), self.world_size, r.tensor_model_parallel_size)
         # the ranks of one vLLM TP group sample identically: seeded per replica
-        self.rollout = build_vllm_rollout(p.model_path, spec, seed=p.seed + self.rank // self.plan.t_g,
+        self.rollout = build_vllm_rollout(spec, seed=p.seed + self.rank // self.plan.t_g,
                                           generation_groups=self.plan.replicas, colocated=False)
         # multi-turn trajectories (tools) run against this engine; with partial rollouts carried across pushes too
         self.agent = (build_agent_loop(r.multi_turn, spec.max_response_length, spec.chat_template_kwargs, self.tokenizer)

@@ -24,6 +24,8 @@ pytestmark = pytest.mark.distributed
 LAYOUTS = [(1, 1, 1, 1, 1), (2, 1, 1, 1, 1), (1, 2, 1, 1, 1), (1, 1, 2, 1, 1), (2, 2, 1, 1, 1), (2, 1, 2, 1, 1),
            (1, 2, 2, 1, 1), (1, 1, 1, 2, 1), (2, 1, 1, 2, 1), (1, 2, 1, 1, 2), (1, 2, 2, 1, 2)]
 IDS = [f"tp{t}_pp{p}_dp{d}" + (f"_cp{c}" if c > 1 else "") + (f"_vpp{v}" if v > 1 else "") for t, p, d, c, v in LAYOUTS]
+# id -> (layout, num_layers_in_last_pipeline_stage): uneven stages (plan/stages.py), the 4 layers as 3 + 1
+CASES = {**{i: (layout, None) for i, layout in zip(IDS, LAYOUTS)}, "tp1_pp2_dp2_last1": ((1, 2, 2, 1, 1), 1)}
 P, R, B = 10, 5, 8  # prompt width, response width, rows
 
 
@@ -61,7 +63,7 @@ def _settings():
     return actor, critic
 
 
-def _rank_fn(rank, world, hf_dir, tp, pp, cp=1, vpp=1):
+def _rank_fn(rank, world, hf_dir, tp, pp, cp=1, vpp=1, last=None):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import convert, parallel
@@ -78,9 +80,12 @@ def _rank_fn(rank, world, hf_dir, tp, pp, cp=1, vpp=1):
     # Adam's first step is ~lr*sign(g): a large eps keeps it smooth in g, so summation-order noise
     # between layouts stays noise instead of flipping the sign of near-zero gradients.
     optim = OptimSettings(lr=1e-3, eps=1e-3, use_distributed_optimizer=dp > 1)
-    seq_parallel = tp > 1
-    actor = MegatronRole(cfg, state, ModelBuild(sequence_parallel=seq_parallel), optim=optim)
-    critic = MegatronRole(cfg, critic_state, ModelBuild(value_head=True, sequence_parallel=seq_parallel), optim=optim)
+    seq_parallel, stages = tp > 1, {"num_layers_in_last_pipeline_stage": last} if last else None
+    actor = MegatronRole(cfg, state, ModelBuild(sequence_parallel=seq_parallel, transformer_overrides=stages),
+                         optim=optim)
+    critic = MegatronRole(cfg, critic_state, ModelBuild(value_head=True, sequence_parallel=seq_parallel,
+                                                        transformer_overrides=stages), optim=optim)
+    assert last is None or actor.shard.layers(4) == ([0, 1, 2] if actor.shard.pp_rank == 0 else [3])
     shard = rollout_batch().chunk(dp)[dp_rank]
 
     out = {"dp_rank": dp_rank, "collect": parallel.dispatch_info()["collect"]}
@@ -92,7 +97,7 @@ def _rank_fn(rank, world, hf_dir, tp, pp, cp=1, vpp=1):
     critic_hf = {k: v.clone() for k, v in critic.hf_state_dict().items()}
 
     # Export to a HF folder and convert back into this rank's shard: must be bit-identical.
-    export_dir = f"{hf_dir}/export_{tp}{pp}{dp}{cp}{vpp}"
+    export_dir = f"{hf_dir}/export_{tp}{pp}{dp}{cp}{vpp}{last}"
     if rank == 0:
         save_hf_folder(export_dir, cfg, actor_hf)
     torch.distributed.barrier()
@@ -133,8 +138,8 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def layout_results(hf_dir):
-    return batched_worlds(one_case, {i: (t * p * d * c, (_rank_fn, hf_dir, t, p, c, v))
-                                     for i, (t, p, d, c, v) in zip(IDS, LAYOUTS)})
+    return batched_worlds(one_case, {i: (t * p * d * c, (_rank_fn, hf_dir, t, p, c, v, last))
+                                     for i, ((t, p, d, c, v), last) in CASES.items()})
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +172,9 @@ def test_single_rank_matches_hf(hf_dir, single_rank, hf_log_probs):
     assert moved > 1e-4, "the PPO update did not change the actor"
 
 
-@pytest.mark.parametrize("t,p,d,c,v", LAYOUTS[1:], ids=IDS[1:])
-def test_layout_reproduces_single_rank(layout_results, single_rank, hf_log_probs, t, p, d, c, v):
-    got = _merged(layout_results(IDS[LAYOUTS.index((t, p, d, c, v))]), d)
+@pytest.mark.parametrize("case", list(CASES)[1:])
+def test_layout_reproduces_single_rank(layout_results, single_rank, hf_log_probs, case):
+    got = _merged(layout_results(case), CASES[case][0][2])
     valid = rollout_batch().tensors["response_mask"].bool()
     assert_close(got["log_probs"][valid], hf_log_probs[valid], slack=10, what="log-probs vs HF")
     for key in ("log_probs", "entropy", "values"):

@@ -23,14 +23,22 @@ CASES = [((1, 2, 1), 1), ((1, 2, 2), 1), ((1, 4, 1), 2), ((2, 2, 1), 1), ((2, 2,
          # context parallel 2: its ranks hold the same weights, numbered inside the planner's d (= dp x cp)
          ((1, 2, 2), 1, 2), ((2, 1, 2), 2, 2),
          # virtual pipeline stages (4 layers): stage s holds layers s and 2 + s, each stage's in a chunk of its own
-         ((2, 1, 1), 1, 1, 2), ((2, 2, 1), 1, 1, 2)]  # ((p, t, d), t_g[, cp[, vpp]])
+         ((2, 1, 1), 1, 1, 2), ((2, 2, 1), 1, 1, 2),
+         # uneven stages (3 layers: num_layers_in_last_pipeline_stage=1): bytes per stage from bytes_formula
+         ((2, 2, 1), 2, 1, 1, 1)]  # ((p, t, d), t_g[, cp[, vpp[, last]]])
 KV_HEADS = {((1, 2, 2), 4): 2}  # else 4
 IDS = ["p{}t{}d{}_to_tg{}".format(*c[0], c[1]) + (f"_cp{c[2]}" if len(c) > 2 and c[2] > 1 else "")
-       + (f"_vpp{c[3]}" if len(c) > 3 else "") for c in CASES]
+       + (f"_vpp{c[3]}" if len(c) > 3 and c[3] > 1 else "") + (f"_last{c[4]}" if len(c) > 4 else "") for c in CASES]
 
 
 def _vpp(case) -> int:
     return case[3] if len(case) > 3 else 1
+
+
+def _stages(case):
+    from hybridflow.plan.stages import StageSplit
+
+    return StageSplit(case[0][0], _vpp(case), None, case[4] if len(case) > 4 else None)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +68,7 @@ def case_results(hf_dirs):
 
 
 def _hf_dir(hf_dirs, case) -> str:
-    return hf_dirs(KV_HEADS.get(case, 4), 2 * _vpp(case))
+    return hf_dirs(KV_HEADS.get(case, 4), 3 if _stages(case).uneven else 2 * _vpp(case))
 
 
 def _world(case) -> int:
@@ -89,14 +97,14 @@ class _TENamed:
         return self.module.named_modules()
 
 
-def _rank_fn(rank, world, hf_dir, p, t, t_g, cp=1, vpp=1):
+def _rank_fn(rank, world, hf_dir, p, t, t_g, cp=1, vpp=1, last=None):
     from megatron.core import parallel_state as ps
 
     from hybridflow.megatron import parallel
 
     parallel.init_model_parallel(t, p, seed=1, cp=cp, vpp=vpp)
     try:
-        return _transition(rank, hf_dir, p, t, t_g)
+        return _transition(rank, hf_dir, p, t, t_g, last)
     finally:
         # Ready for the next case's layout: megatron's groups (and global buffers) dropped, so that a second
         # initialize_model_parallel is allowed; init_model_parallel reseeds the RNG tracker itself. The
@@ -105,22 +113,24 @@ def _rank_fn(rank, world, hf_dir, p, t, t_g, cp=1, vpp=1):
         ps.destroy_model_parallel()
 
 
-def _transition(rank, hf_dir, p, t, t_g):
+def _transition(rank, hf_dir, p, t, t_g, last):
     from megatron.core import parallel_state as ps
 
-    from hybridflow.megatron.role import MegatronRole
+    from hybridflow.megatron.role import MegatronRole, ModelBuild
     from hybridflow.resharding.transition import Resharder
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.workers.common import load_hf_folder
 
     cfg, state = load_hf_folder(hf_dir)
-    role = MegatronRole(cfg, state)
+    role = MegatronRole(cfg, state, ModelBuild(transformer_overrides={"num_layers_in_last_pipeline_stage": last}
+                                               if last else None))
     layout = Layout(p, t, ps.get_data_parallel_world_size() * ps.get_context_parallel_world_size())
     out = {"rank": rank}
     for scheme in ("hybrid", "gather_all"):
-        shard, stats = Resharder(role.module, cfg, HybridPlan(layout, 1, t_g), scheme).to_generation()
+        shard, stats = Resharder(role.module, cfg, HybridPlan(layout, 1, t_g), scheme, role.shard.stages).to_generation()
         out[scheme] = (shard, stats)
-    out["hybrid_te"] = Resharder(_TENamed(role.module), cfg, HybridPlan(layout, 1, t_g), "hybrid").to_generation()
+    out["hybrid_te"] = Resharder(_TENamed(role.module), cfg, HybridPlan(layout, 1, t_g), "hybrid",
+                                 role.shard.stages).to_generation()
     local = {k: v.clone() for k, v in role.module.state_dict().items() if not k.endswith("_extra_state")}
     out["local"] = local
     return out
@@ -128,7 +138,8 @@ def _transition(rank, hf_dir, p, t, t_g):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_transition(hf_dirs, case_results, case):
-    from hybridflow.megatron.convert import stage_layers, tp_split_dim
+    from hybridflow.megatron.convert import tp_split_dim
+    from hybridflow.resharding.bytes_formula import expected_bytes_received
     from hybridflow.resharding.plan import HybridPlan, Layout
     from hybridflow.resharding.vllm_layout import hf_to_vllm_shard
     from hybridflow.workers.common import load_hf_folder
@@ -163,9 +174,13 @@ def test_transition(hf_dirs, case_results, case):
         assert hybrid.bytes_received == planned
         if plan.tp_split > 1 and p == 1:  # generation TP a multiple of training TP: nothing moves
             assert hybrid.bytes_received == hybrid.bytes_sent == 0
-        # ... which is the paper's (t*p - t_g*p_g)/(t_g*p_g*t*p) * M up to the TP-replicated norms.
+        # ... which is the planner's count for the rank's stage, and, with even stages, the paper's
+        # (t*p - t_g*p_g)/(t_g*p_g*t*p) * M up to the TP-replicated norms.
+        stage = Layout(p, t, d).coords(res["rank"])[2]
+        assert hybrid.bytes_received == expected_bytes_received(hf, cfg, Layout(p, t, d), 1, t_g, stage=stage,
+                                                                stages=_stages(case))
         formula = float(plan.formula_bytes()) * model_bytes
-        assert abs(hybrid.bytes_received - formula) <= 0.01 * model_bytes
+        assert _stages(case).uneven or abs(hybrid.bytes_received - formula) <= 0.01 * model_bytes
         gather_all = res["gather_all"][1]
         # With t_g = 1 (or t = 1: the pipeline gather alone) both schemes move (t*p - 1)/(t*p) * M; with
         # t_g > 1 hybrid moves less.
@@ -180,8 +195,7 @@ def test_transition(hf_dirs, case_results, case):
             if name == "embedding.word_embeddings.weight":
                 gen, dim = shard["model.embed_tokens.weight"], 0
             elif name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
-                stage = Layout(p, t, d).coords(res["rank"])[2]
-                layer = stage_layers(cfg.num_hidden_layers, stage, p, _vpp(case))[int(name.split(".")[2])]
+                layer = _stages(case).layers(cfg.num_hidden_layers, stage)[int(name.split(".")[2])]
                 suffix = "self_attn.o_proj.weight" if "linear_proj" in name else "mlp.down_proj.weight"
                 gen, dim = shard[f"model.layers.{layer}.{suffix}"], 1
             else:

@@ -252,6 +252,10 @@ CASES = {
     "pp does not divide layers": (lambda g, t: ["actor.megatron.pipeline_model_parallel_size=2", "resources.n_workers=2",
                                                 "critic.megatron.pipeline_model_parallel_size=2"],
                                   "actor.megatron.pipeline_model_parallel_size (2) does not divide the model's 1 layers"),
+    "uneven stages leave a stage no layer": (lambda g, t: ["actor.megatron.pipeline_model_parallel_size=2", "resources.n_workers=2",
+                                                           "actor.megatron.override_transformer_config={num_layers_in_last_pipeline_stage: 1}"],
+                                             "num_layers_in_last_pipeline_stage: every stage's layers [0, 1] must divide into "
+                                             "the 1 virtual stages, a layer each at least"),
     "verl key unsupported": (lambda g, t: ["--verl-overrides", "actor_rollout_ref.actor.checkpoint.async_save=True"],
                              "verl keys not supported by hybridflow: actor_rollout_ref.actor.checkpoint.async_save"),
     # resources (checked against the machine before Ray starts)

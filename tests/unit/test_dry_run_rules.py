@@ -32,9 +32,9 @@ CONFIG_ONLY = [
                                                     "shorter than the decay (100 steps"),
     (QUICK, ["actor.megatron.override_transformer_config={apply_rope_fusion: true}"], [],
      "apply_rope_fusion: megatron's fused rotary embedding needs Transformer Engine"),
-    # verl's Moonlight and DeepSeek-V3 scripts set it: conversion places layers by megatron's even split
-    (QUICK, [], ["+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_last_pipeline_stage=13"],
-     "num_layers_in_last_pipeline_stage: uneven pipeline stages are not built here"),
+    # a stage split other than first/last layer counts (plan/stages.py)
+    (QUICK, [], ["+actor_rollout_ref.actor.megatron.override_transformer_config.account_for_loss_in_pipeline_split=True"],
+     "account_for_loss_in_pipeline_split: this pipeline split is not built here"),
     (QUICK, [], ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
                  "actor_rollout_ref.actor.megatron.context_parallel_size=1"], "both set actor.megatron.context_parallel_size"),
 ]

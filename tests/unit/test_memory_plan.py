@@ -475,3 +475,21 @@ def test_moonlight_counts_as_transformers_builds_it_and_caches_its_latent():
     assert (shape.moe_layers, shape.kv_lora, shape.q_lora, biases) == (26, 512, 0, 26 * 64)
     assert mp.count_params(shape) == sum(p.numel() for p in model.parameters()) + biases == 15_960_110_208
     assert mp.kv_bytes_per_token(shape, 2) == mp.kv_bytes_per_token(shape, 2, t_g=4) == 27 * 576 * 2
+
+
+def test_uneven_pipeline_stages_count_the_most_loaded_stage():
+    """Moonlight's 27 layers at PP 2 as verl's script splits them (14 + 13, num_layers_in_last_pipeline_stage=13):
+    each GPU's parameters, gradients and optimizer state are the first stage's 14/27 of the model, not half."""
+    from dataclasses import replace
+
+    shape = shipped_shape("moonlight-16b-a3b.json")
+    cfg = load_experiment(["configs/gsm8k_moonlight_16b_a3b_grpo.yaml"], [])
+    mg = cfg.actor.megatron
+    two = replace(cfg.actor, megatron=replace(mg, pipeline_model_parallel_size=2))
+    uneven = replace(cfg.actor, megatron=replace(mg, pipeline_model_parallel_size=2, override_transformer_config={
+        **mg.override_transformer_config, "num_layers_in_last_pipeline_stage": 13}))
+    P = mp.count_params(shape)
+    even, heavy = (mp.make_role("actor", a, P, shape, 1024, 16, shape.vocab, rollout_n=cfg.rollout.n)
+                   for a in (two, uneven))
+    for item in ("params", "grads", "optimizer"):
+        assert heavy.items[item] == pytest.approx(even.items[item] * 14 / 13.5, rel=1e-12), item

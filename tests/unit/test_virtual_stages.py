@@ -1,4 +1,5 @@
-"""Virtual pipeline stages without processes: which layers each stage's chunks hold, the interleaved schedule's
+"""Virtual pipeline stages without processes: which layers each stage's chunks hold (with uneven stages too, as
+megatron's own functions place them), the interleaved schedule's
 micro-batch needs, the memory plan's activations in flight, and the run plan's refusals. The distributed tier
 checks that PP 2 x VPP 2 reproduces one rank (tests/distributed/test_layouts.py), resumes at another layout
 (test_checkpoint.py) and reshards into vLLM (test_resharding.py, test_check_model.py)."""
@@ -10,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridflow.megatron.convert import Shard, stage_layers
+from hybridflow.megatron.convert import Shard
 from hybridflow.megatron.virtual_stages import microbatch_group_size
 from hybridflow.plan import ParallelLayout, load_experiment, resolve
+from hybridflow.plan.stages import StageSplit
 from hybridflow.protocol import Batch
 from hybridflow.tools.memory_plan import stages_in_flight
 from hybridflow.workers.role_ops import least_micro_batches
@@ -26,10 +28,49 @@ VPP = ["resources.n_workers=2", "actor.megatron.pipeline_model_parallel_size=2",
 
 def test_chunks_take_every_pp_th_block_of_layers():
     # megatron's interleaved assignment: virtual stage c * pp + r is chunk c of stage r
-    assert stage_layers(8, 0, 2, 2) == [0, 1, 4, 5] and stage_layers(8, 1, 2, 2) == [2, 3, 6, 7]
-    assert stage_layers(8, 1, 2) == [4, 5, 6, 7]  # no virtual stages: one block
-    assert sorted(i for r in range(4) for i in stage_layers(16, r, 4, 2)) == list(range(16))
+    assert StageSplit(2, 2).layers(8, 0) == [0, 1, 4, 5] and StageSplit(2, 2).layers(8, 1) == [2, 3, 6, 7]
+    assert StageSplit(2).layers(8, 1) == [4, 5, 6, 7]  # no virtual stages: one block
+    assert sorted(i for r in range(4) for i in StageSplit(4, 2).layers(16, r)) == list(range(16))
     assert Shard(pp_rank=1, pp_size=2, vpp_size=2).layers(4) == [1, 3]
+    # Moonlight's 27 layers as verl's script splits them (num_layers_in_last_pipeline_stage=13)
+    assert Shard(pp_rank=1, pp_size=2, last_stage_layers=13).layers(27) == list(range(14, 27))
+
+
+# (layers, pp, vpp, first, last): verl's Moonlight and DeepSeek-V3 (61 layers) splits, first and/or last set, with
+# virtual stages, and the even split
+SPLITS = [(27, 2, 1, None, 13), (61, 12, 1, None, 6), (10, 3, 1, 2, None), (11, 3, 1, 3, 2), (12, 3, 2, 2, 4),
+          (14, 4, 2, 4, 2), (16, 4, 2, None, None), (8, 2, 1, None, None)]
+
+
+@pytest.mark.parametrize("n,pp,vpp,first,last", SPLITS)
+def test_stage_split_places_layers_as_megatron_does(n, pp, vpp, first, last):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    split = StageSplit(pp, vpp, first, last)
+    split.check(n, "actor.megatron", "config.json")
+    cfg = TransformerConfig(num_layers=n, hidden_size=8, num_attention_heads=2, pipeline_model_parallel_size=pp,
+                            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, pipeline_dtype=torch.float32,
+                            num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
+    for stage in range(pp):
+        theirs = []
+        for chunk in ([None] if vpp == 1 else range(vpp)):
+            start = get_transformer_layer_offset(cfg, vp_stage=chunk, pp_rank=stage)
+            theirs += range(start, start + get_num_layers_to_build(cfg, vp_stage=chunk, pp_rank=stage))
+        assert split.layers(n, stage) == theirs, stage
+
+
+@pytest.mark.parametrize("split,n,match", [
+    (StageSplit(3, 1, None, 13), 28, "leave 15 for the other 2 pipeline stages"),
+    (StageSplit(3, 1, None, 3), 10, "leave 7 for the other 2"),
+    (StageSplit(1, 1, 2, None), 4, "num_layers_in_first_pipeline_stage: uneven pipeline stages need"),
+    (StageSplit(2, 2, None, 3), 9, r"every stage's layers \[6, 3\] must divide into the 2 virtual stages"),
+    (StageSplit(2), 27, r"pipeline_model_parallel_size \(2\) does not divide the model's 27 layers in config.json"),
+])
+def test_stage_split_refuses_what_megatron_would(split, n, match):
+    with pytest.raises(ValueError, match=match):
+        split.check(n, "actor.megatron", "config.json")
 
 
 def test_the_interleaved_schedule_takes_its_micro_batches_in_groups_it_accepts():
