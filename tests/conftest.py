@@ -83,3 +83,21 @@ def pytest_runtest_teardown(item, nextitem):
     if leak:
         warnings.warn(f"{item.path.name} left {leak} held in the shared Ray cluster: it is replaced")
         _SHARED.stop()
+
+
+# Each module's wall time (setup, calls and teardowns, module fixtures included), the slowest printed at the end:
+# what `make test`'s 30-minute budget is spent on, by module rather than by test.
+_MODULE_SECONDS: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::")[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    slowest = sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:25]
+    if slowest:
+        terminalreporter.write_sep("=", f"slowest modules (of {sum(_MODULE_SECONDS.values()):.0f} s)")
+        for module, seconds in slowest:
+            terminalreporter.write_line(f"{seconds:8.1f}s {module}")
