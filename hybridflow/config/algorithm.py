@@ -65,6 +65,17 @@ class RolloutCorrection:
 
 
 @dataclass
+class PfPPO:
+    """Priority-filtered PPO's resampling (verl 0.9.1 algorithm.pf_ppo; algorithms/pf_ppo.py)."""
+
+    reweight_method: Literal["pow", "max_min", "max_random"] = "pow"
+    weight_pow: float = 2.0  # pow: a row's weight is |score|^weight_pow
+
+    def validate(self):
+        check_numbers(self, weight_pow=dict(ge=0))
+
+
+@dataclass
 class Algorithm:
     adv_estimator: str = "gae"  # a name in algorithms.registry.ADVANTAGE_ESTIMATORS (verl 0.9.1's names)
     gamma: float = 1.0
@@ -79,9 +90,15 @@ class Algorithm:
     gdpo_reward_weights: list[float] | None = None
     filter_groups: FilterGroups = field(default_factory=FilterGroups)
     rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
+    # resample each batch by its scores after the advantages (verl applies it after GAE only)
+    use_pf_ppo: bool = False
+    pf_ppo: PfPPO = field(default_factory=PfPPO)
 
     def validate(self):
         check_numbers(self, gamma=dict(ge=0, le=1), lam=dict(ge=0, le=1))
+        if self.use_pf_ppo and self.adv_estimator != "gae":
+            raise ValueError(f"algorithm.use_pf_ppo: verl 0.9.1 resamples after the gae advantages only (it ignores "
+                             f"the key with adv_estimator {self.adv_estimator}); use gae or drop the key")
         weights = self.gdpo_reward_weights
         if weights is not None and len(weights) != len(self.gdpo_reward_keys or []):
             raise ValueError(f"algorithm.gdpo_reward_weights has {len(weights)} values for "

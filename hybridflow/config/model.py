@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from hybridflow.config.checks import check_number
+from hybridflow.config.checks import check_number, check_sizes
 
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron's linears an adapter can take
@@ -19,6 +21,18 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's max_lora
 def vllm_lora_rank(rank: int) -> int:
     """The smallest max_lora_rank vLLM takes that holds ``rank`` (verl's get_vllm_max_lora_rank)."""
     return next(r for r in VLLM_LORA_RANKS if r >= rank)  # LoRA.validate refuses a larger rank with merge false
+
+
+def adapter_rank_alpha(folder: str, alpha: float) -> tuple[int, float]:
+    """(r, lora_alpha) of the peft adapter in ``folder`` (``alpha`` where its config names none)."""
+    path = Path(folder) / "adapter_config.json"
+    try:
+        config = json.loads(path.read_text())
+        return int(config["r"]), float(config.get("lora_alpha", alpha))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"model.lora.adapter_path: no adapter rank in {path} ({type(e).__name__}: {e}); a peft "
+                         "adapter folder holds adapter_config.json (r, lora_alpha) and adapter_model.safetensors, "
+                         "or set model.lora.rank") from None
 
 
 @dataclass
@@ -48,12 +62,15 @@ class LoRA:
         meaning)."""
         return tuple(self.target_modules or LORA_TARGETS)
 
+    def resolve_defaults(self) -> None:
+        """An adapter_path without a rank: the adapter's own rank and alpha (its adapter_config.json's r and
+        lora_alpha), as verl's lora_adapter_path takes them (peft's PeftModel.from_pretrained)."""
+        if self.adapter_path and not self.rank:
+            self.rank, self.alpha = adapter_rank_alpha(self.adapter_path, self.alpha)
+
     def validate(self):
         check_number("model.lora.rank", self.rank, ge=0)
         if not self.rank:
-            if self.adapter_path:
-                raise ValueError(f"model.lora.adapter_path ({self.adapter_path}) needs model.lora.rank > 0 (the "
-                                 "adapter's rank); with rank 0 training is full-parameter and the adapter unused")
             return
         check_number("model.lora.alpha", self.alpha, gt=0)
         check_number("model.lora.dropout", self.dropout, ge=0, lt=1)
@@ -72,6 +89,11 @@ class LoRA:
                 raise ValueError(f"model.lora.{key} must be one of {', '.join(LORA_INITS)}, not {getattr(self, key)!r}")
 
 
+def config_overrides(max_position_embeddings: int | None) -> dict:
+    """The policy config's values set over its folder's config.json (``Model.config_overrides``)."""
+    return {} if max_position_embeddings is None else {"max_position_embeddings": max_position_embeddings}
+
+
 @dataclass
 class Model:
     path: str = "outputs/quickstart/sft_model"  # HF folder (config, safetensors, tokenizer) of the policy
@@ -79,4 +101,16 @@ class Model:
     # tiktoken tokenizer, Kimi-K2's config class) in transformers and vLLM; conversion still needs one of
     # hybridflow's families (verl's actor_rollout_ref.model.trust_remote_code)
     trust_remote_code: bool = False
+    # replaces the folder's config.json max_position_embeddings wherever the policy's config is read (megatron,
+    # vLLM, the preflight's length check); verl's actor_rollout_ref.model.override_config.model_config.<same>
+    max_position_embeddings: int | None = None
     lora: LoRA = field(default_factory=LoRA)
+
+    @property
+    def config_overrides(self) -> dict:
+        """What replaces the folder's config.json values (transformers' ``AutoConfig.from_pretrained(path,
+        **overrides)``, vLLM's ``hf_overrides``)."""
+        return config_overrides(self.max_position_embeddings)
+
+    def validate(self):
+        check_sizes(self, "max_position_embeddings")

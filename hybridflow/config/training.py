@@ -157,6 +157,10 @@ class Actor:
     tau_pos: float = 1.0  # sapo: the soft gate's temperature for positive advantages (verl's actor.tau_pos)
     tau_neg: float = 1.05  # sapo: ... for negative advantages
     entropy_coeff: float = 0.0  # entropy bonus: loss -= entropy_coeff x entropy, aggregated like the policy loss
+    # The entropy over so many response tokens at a time (the same values; a smaller peak of the fp32 softmax
+    # over the vocabulary shard, as verl's vocab_parallel_entropy_with_chunking)
+    entropy_from_logits_with_chunking: bool = False
+    entropy_from_logits_chunk_size: int = 2048
     loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_scale_factor: float | None = None  # seq-mean-token-sum-norm divisor (None: the padded response length)
     use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style) instead of in the reward
@@ -192,6 +196,11 @@ class Actor:
     def ref_offloads_params(self) -> bool:
         return self.megatron.param_offload if self.ref_param_offload is None else self.ref_param_offload
 
+    @property
+    def entropy_chunk(self) -> int | None:
+        """Response tokens per entropy computation (None: all at once)."""
+        return self.entropy_from_logits_chunk_size if self.entropy_from_logits_with_chunking else None
+
     def resolve_defaults(self) -> None:
         self.log_prob_use_dynamic_bsz = self.log_prob_dynamic
         self.log_prob_max_token_len_per_gpu = getattr(self, self.log_prob_token_key)
@@ -200,7 +209,7 @@ class Actor:
     def validate(self):
         check_sizes(self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
                      "log_prob_micro_batch_size_per_gpu", "ref_log_prob_micro_batch_size_per_gpu",
-                     "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu")
+                     "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu", "entropy_from_logits_chunk_size")
         # tau_pos/tau_neg: sapo's gate sigmoid(tau (r - 1)) 4 / tau (verl's compute_policy_loss_sapo) is a
         # temperature: 0 divides by zero, and a negative one gives |tau|'s gradient under another name
         check_numbers(self, clip_ratio_low=dict(ge=0), clip_ratio_high=dict(ge=0), clip_ratio_c=dict(gt=1),

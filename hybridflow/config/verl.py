@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 
 from hybridflow.config.loader import ConfigError, Override
-from hybridflow.config.verl_keys import (MUST_AGREE, NO_EFFECT, REWARD_MANAGER_KEYS, REWARD_MANAGERS, _CHECKPOINTING,
+from hybridflow.config.verl_keys import (MUST_AGREE, NO_EFFECT, OTHER_ROLLOUT_ENGINES, REWARD_MANAGER_KEYS,
+                                         REWARD_MANAGERS, _CHECKPOINTING,
                                          _GPU_KEYS, _LISTS, _MODEL, _OVERLONG_SECTIONS, _R, _RECOMPUTE, _check_hydra,
                                          _no_effect_section, _ours)
 
@@ -29,6 +30,7 @@ class Translation:
     overrides: list  # ours, as Override records naming the verl argument
     agree: dict  # verl argument -> our key (or constant) it must equal once loaded
     no_effect: dict  # verl key -> why it changes nothing here (printed by the dry run)
+    notices: list  # one line each, printed when the run starts (and by the dry run): what runs otherwise here
 
 
 # peft's module names (verl's FSDP target_modules) -> the megatron linear holding each
@@ -94,7 +96,7 @@ def translate(verl_args: list[str]) -> Translation:
     """Our overrides for a verl command line's arguments (each naming its verl argument in errors: a ``1.5``
     for an integer key names the verl key), the second names to check once loaded (``check_agreement``),
     and the accepted keys that change nothing. All unsupported keys are named in one ``ConfigError``."""
-    ours, implied, agree, no_effect, unsupported, gpus = [], [], {}, {}, [], {}
+    ours, implied, agree, no_effect, unsupported, gpus, notices = [], [], {}, {}, [], {}, []
     set_by: dict[str, tuple[str, str]] = {}  # our key -> (the verl key, its value) that set it
     manager, overlong_on = "naive", None  # verl's default manager; the argument enabling overlong shaping
     megatron = any(a.startswith("--config-name=") and "megatron" in a for a in verl_args)
@@ -110,6 +112,9 @@ def translate(verl_args: list[str]) -> Translation:
         elif key in ("--config-name", "--config-path"):
             _check_hydra(key, value)
             no_effect[key] = NO_EFFECT[key]
+        elif key == _R + "name" and value in OTHER_ROLLOUT_ENGINES:
+            notices.append(f"verl override {arg!r}: hybridflow samples with vLLM, with the same sampling settings "
+                           f"({OTHER_ROLLOUT_ENGINES[value]})")
         elif key in MUST_AGREE:
             agree[arg] = MUST_AGREE[key]
         elif key in NO_EFFECT:
@@ -136,7 +141,7 @@ def translate(verl_args: list[str]) -> Translation:
     if overlong_on is not None and manager != "dapo":
         raise ConfigError(f"verl override {overlong_on!r}: verl applies overlong shaping only in the dapo reward "
                           "manager; add reward_model.reward_manager=dapo (its naive manager ignores overlong_buffer_cfg)")
-    return Translation(implied + ours + _worker_counts(gpus), agree, no_effect)
+    return Translation(implied + ours + _worker_counts(gpus), agree, no_effect, notices)
 
 
 def _reward_manager(arg: str, ours: list, unsupported: list) -> str:

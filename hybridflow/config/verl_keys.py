@@ -16,14 +16,16 @@ _SANDBOX_LEAVES = ("url", "max_concurrent", "memory_limit_mb")
 _SAME_LEAVES = {
     _A: ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "clip_ratio_low", "clip_ratio_high",
          "clip_ratio_c", "loss_agg_mode", "loss_scale_factor", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
-         "entropy_coeff", "use_dynamic_bsz", "ppo_max_token_len_per_gpu", "tau_pos", "tau_neg"),
+         "entropy_coeff", "use_dynamic_bsz", "ppo_max_token_len_per_gpu", "tau_pos", "tau_neg",
+         "entropy_from_logits_with_chunking", "entropy_from_logits_chunk_size"),
     "critic.": ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "cliprange_value",
                 "loss_agg_mode", "loss_scale_factor", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
                 "forward_max_token_len_per_gpu"),
     _R: ("n", "temperature", "top_p", "top_k", "tensor_model_parallel_size", "gpu_memory_utilization", "dtype",
          "enforce_eager", "free_cache_engine", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill"),
     "algorithm.": ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty",
-                   "gdpo_reward_keys", "gdpo_reward_weights"),
+                   "gdpo_reward_keys", "gdpo_reward_weights", "use_pf_ppo"),
+    "algorithm.pf_ppo.": ("reweight_method", "weight_pow"),
     # policy_loss.rollout_correction is not here (unsupported)
     _A + "policy_loss.": ("loss_mode", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
                           "dro_beta"),
@@ -71,6 +73,7 @@ RENAMED = {
     "data.seed": "trainer.seed",
     _MODEL + "path": "model.path",
     _MODEL + "trust_remote_code": "model.trust_remote_code",
+    _MODEL + "override_config.model_config.max_position_embeddings": "model.max_position_embeddings",
     # verl's timeout (seconds) of its workers' process groups: one torch.distributed timeout for every group here
     "actor_rollout_ref.nccl_timeout": "trainer.dist_timeout_s",
     _A + "grad_clip": "actor.optim.clip_grad",
@@ -175,7 +178,13 @@ MUST_AGREE = {
     _MODEL + "lora.dtype": None,  # the adapters take the model's dtype (fp32 main params in the optimizer)
     # the reference runs in the actor's processes: its Ulysses size (context parallelism here) is the actor's
     _REF + "ulysses_sequence_parallel_size": "actor.megatron.context_parallel_size",
+    # one vLLM engine per rollout.tensor_model_parallel_size ranks, each without data or expert parallelism inside
+    _R + "data_parallel_size": 1,
+    _R + "expert_parallel_size": 1,
 }
+# verl's other rollout engines: a script naming one samples with vLLM here (a notice says so), its sampling
+# settings (rollout.temperature, top_p, top_k, n, response length) carried over as they are
+OTHER_ROLLOUT_ENGINES = {"sglang": "SGLang's server is not built here", "trtllm": "TensorRT-LLM is not built here"}
 _STRATEGY = "an FSDP run becomes megatron data parallelism with the distributed optimizer (this module's docstring)"
 _FSDP_ONLY = "FSDP's wrapping/sharding detail; megatron's distributed optimizer shards state here"
 NO_EFFECT = {  # verl key -> why it changes nothing here
@@ -229,6 +238,19 @@ NO_EFFECT = {  # verl key -> why it changes nothing here
                                        "rollout from the standalone pool (verl's hybrid replicas on the trainer's "
                                        "devices are not built)",
     "algorithm.filter_groups.max_inflight_gen_batches": "dynamic sampling generates one batch at a time here",
+    **{f"{role}megatron.vanilla_mbridge": "picks verl's HF<->megatron converter (mbridge or Megatron-Bridge); "
+                                          "hybridflow converts HF weights itself (megatron/convert.py)"
+       for role in (_A, _REF, "critic.")},
+    _R + "layered_summon": "verl's FSDP engine gathers the LoRA weights for vLLM one layer at a time (memory); the "
+                           "resharding engine here never gathers the whole model: each rank sends its own shards",
+    **{f"{m}use_shm": "verl copies the model folder into /dev/shm before loading it; the folder is read where it is"
+       for m in (_MODEL, "critic.model.")},
+    _REF + "use_torch_compile": "megatron-core's kernels are used as they are",
+    **{f"{role}entropy_from_logits_{k}": "the reference computes log-probs only, no entropy"
+       for role in (_REF,) for k in ("with_chunking", "chunk_size")},
+    **{f"{role}fsdp_config.forward_prefetch": _FSDP_ONLY for role in (_A, _REF, "critic.model.")},
+    _R + "multi_stage_wake_up": "sglang's staged wake-up of weights and KV cache; vLLM is the rollout engine here "
+                                "(its sleep levels: rollout.free_cache_engine)",
     **{_MODEL + f"lora.{k}": "vision-language models are not supported here"
        for k in ("freeze_vision_model", "freeze_vision_projection", "freeze_language_model")},
 }
@@ -247,6 +269,12 @@ NO_EFFECT_SECTIONS = {
     _MODEL + "fused_kernel_options.": (("impl_backend",), "the fused kernels' backend (torch or triton); log-probs "
                                        "come from megatron's vocab-parallel cross entropy (use_fused_kernels)"),
     "critic.model.fused_kernel_options.": (("impl_backend",), "the critic computes values, not log-probs"),
+    **{f"{role}fsdp_config.mixed_precision.": (("param_dtype", "reduce_dtype", "buffer_dtype"),
+                                               "FSDP's mixed-precision dtypes; megatron-core computes in the role's "
+                                               "megatron.dtype, keeps fp32 main params in the optimizer and reduces "
+                                               "gradients in fp32") for role in (_A, _REF, "critic.model.")},
+    _R + "engine_kwargs.trtllm.": (("batch_wait_timeout_iters", "batch_wait_max_tokens_ratio"),
+                                   "TensorRT-LLM's batching; vLLM is the rollout engine here (verl's rollout.name)"),
     "reward_model.model.fsdp_config.": (("param_offload", "wrap_policy.", "reshard_after_forward", "fsdp_size",
                                          "forward_prefetch"),
                                         "the reward model is one unsharded HF classifier per worker here, resident "

@@ -46,7 +46,7 @@ class OffloadSettings:
     optimizer: bool = False
 
 
-def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+def vocab_parallel_entropy(logits: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     """Entropy of softmax(logits) where the vocab dim is split across the TP group, differentiable (the
     entropy bonus, verl's ``entropy_coeff``; under ``torch.no_grad`` it records nothing).
 
@@ -55,7 +55,13 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     identity), so each rank's gradient is that of its own vocab shard, as in megatron's
     ``vocab_parallel_cross_entropy``. The shift m is the global max, detached: H does not depend on it.
     megatron-core 0.16 has no entropy of its own; verl 0.9.1's is a hand-written autograd function
-    (utils/megatron/tensor_parallel.py) that saves memory by working in place."""
+    (utils/megatron/tensor_parallel.py) that saves memory by working in place.
+
+    ``chunk``: rows (response tokens) at a time, the same values with the fp32 softmax of one chunk alive at
+    once instead of all rows' (actor.entropy_from_logits_with_chunking); every TP rank holds the same rows, so
+    each chunk's all-reduces pair up."""
+    if chunk is not None and logits.shape[0] > chunk:
+        return torch.cat([vocab_parallel_entropy(part) for part in logits.split(chunk)])
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridflow.config.model import LoRA
+from hybridflow.config.model import LoRA, config_overrides
 from hybridflow.config.schema import Actor, Critic, RewardModel, Rollout, RolloutCorrection
 from hybridflow.plan.layout import ParallelLayout
 from hybridflow.plan.needs import Needs
@@ -20,6 +20,13 @@ class ProcessSpec:
     dist_timeout_s: float
     total_steps: int | None  # the learning-rate schedules span it (None: the run's length is not known yet)
     trust_remote_code: bool = False  # model.trust_remote_code: the folder's own Python in transformers and vLLM
+    max_position_embeddings: int | None = None  # model.max_position_embeddings
+
+    @property
+    def config_overrides(self) -> dict:
+        """What replaces the folder's config.json values wherever the policy's config is read: transformers'
+        ``AutoConfig.from_pretrained(path, **overrides)`` and vLLM's ``hf_overrides``."""
+        return config_overrides(self.max_position_embeddings)
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,7 @@ class RewardModelSpec:
 def role_specs(cfg, needs: Needs, total_steps: int | None, actor_layout, critic_layout, generation) -> tuple[
         ActorSpec, CriticSpec | None, RewardModelSpec | None, RolloutSpec | None]:
     process = ProcessSpec(cfg.model.path, cfg.trainer.seed, cfg.trainer.dist_timeout_s, total_steps,
-                          cfg.model.trust_remote_code)
+                          cfg.model.trust_remote_code, cfg.model.max_position_embeddings)
     r, d = cfg.rollout, cfg.data
     separate = not generation.colocated
     actor = ActorSpec(process, actor_layout, cfg.actor, r, cfg.algorithm.rollout_correction, needs, d.max_prompt_length,

@@ -10,6 +10,7 @@ KV cache freed) so that training gets the memory back; sleep mode does not exist
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -132,14 +133,17 @@ class EngineSettings:
     enable_chunked_prefill: bool | None = None
     engine_kwargs: dict | None = None  # further vllm.LLM arguments (check_engine_kwargs)
     trust_remote_code: bool = False  # model.trust_remote_code
+    config_overrides: dict | None = None  # ProcessSpec.config_overrides: over the folder's config.json
 
     @classmethod
-    def of(cls, rollout, colocated: bool, trust_remote_code: bool = False) -> EngineSettings:
-        """The engine of the ``rollout`` section; only an engine ``colocated`` with training sleeps."""
+    def of(cls, rollout, colocated: bool, process=None) -> EngineSettings:
+        """The engine of the ``rollout`` section; only an engine ``colocated`` with training sleeps; ``process``:
+        the policy's ``ProcessSpec`` (its remote-code trust and config overrides)."""
         r = rollout
         return cls(r.tensor_model_parallel_size, r.kv_cache_gib, r.dtype, r.gpu_memory_utilization, r.enforce_eager,
                    colocated and r.free_cache_engine, r.max_num_batched_tokens, r.max_num_seqs,
-                   r.enable_chunked_prefill, r.engine_kwargs, trust_remote_code)
+                   r.enable_chunked_prefill, r.engine_kwargs, process is not None and process.trust_remote_code,
+                   None if process is None else process.config_overrides)
 
     def llm_kwargs(self, sleep_mode: bool, lora_rank: int) -> dict:
         """The ``vllm.LLM`` arguments VLLMRollout does not fix: ``engine_kwargs`` (checked by
@@ -161,8 +165,9 @@ def _build_llm(hf_dir: str, engine: EngineSettings, max_model_len: int, seed: in
     weights pushed in are the trainer's: megatron/quantized.py)."""
     from vllm import LLM
 
-    if quantized.folder_is_quantized(hf_dir):  # applied to the config vLLM reads (config/model.py hf_overrides)
-        kwargs.setdefault("hf_overrides", quantized.unquantized_config)
+    quantized_folder = quantized.folder_is_quantized(hf_dir)
+    if quantized_folder or engine.config_overrides:  # applied to the config vLLM reads (config/model.py hf_overrides)
+        kwargs.setdefault("hf_overrides", functools.partial(_overridden, engine.config_overrides or {}, quantized_folder))
 
     return LLM(model=hf_dir, tokenizer=hf_dir, dtype=engine.dtype, load_format="dummy",
                enforce_eager=engine.enforce_eager or not device.on_accelerator(), max_model_len=max_model_len,
@@ -172,6 +177,14 @@ def _build_llm(hf_dir: str, engine: EngineSettings, max_model_len: int, seed: in
                # On GPU this costs FlashInfer's sampler: vLLM falls back to its native top-k/top-p
                # sampler for processed log-probs (v1/sample/ops/topk_topp_sampler.py, __init__).
                logprobs_mode="processed_logprobs", **kwargs)
+
+
+def _overridden(overrides: dict, unquantized: bool, hf_config):
+    """vLLM's ``hf_overrides`` callable: the config with ``overrides`` set, without its quantization when the
+    folder's weights are quantized (the trainer pushes unquantized ones)."""
+    for key, value in overrides.items():
+        setattr(hf_config, key, value)
+    return quantized.unquantized_config(hf_config) if unquantized else hf_config
 
 
 class VLLMRollout:

@@ -52,25 +52,30 @@ def parse_intermixed(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.N
     return args
 
 
-def load(argv=None, sources: dict | None = None, no_effect: dict | None = None) -> ExperimentConfig:
-    """The config of a command line; ``sources`` and ``no_effect`` (when given) receive where each value
-    came from and the verl keys accepted without effect (with the reason)."""
+def load(argv=None, sources: dict | None = None, no_effect: dict | None = None,
+         notices: list | None = None) -> ExperimentConfig:
+    """The config of a command line; ``sources``, ``no_effect`` and ``notices`` (when given) receive where each
+    value came from, the verl keys accepted without effect (with the reason) and the verl settings that run
+    otherwise here (``Translation.notices``)."""
     args = parse_args(argv)
     verl = translate(args.verl)
     cfg = load_experiment(args.config, [*args.overrides, *verl.overrides], sources=sources)
     check_agreement(cfg, verl.agree)
     if no_effect is not None:
         no_effect.update(verl.no_effect)
+    if notices is not None:
+        notices.extend(verl.notices)
     return cfg
 
 
 def dry_run(argv) -> str:
     """The resolved config with the source of every value, then the verl keys that change nothing here."""
-    sources, no_effect = {}, {}
-    cfg = load(argv, sources, no_effect)
+    sources, no_effect, notices = {}, {}, []
+    cfg = load(argv, sources, no_effect, notices)
     preflight.check_config(cfg)
     lines = [render(cfg, sources)]
     lines += [f"# accepted without effect: {key} ({why})" for key, why in no_effect.items()]
+    lines += [f"# notice: {line}" for line in notices]
     return "\n".join(lines)
 
 
@@ -90,7 +95,10 @@ def _main(argv) -> int:
         if parse_args(argv).dry_run:
             print(dry_run(argv))
             return 0
-        cfg = load(argv)
+        notices: list = []
+        cfg = load(argv, notices=notices)
+        for line in notices:
+            print(f"notice: {line}", file=sys.stderr)
         # Before the quickstart preparation (an SFT warm start) and before Ray: a wrong vLLM, TE or
         # transformers fails here in one line, not at the first weight sync.
         check_stack(device.has_gpu())

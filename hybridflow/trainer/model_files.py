@@ -27,7 +27,8 @@ def check_model_folder(cfg: ExperimentConfig):
     if not os.path.isdir(path):
         raise ConfigError(f"model.path: not a model folder: {path}")
     try:
-        model = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+        model = AutoConfig.from_pretrained(path, trust_remote_code=trust,
+                                           **cfg.model.config_overrides)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot read {path}/config.json ({_remote_code_hint(e, False)})") from None
     try:

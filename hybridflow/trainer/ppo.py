@@ -6,8 +6,10 @@ from collections.abc import Iterator
 
 import torch
 
+from hybridflow import rng
 from hybridflow.agent.loop import agent_metrics
 from hybridflow.algorithms import make_kl_controller
+from hybridflow.algorithms.pf_ppo import pf_ppo_rows
 from hybridflow.algorithms.rollout_correction import correct
 from hybridflow.data.dataset import PromptDataset
 from hybridflow.protocol import Batch
@@ -89,6 +91,7 @@ class PPODriver:
                 batch = batch.replace(tensors={"token_level_rewards": batch.tensors["token_level_scores"]})
             batch = self.correct_rollout(batch, metrics)
             batch = add_advantages(batch, algo)
+            batch = self.prioritize(batch, step)
         if self.critic is not None:
             with t("update_critic"):
                 metrics.update(mean_by_key(self.critic.update_critic(batch)))
@@ -176,6 +179,17 @@ class PPODriver:
         metrics.update(m)
         weighted = {} if weights is None else {"rollout_is_weights": weights}
         return batch.replace(tensors={"response_mask": mask, **weighted})
+
+    def prioritize(self, batch: Batch, step: int) -> Batch:
+        """verl's priority-filtered PPO (algorithm.use_pf_ppo): the batch resampled by its scores, drawn from a
+        stream named by the run's seed and the step, so a resumed run draws the same rows."""
+        algo = self.cfg.algorithm
+        if not algo.use_pf_ppo:
+            return batch
+        draw = torch.Generator().manual_seed(rng.seed_of(self.cfg.trainer.seed, "pf_ppo", step))
+        rows = pf_ppo_rows(batch.tensors["token_level_scores"], algo.pf_ppo.reweight_method, algo.pf_ppo.weight_pow,
+                           draw)
+        return batch[rows.numpy()]
 
     def reward(self, batch: Batch) -> Batch:
         """Training reward: the reward model's score when enabled, else the custom function or rule

@@ -166,7 +166,7 @@ class ActorRolloutRefWorker(Worker):
         otb = self.needs.sum_pi_squared
         out = role_ops.log_probs(self.actor, batch, role_ops.log_prob_batching(self.spec.actor), with_entropy=True,
                                  with_sum_pi_squared=otb, temperature=self.spec.logit_temperature,
-                                 record_routes=self.replay == "R2")
+                                 record_routes=self.replay == "R2", entropy_chunk=self.spec.actor.entropy_chunk)
         extra = {k: out[k] for k in ("sum_pi_squared", "routed_experts", "routing_differing", "routing_counted")
                  if k in out}
         return role_ops.last_stage_batch(old_log_probs=out["log_probs"], entropy=out["entropy"], **extra)

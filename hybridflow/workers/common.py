@@ -14,15 +14,15 @@ from hybridflow.megatron.lora import LoRASettings
 from hybridflow.megatron.role import ModelBuild, OffloadSettings, OptimSettings
 
 
-def open_hf_folder(path: str, trust_remote_code: bool = False) -> tuple:
+def open_hf_folder(path: str, trust_remote_code: bool = False, config_overrides: dict | None = None) -> tuple:
     """(HF config, ``HFWeights``) of a HF model folder with safetensors weights: nothing is read until
     asked for, so a rank converting its shard reads only that (megatron/hf_weights.py); a quantized checkpoint's
     tensors are read dequantized (megatron/quantized.py), experts fused in one tensor one by one
-    (families/stacked_experts.py)."""
+    (families/stacked_experts.py). ``config_overrides``: ``ProcessSpec.config_overrides``."""
     from transformers import AutoConfig
 
     weights = HFWeights(path)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **(config_overrides or {}))
     return config, stacked_experts.readable(quantized.readable(weights, config), config)
 
 
@@ -109,7 +109,7 @@ def init_megatron_worker(worker, spec, megatron_cfg) -> tuple:
     p = spec.process
     worker.init_distributed(timeout_s=p.dist_timeout_s)
     parallel.init_layout(spec.layout, p.seed, p.dist_timeout_s)
-    config, weights = open_hf_folder(p.model_path, p.trust_remote_code)
+    config, weights = open_hf_folder(p.model_path, p.trust_remote_code, p.config_overrides)
     return config, None if megatron_cfg.use_dist_checkpointing else weights  # start_weights loads them instead
 
 

@@ -104,7 +104,7 @@ def build_vllm_rollout(spec, seed: int, generation_groups, colocated: bool) -> V
     give its memory to, and sleeping it around a batch generation (validation, a greedy baseline) only moved its
     weights to the host and back."""
     r, p = spec.rollout, spec.process
-    return VLLMRollout(p.model_path, EngineSettings.of(r, colocated, p.trust_remote_code),
+    return VLLMRollout(p.model_path, EngineSettings.of(r, colocated, p),
                        max_model_len=spec.max_prompt_length + spec.max_response_length, seed=seed,
                        generation_groups=generation_groups, routed_experts=r.enable_rollout_routing_replay,
                        lora_rank=adapter_rank(spec))

@@ -56,8 +56,8 @@ def response_log_probs(logits: torch.Tensor, mb: dict, temperature: float = 1.0)
     return _at_responses(logits, mb, lambda z, labels: token_log_probs(_tempered(z, temperature), labels))
 
 
-def response_entropy(logits: torch.Tensor, mb: dict, temperature: float = 1.0) -> torch.Tensor:
-    return _at_responses(logits, mb, lambda z, _: vocab_parallel_entropy(_tempered(z, temperature)))
+def response_entropy(logits: torch.Tensor, mb: dict, temperature: float = 1.0, chunk: int | None = None) -> torch.Tensor:
+    return _at_responses(logits, mb, lambda z, _: vocab_parallel_entropy(_tempered(z, temperature), chunk))
 
 
 def response_sum_pi_squared(logits: torch.Tensor, mb: dict, temperature: float = 1.0) -> torch.Tensor:
@@ -200,17 +200,18 @@ def routes_of(role: MegatronRole, batch: Batch) -> tuple[str, ...]:
 
 
 def log_probs(role: MegatronRole, batch: Batch, micro: int | TokenBudget, with_entropy: bool = False,
-              with_sum_pi_squared: bool = False, temperature: float = 1.0, record_routes: bool = False) -> dict:
+              with_sum_pi_squared: bool = False, temperature: float = 1.0, record_routes: bool = False,
+              entropy_chunk: int | None = None) -> dict:
     """{'log_probs': [b, R], 'entropy': [b, R], 'sum_pi_squared': [b, R]} of the response tokens (the last two
     when asked; None off the last stage) under the policy at ``temperature`` (the run plan's
     ``ActorSpec.logit_temperature``); ``micro``: rows per micro-batch, or a token budget (``log_prob_batching``).
     With routing replay (``MegatronRole.forward``): the batch's ``routed_experts`` are replayed, and
     'routing_differing', 'routing_counted' [b] measure them; with ``record_routes`` (and none to replay) the
-    routers' own choices come back as 'routed_experts' [b, T, L, k]."""
+    routers' own choices come back as 'routed_experts' [b, T, L, k]. ``entropy_chunk``: ``ActorConfig.entropy_chunk``."""
     def output_fn(mb, logits):
         out = {"log_probs": response_log_probs(logits, mb, temperature)}
         if with_entropy:
-            out["entropy"] = response_entropy(logits, mb, temperature)
+            out["entropy"] = response_entropy(logits, mb, temperature, entropy_chunk)
         if with_sum_pi_squared:
             out["sum_pi_squared"] = response_sum_pi_squared(logits, mb, temperature)
         return out
@@ -323,14 +324,14 @@ def _with_entropy(loss, metrics: dict, logits, mb: dict, whole: GlobalBatch, act
     a, mask = actor_cfg, mb["response_mask"]
     entropy = None
     if a.entropy_coeff:
-        entropy = response_entropy(logits, mb, temperature)
+        entropy = response_entropy(logits, mb, temperature, a.entropy_chunk)
         entropy_loss = aggregate_loss(entropy, mask, a.loss_agg_mode, whole)
         loss = loss - a.entropy_coeff * entropy_loss
         metrics["actor/entropy_loss"] = entropy_loss.detach()
     if on_policy:
         with torch.no_grad():
             if entropy is None:
-                entropy = response_entropy(logits, mb, temperature)
+                entropy = response_entropy(logits, mb, temperature, a.entropy_chunk)
             metrics["actor/entropy"] = masked_mean(entropy, mask)
     return loss
 

@@ -36,7 +36,8 @@ class RolloutWorker(Worker):
         p, r = spec.process, spec.rollout
         self.spec = spec
         self.init_distributed(timeout_s=p.dist_timeout_s)
-        self.hf_config = AutoConfig.from_pretrained(p.model_path, trust_remote_code=p.trust_remote_code)
+        self.hf_config = AutoConfig.from_pretrained(p.model_path, trust_remote_code=p.trust_remote_code,
+                                                    **p.config_overrides)
         self.tokenizer = AutoTokenizer.from_pretrained(p.model_path, trust_remote_code=p.trust_remote_code)
         # what preflight checked, again where the shards land (as the hybrid engine's Resharder does): vLLM's vocab
         # and head shards must be the ones the checkpoint engine cuts

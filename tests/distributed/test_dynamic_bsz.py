@@ -4,7 +4,8 @@ log-probs, entropy, values, losses and gradients of the fixed micro-batch run, a
 parallel) and PP 2, with data-parallel ranks whose rows alone need different numbers of micro-batches
 running the largest (agreed by an all-reduce, as verl's same_micro_num_in_dp): so does a Qwen3-MoE at expert
 parallelism 2, whose token all-to-all needs both ranks in every micro-batch. And the entropy bonus: its
-gradient through the whole model equals Hugging Face's in float64. Context parallel 2 gives all of it too, in
+gradient through the whole model equals Hugging Face's in float64, also computed 3 response tokens at a time
+(actor.entropy_from_logits_with_chunking, at TP 2). Context parallel 2 gives all of it too, in
 the GPU's packed-sequence layout as well. A model with a sliding window (3 positions) shorter than the rows packs
 exactly too (its window measured in each packed row's positions), and so does GLM-4.5.
 
@@ -287,7 +288,12 @@ def _entropy_rank_fn(rank, world, hf_dir, tp):
     policy = MegatronRole(cfg, state, ModelBuild(sequence_parallel=tp > 1), optim=OptimSettings(lr=1e-2, clip_grad=1e9))
     # zero advantages and no KL: the policy loss has no gradient, the step's is the entropy bonus's alone
     batch = Batch(tensors={**shard.tensors, "advantages": torch.zeros_like(shard.tensors["advantages"])})
-    actor = Actor(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_gpu=5, ppo_epochs=1, entropy_coeff=1.0)
+    # at TP 2 the entropy is computed 3 response tokens at a time (actor.entropy_from_logits_with_chunking)
+    chunking = dict(entropy_from_logits_with_chunking=True, entropy_from_logits_chunk_size=3) if tp > 1 else {}
+    actor = Actor(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_gpu=5, ppo_epochs=1, entropy_coeff=1.0,
+                  **chunking)
+    whole, chunked = (role_ops.log_probs(policy, batch, 5, with_entropy=True, entropy_chunk=c)["entropy"]
+                      for c in (None, 3))
     metrics = role_ops.update_policy(policy, batch, actor, 1)
     grads = {n: p.main_grad.detach().clone() for n, p in policy.module.named_parameters()}
 
@@ -303,7 +309,7 @@ def _entropy_rank_fn(rank, world, hf_dir, tp):
     (-mean_entropy).backward()
     hf_grads = convert.hf_to_megatron({n: p.grad for n, p in hf.named_parameters()}, cfg, policy.shard)
     return dict(grads=grads, hf_grads={n: hf_grads[n] for n in grads}, entropy=metrics["actor/entropy_loss"],
-                hf_entropy=mean_entropy.item())
+                hf_entropy=mean_entropy.item(), whole=whole, chunked=chunked)
 
 
 @pytest.mark.parametrize("tp", ENTROPY_TP)
@@ -313,3 +319,5 @@ def test_entropy_bonus_gradient_equals_hf_float64(case_results, tp):
         assert_close(r["entropy"], r["hf_entropy"], slack=10, what=f"tp{tp}: entropy (token-mean)")
         assert_close(r["grads"], r["hf_grads"], slack=10, what=f"tp{tp}: gradient of -entropy")
         assert max(v.abs().max().item() for v in r["hf_grads"].values()) > 1e-4
+        if r["whole"] is not None:  # the last stage: entropy 3 tokens at a time is the same entropy
+            assert_close(r["chunked"], r["whole"], what=f"tp{tp}: entropy 3 tokens at a time")

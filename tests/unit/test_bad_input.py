@@ -461,3 +461,21 @@ def test_a_sequence_that_cannot_fit_the_cpu_kv_cache_is_refused(tmp_path):
     cfg = load(["--config", QUICKSTART, "data.max_prompt_length=1024", "data.max_response_length=2048",
                 "rollout.dtype=bfloat16"])
     check_step_fits(cfg, big, resolve(cfg))
+
+
+def test_max_position_embeddings_overrides_the_folders_everywhere(good, tmp_path):
+    """model.max_position_embeddings (verl's model.override_config.model_config.max_position_embeddings) replaces
+    config.json's (22) in the preflight's length check, the workers' config and vLLM's (hf_overrides)."""
+    from transformers import AutoConfig
+
+    from hybridflow.plan import resolve
+    from hybridflow.rollout.vllm_rollout import _overridden
+    from hybridflow.trainer.preflight import check_run
+    from hybridflow.workers.common import open_hf_folder
+
+    cfg = _load(good, tmp_path, "data.max_response_length=10", "model.max_position_embeddings=26")
+    check_run(cfg)  # 16 + 10 positions: refused with config.json's 22 ("context too long")
+    process = resolve(cfg).actor_spec.process
+    assert open_hf_folder(process.model_path, config_overrides=process.config_overrides)[0].max_position_embeddings == 26
+    vllm_config = _overridden(process.config_overrides, False, AutoConfig.from_pretrained(f"{good}/model"))
+    assert vllm_config.max_position_embeddings == 26

@@ -26,7 +26,8 @@ CONFIG_ONLY = [
      "virtual pipeline stages need more than pipeline_model_parallel_size (2) micro-batches"),
     (QUICK, ["schedule.mode=colocate_async", "schedule.partial_rollout=false"], [],
      "schedule.partial_rollout=false: colocate_async always carries unfinished responses"),
-    (QUICK, ["model.lora.adapter_path=/tmp/adapter"], [], "model.lora.adapter_path (/tmp/adapter) needs model.lora.rank > 0"),
+    (QUICK, ["model.lora.adapter_path=/nonexistent/adapter"], [],
+     "model.lora.adapter_path: no adapter rank in /nonexistent/adapter/adapter_config.json"),
     (QUICK, ["rollout.engine_kwargs={quantization: fp8}"], [], "rollout.engine_kwargs.quantization: not supported"),
     (QUICK, ["actor.optim.lr_warmup_steps=100"], [], "actor.optim.lr_warmup_steps: the warmup (100 steps) must be "
                                                     "shorter than the decay (100 steps"),

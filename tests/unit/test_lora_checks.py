@@ -65,6 +65,18 @@ def test_a_whole_adapter_of_the_runs_rank_passes(model_dir, tmp_path):
     lora_checks.check_lora_targets(cfg, model)
 
 
+def test_an_adapter_path_without_a_rank_takes_the_adapters_rank_and_alpha(model_dir, tmp_path):
+    """verl's lora_adapter_path alone (grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora_from_adapter.sh): the adapter's
+    own r and lora_alpha, as peft's PeftModel.from_pretrained takes them."""
+    cfg, model = _cfg(model_dir)
+    _adapter(tmp_path / "a", cfg, model, change=_fused_a_shared)  # r 4, lora_alpha 8
+    from_adapter = load_experiment([QUICK], [f"model.path={model_dir}", f"model.lora.adapter_path={tmp_path / 'a'}"])
+    assert (from_adapter.model.lora.rank, from_adapter.model.lora.alpha) == (4, 8.0)
+    lora_checks.check_adapter(from_adapter, model)
+    with pytest.raises(ConfigError, match=r"^model.lora: model.lora.adapter_path: no adapter rank in .*nowhere/adapter_"):
+        load_experiment([QUICK], [f"model.path={model_dir}", f"model.lora.adapter_path={tmp_path / 'nowhere'}"])
+
+
 CASES = {
     "missing": (lambda d: d / "nowhere", "is not a folder"),
     "a file": (lambda d: (d / "f").write_text("x") and d / "f", "is not a folder"),

@@ -211,14 +211,33 @@ def test_translation_tables_have_reasons_and_no_overlap():
 
 def test_sections_without_effect_name_verl_leaves():
     """Each leaf accepted under a section without effect is one of verl 0.9.1's (the reward model's
-    fsdp_config is verl's older dp_reward_model.yaml's, which its example scripts still set)."""
+    fsdp_config is verl's older dp_reward_model.yaml's, which its example scripts still set; fsdp_config.mixed_precision
+    is the FSDP engine's free dict, FSDPEngineConfig.mixed_precision, with the leaves its fsdp workers read)."""
     verl_keys = [k for k, _ in flat_items(yaml.safe_load(VERL_DEFAULTS.read_text()))]
     for section, (leaves, _) in NO_EFFECT_SECTIONS.items():
-        if section.startswith("reward_model.model.fsdp_config."):
+        free_dicts = ("fsdp_config.mixed_precision.", "engine_kwargs.trtllm.")  # engine_kwargs.trtllm: {} in verl
+        if section.startswith("reward_model.model.fsdp_config.") or section.endswith(free_dicts):
             continue
         for leaf in leaves:
             assert any(k == section + leaf or (leaf.endswith(".") and k.startswith(section + leaf)) for k in verl_keys), \
                 section + leaf
+
+
+def test_other_rollout_engines_sample_with_vllm_after_a_notice(capsys):
+    """rollout.name=sglang or trtllm: vLLM samples, with the script's sampling settings; one notice line, in the dry
+    run and when a run starts (here stopped by a config error, after the notice)."""
+    from hybridflow.trainer.main import main
+
+    args = ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.temperature=0.7",
+            "actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.engine_kwargs.trtllm.batch_wait_timeout_iters=8"]
+    cfg = resolve(args)
+    assert (cfg.rollout.name, cfg.rollout.temperature, cfg.rollout.top_p) == ("vllm", 0.7, 0.9)
+    notice = ("notice: verl override 'actor_rollout_ref.rollout.name=sglang': hybridflow samples with vLLM, with the "
+              "same sampling settings (SGLang's server is not built here)")
+    assert f"# {notice}" in dry_run([*BASE, "--dry-run", "--verl-overrides", *args]).splitlines()
+    assert main([*BASE, "model.path=/nonexistent/model", "--verl-overrides", *args]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == notice and err[-1].startswith("config error: "), err
 
 
 def test_our_overrides_and_verl_overrides_combine():
@@ -272,7 +291,9 @@ def test_hydra_config_name_with_a_space_and_engine_kwargs():
      "verl keys not supported by hybridflow: actor_rollout_ref.actor.megatron.bogus, "
      "actor_rollout_ref.actor.checkpoint.async_save, data.image_key"),
     (["critic.model.path=models/other"], "verl override 'critic.model.path=models/other' must equal model.path"),
-    (["actor_rollout_ref.rollout.name=sglang"], "'actor_rollout_ref.rollout.name=sglang' must equal rollout.name ('vllm')"),
+    (["actor_rollout_ref.rollout.name=hf"], "'actor_rollout_ref.rollout.name=hf' must equal rollout.name ('vllm')"),
+    (["actor_rollout_ref.rollout.data_parallel_size=2"], "'actor_rollout_ref.rollout.data_parallel_size=2' must "
+                                                         "equal supported here (1)"),
     (["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"],
      "must equal actor.megatron.tensor_model_parallel_size (1)"),
     (["trainer.critic_warmup=5"], "'trainer.critic_warmup=5' must equal supported here (0)"),
