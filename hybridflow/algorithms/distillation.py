@@ -1,0 +1,105 @@
+"""On-policy distillation's losses, as verl 0.9.1 defines them (verl/trainer/distillation/losses.py and
+fsdp/losses.py): the student samples, a teacher scores what it sampled, and the student moves toward the teacher.
+
+- ``estimator_losses``: a single-sample estimate of KL(student || teacher) at each sampled token from the two
+  models' log-probs of it (loss_mode kl/k1, abs, mse/k2, low_var_kl/k3: the reference KL's estimators, kl.py).
+- ``forward_kl_topk``: KL(teacher's top-k || student) at each position over the teacher's k most likely tokens, from
+  the student's logits (loss_mode forward_kl_topk; log-probs clamped below at ``log_prob_min_clamp``; a negative
+  value, possible as neither top-k mass sums to 1, counts as 0).
+- ``distillation_loss``: the per-token losses clamped to +-``loss_max_clamp``, then either a policy-gradient term
+  (``use_policy_gradient``: minus the loss is each token's advantage in the vanilla PPO clip loss, the reverse KL as
+  a reward of Thinking Machines' write-up) or aggregated as a supervised loss (https://arxiv.org/abs/2306.13649).
+- ``combined_loss``: the task's policy loss plus the distillation term times ``distillation_loss_coef`` with task
+  rewards (``use_task_rewards``), the distillation term alone without.
+
+Pure torch: the logits are one rank's whole vocabulary here (a vocabulary split over tensor-parallel ranks is the
+megatron role's to gather).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+from torch import Tensor
+
+from .aggregation import GlobalBatch, aggregate_loss
+from .kl import kl_penalty
+from .masked import masked_mean
+from .policy_loss import compute_policy_loss_vanilla
+
+ESTIMATOR_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+TOPK_MODES = ("forward_kl_topk",)
+LOSS_MODES = ESTIMATOR_MODES + TOPK_MODES
+DUAL_CLIP_C = 3.0  # verl's vanilla loss reads clip_ratio_c from the distillation loss config, which has none: 3.0
+
+
+def estimator_losses(student_log_probs: Tensor, teacher_log_probs: Tensor, loss_mode: str) -> Tensor:
+    """[B, T] KL(student || teacher) estimates at the sampled tokens (verl's kl_penalty(logprob=student,
+    ref_logprob=teacher))."""
+    if loss_mode not in ESTIMATOR_MODES:
+        raise ValueError(f"distillation loss_mode {loss_mode!r} is not a single-sample estimator "
+                         f"({', '.join(ESTIMATOR_MODES)})")
+    return kl_penalty(student_log_probs, teacher_log_probs, loss_mode)
+
+
+def forward_kl_topk(student_logits: Tensor, teacher_topk_log_probs: Tensor, teacher_topk_ids: Tensor,
+                    log_prob_min_clamp: float | None) -> Dict[str, Tensor]:
+    """Per position [..., V] logits and the teacher's [..., K] top-k log-probs and token ids: ``losses`` (sum over
+    the k tokens of p_t (log p_t - log p_s), at least 0), ``student_mass`` and ``teacher_mass`` (each model's
+    probability on the teacher's k tokens), ``overlap_count`` (how many of them are among the student's own k most
+    likely) and ``overlap_token_advantage`` (the mean of -p_t (log p_t - log p_s) over those; 0 where none), the
+    diagnostics of "Rethinking On-Policy Distillation" (arXiv:2604.13016) that verl logs."""
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)  # verl: fp32 (kl_divergence's .float())
+    student_log_probs = torch.log_softmax(student_logits.to(dtype), dim=-1)
+    student_topk_ids = torch.topk(student_log_probs, k=teacher_topk_ids.shape[-1], dim=-1).indices
+    student = torch.gather(student_log_probs, dim=-1, index=teacher_topk_ids)
+    teacher = teacher_topk_log_probs.to(dtype)
+    student_mass, teacher_mass = student.exp().sum(-1), teacher.exp().sum(-1)
+    if log_prob_min_clamp is not None:
+        student, teacher = student.clamp_min(log_prob_min_clamp), teacher.clamp_min(log_prob_min_clamp)
+    token_kl = teacher.exp() * (teacher - student)
+    overlap = (teacher_topk_ids.unsqueeze(-1) == student_topk_ids.unsqueeze(-2)).any(dim=-1)
+    overlap_count = overlap.sum(-1)
+    overlap_advantage = (-token_kl * overlap).sum(-1) / overlap_count.clamp_min(1)
+    return {"losses": token_kl.sum(-1).clamp_min(0.0), "student_mass": student_mass, "teacher_mass": teacher_mass,
+            "overlap_count": overlap_count,
+            "overlap_token_advantage": torch.where(overlap_count > 0, overlap_advantage, torch.zeros_like(overlap_advantage))}
+
+
+def distillation_loss(losses: Tensor, response_mask: Tensor, *, use_policy_gradient: bool,
+                      loss_max_clamp: float | None, loss_agg_mode: str = "token-mean",
+                      global_batch: GlobalBatch | None = None, log_prob: Tensor | None = None,
+                      old_log_prob: Tensor | None = None, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                      rollout_is_weights: Tensor | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """The distillation term from per-token ``losses`` [B, T] and its metrics (``distillation/loss_min``,
+    ``loss_max`` over the response before the clamp; with policy gradient the PPO clip loss's own, prefixed
+    ``distillation/``). With ``use_policy_gradient``, ``log_prob`` (differentiable) and ``old_log_prob`` are the
+    student's; the clip ratios are the distillation loss's own (verl's distillation_loss.clip_ratio_low/high)."""
+    picked = losses.detach()[response_mask.bool()]
+    metrics = {"distillation/loss_min": picked.min() if picked.numel() else losses.new_zeros(()),
+               "distillation/loss_max": picked.max() if picked.numel() else losses.new_zeros(())}
+    if loss_max_clamp is not None:  # both sides: k1 can be negative
+        losses = losses.clamp(min=-loss_max_clamp, max=loss_max_clamp)
+    if not use_policy_gradient:
+        return aggregate_loss(losses, response_mask, loss_agg_mode, global_batch), metrics
+    loss, pg_metrics = compute_policy_loss_vanilla(
+        old_log_prob, log_prob, -losses.detach(), response_mask, loss_agg_mode=loss_agg_mode,
+        global_batch=global_batch, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=DUAL_CLIP_C, rollout_is_weights=rollout_is_weights)
+    metrics.update({f"distillation/{k}": v for k, v in pg_metrics.items()})
+    return loss, metrics
+
+
+def combined_loss(policy_loss: Tensor | float, distill_loss: Tensor, *, use_task_rewards: bool,
+                  distillation_loss_coef: float) -> Tensor:
+    """The actor's loss: the task's policy loss + coef x the distillation term with task rewards; the
+    distillation term alone without (verl's distillation_ppo_loss)."""
+    if not use_task_rewards:
+        return distill_loss
+    return policy_loss + distillation_loss_coef * distill_loss
+
+
+def abs_loss_mean(losses: Tensor, response_mask: Tensor) -> Tensor:
+    """verl's ``distillation/abs_loss`` of the estimator losses (k1 can be negative)."""
+    return masked_mean(losses.detach().abs(), response_mask)
