@@ -3,6 +3,8 @@ and the one-line refusals of values megatron-core 0.16.1 would fail on later (in
 
 from __future__ import annotations
 
+from hybridflow.plan.stages import STAGE_LAYER_KEYS
+
 # TransformerConfig fields hybridflow sets itself, and where each comes from: an override of one is refused
 # (override_transformer_config), naming the key to use instead where there is one.
 _FROM_MODEL = "the model's config.json"
@@ -99,7 +101,7 @@ def _check_pipeline_split(overrides: dict, key: str) -> None:
         if overrides.get(name) not in (None, False):
             raise ValueError(f"{key}.{name}: this pipeline split is not built here; num_layers_in_first_pipeline_stage"
                              " / num_layers_in_last_pipeline_stage place uneven stages")
-    for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+    for name in STAGE_LAYER_KEYS:
         value = overrides.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{key}.{name}: a number of layers (1 or more), got {value!r}")

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from hybridflow.megatron.convert import Shard
 from hybridflow.patches import megatron_core
 from hybridflow.plan.layout import ParallelLayout
+from hybridflow.plan.stages import stage_layers_of
 
 
 def init_layout(layout: ParallelLayout, seed: int, timeout_s: float = 600) -> None:
@@ -69,7 +70,7 @@ def current_shard(overrides: dict | None = None) -> Shard:
     split the pipeline stages unevenly (plan/stages.py)."""
     from megatron.core import parallel_state as ps
 
-    overrides = overrides or {}
+    first, last = stage_layers_of(overrides)
     return Shard(
         tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
@@ -77,8 +78,7 @@ def current_shard(overrides: dict | None = None) -> Shard:
         etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
         cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
         vpp_size=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
-        first_stage_layers=overrides.get("num_layers_in_first_pipeline_stage"),
-        last_stage_layers=overrides.get("num_layers_in_last_pipeline_stage"),
+        first_stage_layers=first, last_stage_layers=last,
     )
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from hybridflow import families
 from hybridflow.config.schema import SEED_LIMIT
-from hybridflow.plan.stages import StageSplit
+from hybridflow.plan.stages import StageSplit, stage_layers_of
 
 
 def context_chunks(cp: int) -> int:
@@ -45,12 +45,10 @@ class ParallelLayout:
     def of(cls, role: str, megatron, world: int, pool_key: str) -> ParallelLayout:
         mp = megatron
         tp = mp.tensor_model_parallel_size
-        overrides = mp.override_transformer_config or {}
         return cls(role, world, pool_key, tp, mp.pipeline_model_parallel_size, mp.expert_model_parallel_size,
                    mp.expert_tensor_parallel_size or tp, mp.context_parallel_size,
                    mp.virtual_pipeline_model_parallel_size or 1, bool(mp.sequence_parallel) and tp > 1,
-                   overrides.get("num_layers_in_first_pipeline_stage"),
-                   overrides.get("num_layers_in_last_pipeline_stage"))
+                   *stage_layers_of(mp.override_transformer_config))
 
     @property
     def stages(self) -> StageSplit:

@@ -6,6 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The role's override_transformer_config keys that split the stages unevenly, as megatron's TransformerConfig names them
+STAGE_LAYER_KEYS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+
+
+def stage_layers_of(overrides: dict | None) -> tuple[int | None, int | None]:
+    """(first, last): the layers a role's override_transformer_config puts on its first and last pipeline stage
+    (None: the even split)."""
+    first, last = ((overrides or {}).get(k) for k in STAGE_LAYER_KEYS)
+    return first, last
+
 
 @dataclass(frozen=True)
 class StageSplit:
