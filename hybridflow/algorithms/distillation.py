@@ -23,14 +23,13 @@ from typing import Dict, Tuple
 import torch
 from torch import Tensor
 
+from hybridflow.config.distillation import ESTIMATOR_MODES
+
 from .aggregation import GlobalBatch, aggregate_loss
 from .kl import kl_penalty
 from .masked import masked_mean
 from .policy_loss import compute_policy_loss_vanilla
 
-ESTIMATOR_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-TOPK_MODES = ("forward_kl_topk",)
-LOSS_MODES = ESTIMATOR_MODES + TOPK_MODES
 DUAL_CLIP_C = 3.0  # verl's vanilla loss reads clip_ratio_c from the distillation loss config, which has none: 3.0
 
 
@@ -103,3 +102,21 @@ def combined_loss(policy_loss: Tensor | float, distill_loss: Tensor, *, use_task
 def abs_loss_mean(losses: Tensor, response_mask: Tensor) -> Tensor:
     """verl's ``distillation/abs_loss`` of the estimator losses (k1 can be negative)."""
     return masked_mean(losses.detach().abs(), response_mask)
+
+
+def distilled_loss(policy_loss: Tensor | float, log_prob: Tensor, old_log_prob: Tensor, teacher_log_probs: Tensor,
+                   response_mask: Tensor, cfg, *, loss_agg_mode: str, global_batch: GlobalBatch | None = None,
+                   rollout_is_weights: Tensor | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """The actor's loss with an estimator mode's distillation term (verl's distillation_ppo_loss with
+    compute_distillation_loss_reverse_kl_estimator): ``cfg`` is the distillation loss section
+    (config/distillation.py DistillationLoss); ``log_prob`` the student's, differentiable; ``old_log_prob`` the
+    student's at sampling (the policy-gradient form's ratio). Metrics as verl names them (``distillation/...``)."""
+    losses = estimator_losses(log_prob, teacher_log_probs, cfg.loss_mode)
+    term, metrics = distillation_loss(
+        losses, response_mask, use_policy_gradient=cfg.use_policy_gradient, loss_max_clamp=cfg.loss_max_clamp,
+        loss_agg_mode=loss_agg_mode, global_batch=global_batch, log_prob=log_prob, old_log_prob=old_log_prob,
+        clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, rollout_is_weights=rollout_is_weights)
+    metrics["distillation/abs_loss"] = abs_loss_mean(losses, response_mask)
+    metrics["distillation/loss"] = term.detach()
+    return combined_loss(policy_loss, term, use_task_rewards=cfg.use_task_rewards,
+                         distillation_loss_coef=cfg.distillation_loss_coef), metrics

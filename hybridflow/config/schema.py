@@ -15,9 +15,10 @@ from hybridflow.config.reward import OverlongBuffer, Reward, CustomReward, Rewar
 from hybridflow.config.run import Resources, RayCfg, Prepare, LOGGERS, SEED_LIMIT, MAX_DIST_TIMEOUT_S, Schedule, TrainerSettings
 from hybridflow.config.model import Model
 from hybridflow.config.agent import AgentService
+from hybridflow.config.distillation import DistillationLoss, Teacher, Distillation
 from hybridflow.config.scoring import SandboxFusion, ValKwargs
 
-__all__ = ["ExperimentConfig", "MAX_LR", "RouterReplay", "Megatron", "Optim", "PolicyLoss", "Actor", "Critic", "MultiTurn", "CheckpointEngine", "Rollout", "KLControl", "FILTER_SEQ_REWARD", "FILTER_SCORE", "FILTER_METRICS", "FilterGroups", "RolloutCorrection", "Algorithm", "Data", "OverlongBuffer", "Reward", "CustomReward", "RewardModel", "Resources", "RayCfg", "Prepare", "LOGGERS", "SEED_LIMIT", "MAX_DIST_TIMEOUT_S", "Schedule", "TrainerSettings", "Model", "SandboxFusion", "ValKwargs", "AgentService"]
+__all__ = ["ExperimentConfig", "MAX_LR", "RouterReplay", "Megatron", "Optim", "PolicyLoss", "Actor", "Critic", "MultiTurn", "CheckpointEngine", "Rollout", "KLControl", "FILTER_SEQ_REWARD", "FILTER_SCORE", "FILTER_METRICS", "FilterGroups", "RolloutCorrection", "Algorithm", "Data", "OverlongBuffer", "Reward", "CustomReward", "RewardModel", "Resources", "RayCfg", "Prepare", "LOGGERS", "SEED_LIMIT", "MAX_DIST_TIMEOUT_S", "Schedule", "TrainerSettings", "Model", "SandboxFusion", "ValKwargs", "AgentService", "DistillationLoss", "Teacher", "Distillation"]
 
 
 @dataclass
@@ -37,6 +38,7 @@ class ExperimentConfig:
     ray: RayCfg = field(default_factory=RayCfg)
     prepare: Prepare = field(default_factory=Prepare)
     agent: AgentService = field(default_factory=AgentService)
+    distillation: Distillation = field(default_factory=Distillation)
 
     def resolve_defaults(self) -> None:
         """Keys whose default is another key's value (verl's ``${oc.select:...}`` defaults), filled in place

@@ -4,6 +4,8 @@ without effect, and the deliberate differences from verl's defaults."""
 
 from __future__ import annotations
 
+import re
+
 from hybridflow.config.loader import ConfigError
 
 _A = "actor_rollout_ref.actor."
@@ -26,6 +28,10 @@ _SAME_LEAVES = {
     "algorithm.": ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty",
                    "gdpo_reward_keys", "gdpo_reward_weights", "use_pf_ppo"),
     "algorithm.pf_ppo.": ("reweight_method", "weight_pow"),
+    "distillation.": ("enabled", "teacher_key"),
+    "distillation.distillation_loss.": ("loss_mode", "topk", "use_task_rewards", "distillation_loss_coef",
+                                        "loss_max_clamp", "log_prob_min_clamp", "use_policy_gradient",
+                                        "clip_ratio_low", "clip_ratio_high"),
     # policy_loss.rollout_correction is not here (unsupported)
     _A + "policy_loss.": ("loss_mode", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
                           "dro_beta"),
@@ -82,6 +88,8 @@ RENAMED = {
     _A + "ulysses_sequence_parallel_size": "actor.megatron.context_parallel_size",
     "critic.ulysses_sequence_parallel_size": "critic.megatron.context_parallel_size",
     _A + "clip_ratio": ("actor.clip_ratio_low", "actor.clip_ratio_high"),
+    "distillation.distillation_loss.clip_ratio": ("distillation.distillation_loss.clip_ratio_low",
+                                                  "distillation.distillation_loss.clip_ratio_high"),
     _R + "log_prob_micro_batch_size_per_gpu": "actor.log_prob_micro_batch_size_per_gpu",
     _R + "log_prob_use_dynamic_bsz": "actor.log_prob_use_dynamic_bsz",
     _R + "log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
@@ -181,6 +189,7 @@ MUST_AGREE = {
     # one vLLM engine per rollout.tensor_model_parallel_size ranks, each without data or expert parallelism inside
     _R + "data_parallel_size": 1,
     _R + "expert_parallel_size": 1,
+    "distillation.distillation_loss.policy_loss_mode": "vanilla",  # verl's only one too
 }
 # verl's other rollout engines: a script naming one samples with vLLM here (a notice says so), its sampling
 # settings (rollout.temperature, top_p, top_k, n, response length) carried over as they are
@@ -282,8 +291,18 @@ NO_EFFECT_SECTIONS = {
 }
 
 
+# distillation.teacher_models.<entry>.{key, model_path}: ours, spelled the same; verl's vLLM pool for the teachers
+_TEACHER = re.compile(r"distillation\.teacher_models\.[^.]+\.(key|model_path)")
+_TEACHER_POOL = re.compile(r"distillation\.(n_gpus_per_node|nnodes|teacher_models\.[^.]+\.(num_replicas|inference\..+)|"
+                           r"distillation_loss\.(use_chunked_topk|chunked_topk_chunk_size))")
+_TEACHER_POOL_WHY = ("verl serves each teacher from a vLLM pool of its own; a teacher runs in the actor's processes "
+                     "at the actor's layout here (config/distillation.py), and the chunked top-k is forward_kl_topk's")
+
+
 def _no_effect_section(key: str):
     """(section, why) when ``key`` is a leaf of a section accepted without effect, else None."""
+    if _TEACHER_POOL.fullmatch(key):
+        return "distillation.(teacher pool).", _TEACHER_POOL_WHY
     for section, (leaves, why) in NO_EFFECT_SECTIONS.items():
         rest = key[len(section):] if key.startswith(section) else None
         if rest and any(rest == leaf or (leaf.endswith(".") and rest.startswith(leaf)) for leaf in leaves):
@@ -360,6 +379,8 @@ DIFFERENCES = {
 def _ours(key: str):
     if key in RENAMED:
         return RENAMED[key]
+    if _TEACHER.fullmatch(key):
+        return key
     for section, leaves in _SAME_LEAVES.items():
         if key.startswith(section) and key[len(section):] in leaves:
             return _OURS_PREFIX.get(section, section) + key[len(section):]

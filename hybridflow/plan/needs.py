@@ -20,6 +20,7 @@ class Needs:
     # before the update): the separate old-log-prob forward is skipped
     on_policy_reuse: bool
     rollout_correction: bool  # algorithm.rollout_correction changes the update (weights, rejection, bypass)
+    teacher: bool = False  # distillation: the teachers' log-probs of the sampled tokens
 
 
 def run_needs(cfg) -> Needs:
@@ -34,4 +35,4 @@ def run_needs(cfg) -> Needs:
     return Needs(reference=algo.use_kl_in_reward or actor.use_kl_loss, critic=critic,
                  greedy_baseline="reward_baselines" in declared, sum_pi_squared="sum_pi_squared" in declared,
                  reward_components="reward_components" in declared, on_policy_reuse=on_policy,
-                 rollout_correction=correcting)
+                 rollout_correction=correcting, teacher=cfg.distillation.enabled)

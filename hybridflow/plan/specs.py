@@ -3,10 +3,10 @@ ExperimentConfig. A worker reads nothing else of the run."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridflow.config.model import LoRA, config_overrides
-from hybridflow.config.schema import Actor, Critic, RewardModel, Rollout, RolloutCorrection
+from hybridflow.config.schema import Actor, Critic, DistillationLoss, RewardModel, Rollout, RolloutCorrection
 from hybridflow.plan.layout import ParallelLayout
 from hybridflow.plan.needs import Needs
 
@@ -53,6 +53,11 @@ class ActorSpec:
     carry_unfinished: bool = False
     max_off_policy_threshold: int | None = None
     lora: LoRA | None = None  # model.lora when it trains adapters (rank > 0)
+    # on-policy distillation (config/distillation.py): its loss settings, the teachers (routing key -> model path; key
+    # None: the one teacher) and the data column that routes rows to them
+    distillation: DistillationLoss | None = None
+    teachers: dict = field(default_factory=dict)
+    teacher_key: str = "data_source"
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,11 @@ class RewardModelSpec:
     trust_remote_code: bool = False  # model.trust_remote_code, for the policy's tokenizer
 
 
+def _distillation(d) -> tuple:
+    """ActorSpec's distillation fields: the loss settings, the teachers by routing key, the routing column."""
+    return (d.distillation_loss, d.teachers(), d.teacher_key) if d.enabled else (None, {}, d.teacher_key)
+
+
 def role_specs(cfg, needs: Needs, total_steps: int | None, actor_layout, critic_layout, generation) -> tuple[
         ActorSpec, CriticSpec | None, RewardModelSpec | None, RolloutSpec | None]:
     process = ProcessSpec(cfg.model.path, cfg.trainer.seed, cfg.trainer.dist_timeout_s, total_steps,
@@ -96,7 +106,8 @@ def role_specs(cfg, needs: Needs, total_steps: int | None, actor_layout, critic_
     actor = ActorSpec(process, actor_layout, cfg.actor, r, cfg.algorithm.rollout_correction, needs, d.max_prompt_length,
                       d.max_response_length, d.apply_chat_template_kwargs, r.temperature if r.temperature > 0 else 1.0,
                       generation.world if separate else 0, cfg.schedule.mode == "colocate_async",
-                      cfg.schedule.max_off_policy_threshold, cfg.model.lora if cfg.model.lora.rank else None)
+                      cfg.schedule.max_off_policy_threshold, cfg.model.lora if cfg.model.lora.rank else None,
+                      *_distillation(cfg.distillation))
     # an agent program's episodes go on across pushes by themselves (each turn is an engine call of its own): its
     # pool generates call by call instead of serving admitted rows
     serving = cfg.schedule.partial_rollout and not cfg.agent.enable

@@ -84,13 +84,18 @@ CUDA_GRAPH_GIB = 2.0  # a sleeping vLLM's CUDA-graph pool (see the docstring)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _roles(cfg, run, shape: Shape, P: int, P_c: int, rm_shape: Shape | None) -> tuple[list[Role], Role | None]:
+def _roles(cfg, run, shape: Shape, P: int, P_c: int, rm_shape: Shape | None,
+           teacher_shapes: dict | None = None) -> tuple[list[Role], Role | None]:
     """Every role of the run, the actor first, and the critic's (None without a critic)."""
     seq, n = run.longest_row, run.actor.world
     lora = cfg.model.lora if cfg.model.lora.rank else None
     roles = [make_role("actor", cfg.actor, P, shape, seq, n, shape.vocab, rollout_n=cfg.rollout.n, lora=lora)]
     if run.needs.reference and lora is None:  # with LoRA the reference is the actor with its adapters off
         roles.append(make_role("ref", cfg.actor, P, shape, seq, n, shape.vocab, rollout_n=cfg.rollout.n,
+                               trainable=False))
+    for key, t in (teacher_shapes or {}).items():  # distillation's, forward-only at the actor's layout
+        name = "teacher" if key is None else f"teacher {key}"
+        roles.append(make_role(name, cfg.actor, count_params(t), t, seq, n, t.vocab, rollout_n=cfg.rollout.n,
                                trainable=False))
     critic = None
     if run.critic is not None:
@@ -178,13 +183,14 @@ def _transition(cfg, shape: Shape, P: int, actor: Role, here: list[Role], ctx: l
 
 
 def plan(cfg, shape: Shape, gpu_mem_gib: float, *, rm_shape: Shape | None = None,
-         cuda_graph_gib: float = CUDA_GRAPH_GIB) -> dict:
+         cuda_graph_gib: float = CUDA_GRAPH_GIB, teacher_shapes: dict | None = None) -> dict:
     """{phase: [(item, bytes)]} per GPU, plus 'params', 'kv_cache' (bytes) and 'critic_params'.
-    ``rm_shape``: the reward model's shapes (required when reward_model.enable)."""
+    ``rm_shape``: the reward model's shapes (required when reward_model.enable); ``teacher_shapes``: {routing key:
+    Shape} of distillation's teachers."""
     run = resolve(cfg)
     P = count_params(shape)
     P_c = count_params(shape, value_head=True) if run.critic is not None else 0
-    roles, critic = _roles(cfg, run, shape, P, P_c, rm_shape)
+    roles, critic = _roles(cfg, run, shape, P, P_c, rm_shape, teacher_shapes)
     here = [r for r in roles if r.on_actor_gpus]
     ro = cfg.rollout
     budget = ro.gpu_memory_utilization * gpu_mem_gib * GiB
@@ -311,11 +317,14 @@ def main(argv=None) -> int:
     try:
         shape = dataclasses.replace(_read_shape(shapes), routing_skew=args.moe_routing_skew)
         rm_shape = _read_shape(rm_shapes) if rm_shapes else None
-    except ValueError as e:
+        teachers = {key: _read_shape(find_shapes(path, None, "distillation teacher"))
+                    for key, path in cfg.distillation.teachers().items()}
+    except (ValueError, OSError) as e:
         print(f"memory_plan: {e}", file=sys.stderr)
         return 2
     print(f"{args.config}: {cfg.model.path} (shapes from {shapes}), {cfg.resources.n_workers} GPUs, per GPU:")
-    result = plan(cfg, shape, args.gpu_mem, rm_shape=rm_shape, cuda_graph_gib=args.cuda_graph_gib)
+    result = plan(cfg, shape, args.gpu_mem, rm_shape=rm_shape, cuda_graph_gib=args.cuda_graph_gib,
+                  teacher_shapes=teachers)
     text, fits = render(result, args.gpu_mem)
     print(text)
     return 0 if fits else 1

@@ -203,3 +203,23 @@ def group_prompts(batch: Batch) -> tuple[Batch, torch.Tensor]:
                                        "position_ids": t["position_ids"][:, :width]},
                               non_tensors=dict(heads.non_tensors))
     return prompts, groups
+
+
+def teacher_metrics(batch: Batch, distillation) -> dict:
+    """distillation/<teacher key>/kl: the mean over each teacher's response tokens of log pi_student - log
+    pi_teacher of the sampled token (the reverse KL's k1 estimate; the student's old log-probs, else vLLM's), and
+    distillation/kl over every row."""
+    t = batch.tensors
+    student = t["old_log_probs"] if "old_log_probs" in t else t.get("rollout_log_probs")
+    if student is None:  # neither: the update measures it (actor/distillation/...)
+        return {}
+    k1, mask = (student - t["teacher_log_probs"]).float(), t["response_mask"].float()
+    out = {"distillation/kl": float(masked_mean(k1, mask))}
+    teachers = distillation.teachers()
+    if None not in teachers:
+        keys = np.asarray([str(k) for k in batch.non_tensors[distillation.teacher_key]], dtype=object)
+        for key in teachers:
+            rows = torch.as_tensor(keys == key)
+            if rows.any():
+                out[f"distillation/{key}/kl"] = float(masked_mean(k1[rows], mask[rows]))
+    return out

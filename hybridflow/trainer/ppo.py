@@ -21,7 +21,8 @@ from hybridflow.trainer.pool_lookahead import lag_metrics
 from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.dynamic_sampling import fill_batch
 from hybridflow.trainer.experience import (add_advantages, apply_kl_in_reward, as_group_ids, group_prompts,
-                                          response_lengths, rollout_metrics, sample_seeds, score_responses)
+                                          response_lengths, rollout_metrics, sample_seeds, score_responses,
+                                          teacher_metrics)
 from hybridflow.trainer.metrics import Timer
 from hybridflow.trainer.placement import WorkerGroups
 from hybridflow.trainer.source_choice import make_source
@@ -79,6 +80,10 @@ class PPODriver:
         if self.needs.reference:
             with t("ref"):
                 batch = batch.union(self.actor_rollout.compute_ref_log_prob(batch))
+        if self.needs.teacher:  # on-policy distillation: each row's teacher scores its sampled tokens
+            with t("teacher"):
+                batch = batch.union(self.actor_rollout.compute_teacher_log_prob(batch))
+            metrics.update(teacher_metrics(batch, cfg.distillation))
         if self.critic is not None:
             with t("values"):
                 batch = batch.union(self.critic.compute_values(batch))

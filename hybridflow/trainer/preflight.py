@@ -27,6 +27,7 @@ from hybridflow.rewards.routing import SourceRouter
 from hybridflow.rollout.vllm_rollout import check_engine_kwargs
 from hybridflow.trainer.lora_checks import check_adapter, check_lora_targets
 from hybridflow.trainer.model_files import check_model_folder
+from hybridflow.trainer.teacher_checks import check_teachers
 from hybridflow.trainer.ray_checks import check_ray
 from hybridflow.trainer.resume_checks import resume_checkpoint
 from hybridflow.trainer.run_lock import RunLock
@@ -55,6 +56,7 @@ def check_run(cfg: ExperimentConfig) -> Checked:
     check_machine(cfg, plan)
     model, tokenizer, train_data, val_data = check_files(cfg)
     plan = check_model(cfg, model, len(train_data), plan)
+    check_teachers(cfg, tokenizer, plan, (train_data, val_data))
     check_lr_schedules(cfg, plan)
     warn_no_bound(cfg, plan)
     check_resources(cfg, plan)

@@ -40,8 +40,17 @@ def prepare_quickstart(cfg, before_warm_start=None) -> None:
     if not (Path(cfg.model.path) / "model.safetensors").exists():
         if before_warm_start is not None:
             before_warm_start(str(base))
-        result = warm_start(str(base), cfg.model.path, str(data_dir / "train.parquet"), steps=p.sft_steps,
-                            lr=p.sft_lr, batch_size=p.sft_batch_size, seed=cfg.trainer.seed,
-                            target_accuracy=p.sft_target_accuracy, scorer=get_scorer(cfg.reward.name),
-                            eval_every=p.sft_eval_every, max_new_tokens=cfg.data.max_response_length)
-        print(f"warm start: {result['steps']} steps, held-out greedy accuracy {result['dev_accuracy']}", flush=True)
+        _warm_start(cfg, base, cfg.model.path, p.sft_steps, p.sft_target_accuracy, "warm start")
+    teacher = Path(p.teacher_warm_start_dir)
+    named = any(Path(t).resolve() == teacher.resolve() for t in cfg.distillation.teachers().values())
+    if named and not (teacher / "model.safetensors").exists():
+        _warm_start(cfg, base, str(teacher), p.teacher_sft_steps, p.teacher_target_accuracy, "distillation teacher")
+
+
+def _warm_start(cfg, base: Path, out: str, steps: int, target_accuracy: float | None, what: str) -> None:
+    p = cfg.prepare
+    result = warm_start(str(base), out, str(Path(p.data_dir) / "train.parquet"), steps=steps, lr=p.sft_lr,
+                        batch_size=p.sft_batch_size, seed=cfg.trainer.seed, target_accuracy=target_accuracy,
+                        scorer=get_scorer(cfg.reward.name), eval_every=p.sft_eval_every,
+                        max_new_tokens=cfg.data.max_response_length)
+    print(f"{what}: {result['steps']} steps, held-out greedy accuracy {result['dev_accuracy']}", flush=True)

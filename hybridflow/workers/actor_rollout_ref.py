@@ -27,6 +27,7 @@ from hybridflow.workers.common import (init_megatron_worker, load_role_checkpoin
                                        offload_settings, optim_settings, ref_offload_settings, save_role_checkpoint,
                                        start_weights)
 from hybridflow.workers.export import save_hf_folder
+from hybridflow.workers.teachers import Teachers
 from hybridflow.workers.carried_generation import CarriedGeneration
 from hybridflow.workers.generation import (build_agent_loop, build_vllm_rollout, generate_batch, load_adapters,
                                            load_generation_shard, sampling_settings)
@@ -52,6 +53,7 @@ class ActorRolloutRefWorker(Worker):
             hf_config, state, model_build(mp, routing_replay=self.replay == "R3"),
             offload=ref_offload_settings(spec.actor), start_weights=start_weights(mp, "actor"),
         ) if self.needs.reference and not spec.lora else None
+        self.teachers = Teachers(spec) if spec.teachers else None  # distillation's, at the actor's layout too
         del state
         from transformers import AutoTokenizer
 
@@ -180,10 +182,17 @@ class ActorRolloutRefWorker(Worker):
         return role_ops.last_stage_batch(ref_log_prob=out["log_probs"])
 
     @register(Dispatch.DP_COMPUTE_3D)
+    def compute_teacher_log_prob(self, batch: Batch) -> Batch:
+        """Each row's distillation teacher's log-probs of its response tokens (workers/teachers.py)."""
+        lp = self.teachers.log_probs(batch, role_ops.log_prob_batching(self.spec.actor, ref=True))
+        return role_ops.last_stage_batch(teacher_log_probs=lp)
+
+    @register(Dispatch.DP_COMPUTE_3D)
     def update_actor(self, batch: Batch) -> dict:
         s = self.spec
         metrics = role_ops.update_policy(self.actor, batch, s.actor, s.layout.dp, s.rollout.n,
-                                         rollout_correction=s.rollout_correction, temperature=s.logit_temperature)
+                                         rollout_correction=s.rollout_correction, temperature=s.logit_temperature,
+                                         distillation=s.distillation)
         return {**metrics, **device.memory_stats("memory/update_actor")}
 
     @register(Dispatch.ONE_TO_ALL)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from hybridflow import device
 from hybridflow.algorithms import (POLICY_LOSSES, GlobalBatch, aggregate_loss, kl_loss, masked_mean,
                                    value_loss)
+from hybridflow.algorithms.distillation import distilled_loss
 from hybridflow.algorithms.rollout_correction import compute_policy_loss_bypass_mode, mismatch_metrics
 from hybridflow.megatron import virtual_stages
 from hybridflow.megatron.model import te_available
@@ -336,8 +337,24 @@ def _with_entropy(loss, metrics: dict, logits, mb: dict, whole: GlobalBatch, act
     return loss
 
 
+def _with_teachers(loss, metrics: dict, log_prob, old, mb: dict, whole: GlobalBatch, actor_cfg, distillation):
+    """``loss`` plus what pulls the policy toward another model: the KL loss to the reference (verl's actor/kl_loss and
+    actor/kl_coef) and the distillation term toward each row's teacher (``distillation``: the loss section, or None)."""
+    a, mask = actor_cfg, mb["response_mask"]
+    if a.use_kl_loss:
+        kl, kl_metrics = kl_loss(log_prob, mb["ref_log_prob"], mask, a, whole)
+        loss = loss + a.kl_loss_coef * kl
+        metrics.update({f"actor/{k}": v for k, v in kl_metrics.items()})
+    if distillation is not None:
+        loss, d_metrics = distilled_loss(loss, log_prob, old, mb["teacher_log_probs"], mask, distillation,
+                                         loss_agg_mode=a.loss_agg_mode, global_batch=whole,
+                                         rollout_is_weights=mb.get("rollout_is_weights"))
+        metrics.update({f"actor/{k}": v for k, v in d_metrics.items()})
+    return loss, metrics
+
+
 def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rollout_n: int = 1,
-                  rollout_correction=None, temperature: float = 1.0) -> dict:
+                  rollout_correction=None, temperature: float = 1.0, distillation=None) -> dict:
     """PPO clipped policy loss (- entropy_coeff x entropy, + optional KL-to-reference loss) over mini-batches of
     this DP shard; a mini-batch is ``ppo_mini_batch_size`` prompts with their ``rollout_n`` responses each
     (verl's meaning), under the policy at ``temperature`` (the run plan's ``ActorSpec.logit_temperature``). The
@@ -347,14 +364,17 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
     Rollout correction (``algorithm.rollout_correction``, algorithms/rollout_correction.py): the batch's
     ``rollout_is_weights`` go to the loss, as verl passes them; in ``bypass_mode`` the old log-probs are the
     rollout's and verl's bypass loss replaces ``loss_mode``; an on-policy update measures the mismatch of its
-    own (detached) log-probs to the rollout's, per micro-batch (averaged, as verl's bypass metrics are)."""
+    own (detached) log-probs to the rollout's, per micro-batch (averaged, as verl's bypass metrics are).
+    ``distillation`` (the distillation loss section, or None): the batch's ``teacher_log_probs`` give the distillation
+    term, combined with the loss above as verl's distillation_ppo_loss does (algorithms/distillation.py)."""
     a, rc = actor_cfg, rollout_correction
     # Without old log-probs the update is on-policy (the run plan's needs.on_policy_reuse): its own log-probs,
     # detached, are the old ones (ratio 1, the same gradient), and it reports the entropy the skipped
     # forward would have.
     on_policy = "old_log_probs" not in batch.tensors
     measure = on_policy and "rollout_log_probs" in batch.tensors
-    keys = _policy_update_keys(batch, a, on_policy, measure) + list(routes_of(role, batch))
+    keys = _policy_update_keys(batch, a, on_policy, measure) + list(routes_of(role, batch)) + (
+        ["teacher_log_probs"] if distillation is not None else [])
 
     def loss_fn(mb, logits, whole):
         log_prob = response_log_probs(logits, mb, temperature)
@@ -373,11 +393,7 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
             r = role.routing.outputs(mb)
             metrics["actor/routing_replay/update_differing_fraction"] = (r["routing_differing"].sum()
                                                                          / r["routing_counted"].sum().clamp(min=1))
-        if a.use_kl_loss:  # verl's actor/kl_loss and actor/kl_coef
-            kl, kl_metrics = kl_loss(log_prob, mb["ref_log_prob"], mask, a, whole)
-            loss = loss + a.kl_loss_coef * kl
-            metrics.update({f"actor/{k}": v for k, v in kl_metrics.items()})
-        return loss, metrics
+        return _with_teachers(loss, metrics, log_prob, old, mb, whole, a, distillation)
 
     metrics = _train(role, batch, name="actor", mini_batch_size=mini_batch_rows(a.ppo_mini_batch_size, rollout_n, dp_size),
                      micro=_update_batching(a, "actor"), epochs=a.ppo_epochs, keys=keys, loss_fn=loss_fn,

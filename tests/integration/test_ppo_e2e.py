@@ -154,3 +154,41 @@ def test_bf16_quickstart_steps(assets, tmp_path, ray_cluster):
                 _assert_near_tie(_hf_model(cfg, state, torch.bfloat16), prompt, v, h, f"step {step}")
     first, last = seen[0][2], seen[-1][2]
     assert any(not torch.equal(first[k], last[k]) for k in first), "bf16 training did not move the actor"
+
+
+def _hf_response_log_probs(path: str, batch) -> torch.Tensor:
+    """[B, R] a HF model's log-probs of each row's response tokens, prompts left-padded as the batch lays them."""
+    from transformers import AutoModelForCausalLM
+
+    t = batch.tensors
+    R = t["responses"].shape[1]
+    P = t["input_ids"].shape[1] - R
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
+                       position_ids=t["position_ids"]).logits[:, P - 1:P - 1 + R]
+    return torch.log_softmax(logits, -1).gather(-1, t["input_ids"][:, P:, None])[..., 0]
+
+
+def test_distillation_teacher_scores_sampled_tokens_and_the_student_trains(assets, tmp_path, ray_cluster):
+    """GRPO with on-policy distillation (verl's keys: k1 as each token's reward in a second PPO term beside the task's)
+    through the real worker groups at actor TP 2: the teacher (here the warm start's own base model) scores the tokens
+    vLLM sampled in the actor's processes, equal to Hugging Face's forward of it, and the distillation term trains."""
+    from tests.numerics import assert_close
+
+    teacher = f"{assets}/base"
+    cfg = make_cfg(assets, tmp_path, "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "rollout.n=2",
+                   "data.batch_size=8", "actor.ppo_mini_batch_size=8", "actor.megatron.tensor_model_parallel_size=2",
+                   "resources.n_workers=2", "resources.cpus_per_worker=1", "distillation.enabled=true",
+                   f"distillation.teacher_models.teacher_model.model_path={teacher}",
+                   "distillation.distillation_loss.loss_mode=k1", "distillation.distillation_loss.use_policy_gradient=true")
+
+    def check(trainer, step, metrics):
+        for key in ("distillation/kl", "actor/distillation/loss", "actor/distillation/ppo_kl", "actor/pg_loss"):
+            assert math.isfinite(metrics[key]), (key, metrics)
+        sampled = trainer.actor_rollout.generate(with_meta(trainer.val_data.batch(list(range(8))), temperature=1.0))
+        got = trainer.actor_rollout.compute_teacher_log_prob(sampled).tensors["teacher_log_probs"]
+        valid = sampled.tensors["response_mask"].bool()
+        assert_close(got[valid], _hf_response_log_probs(teacher, sampled)[valid], slack=10, what="teacher log-probs vs HF")
+
+    run_steps(cfg, 2, check)

@@ -78,6 +78,20 @@ def _damaged_weights(good, tmp_path, how):
     return dst
 
 
+def _teacher_with_another_vocabulary(good, tmp_path) -> str:
+    from transformers import AutoTokenizer
+
+    dst = tmp_path / "teacher"
+    shutil.copytree(good / "model", dst)
+    tokenizer = AutoTokenizer.from_pretrained(str(dst))
+    tokenizer.add_tokens(["<think>"])
+    tokenizer.save_pretrained(str(dst))
+    return str(dst)
+
+
+_DISTILL = "distillation.enabled=true"
+
+
 def _verl_tool_config(tmp_path) -> str:
     path = tmp_path / "verl_tools.yaml"
     path.write_text("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    config: {type: native}\n"
@@ -317,6 +331,22 @@ CASES = {
                       f"rollout.multi_turn.tool_config_path={(t / 'none.yaml').write_text('tools: []') and t / 'none.yaml'}"],
         "rollout.multi_turn.tool_config_path: {t}/none.yaml lists no tools (tools: []); name at least one"),
     "mini batch vs data batch": (lambda g, t: ["actor.ppo_mini_batch_size=48"], "actor.ppo_mini_batch_size (48 prompts) must divide data.batch_size (128)"),
+    # on-policy distillation's teachers
+    "distillation teacher not a folder": (
+        lambda g, t: [_DISTILL, f"distillation.teacher_models.t.model_path={t}/nope"],
+        "distillation.teacher_models.t.model_path: not a model folder: {t}/nope"),
+    "distillation teacher with another vocabulary": (
+        lambda g, t: [_DISTILL, f"distillation.teacher_models.t.model_path={_teacher_with_another_vocabulary(g, t)}"],
+        "distillation.teacher_models.t.model_path: the tokenizer in {t}/teacher differs from model.path's"),
+    "distillation rows no teacher is keyed by": (
+        lambda g, t: [_DISTILL, f"distillation.teacher_models.t1.model_path={g}/model", "distillation.teacher_models.t1.key=a",
+                      f"distillation.teacher_models.t2.model_path={g}/model", "distillation.teacher_models.t2.key=b"],
+        "row 0 names no teacher (keys: ['a', 'b'])"),
+    "distillation k1 as a supervised loss": (
+        lambda g, t: [_DISTILL, f"distillation.teacher_models.t.model_path={g}/model",
+                      "distillation.distillation_loss.loss_mode=k1", "distillation.distillation_loss.use_policy_gradient=false"],
+        "loss_mode k1 as a supervised loss (use_policy_gradient false) has a gradient that does not depend on the teacher"),
+    "distillation without a teacher": (lambda g, t: [_DISTILL], "distillation.enabled needs distillation.teacher_models"),
     # sizes that would make an endless first step
     "absurd rollout.n": (lambda g, t: ["rollout.n=10000000"], "rollout.n: data.batch_size x rollout.n = 1,280,000,000 "
                                                                "sequences of up to 22 tokens need ~"),

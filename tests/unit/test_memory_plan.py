@@ -493,3 +493,19 @@ def test_uneven_pipeline_stages_count_the_most_loaded_stage():
                    for a in (two, uneven))
     for item in ("params", "grads", "optimizer"):
         assert heavy.items[item] == pytest.approx(even.items[item] * 14 / 13.5, rel=1e-12), item
+
+
+def test_distillation_teachers_are_forward_only_roles_at_the_actors_layout(tiny):
+    """Each teacher holds its bf16 parameters on every GPU of the actor (resident unless the reference offloads) and
+    adds its forward's activations; a larger teacher counts its own layers."""
+    teacher = mp.Shape.from_hf({**TINY, "num_hidden_layers": 4})
+    cfg = tiny("distillation.enabled=true", "distillation.teacher_models.t.model_path=/unused")
+    r = mp.plan(cfg, mp.Shape.from_hf(TINY), 1, teacher_shapes={"a": teacher, None: mp.Shape.from_hf(TINY)})
+    teacher_p = 100 * 64 + 4 * TINY_LAYER + 64 + 100 * 64
+    for phase in ("training", "generation"):
+        assert rows(r, phase)["teacher a params"] == teacher_p * 2
+        assert rows(r, phase)["teacher params"] == TINY_P * 2
+    plain = mp.plan(tiny(), mp.Shape.from_hf(TINY), 1)
+    assert mp.peaks(r)["generation"] - mp.peaks(plain)["generation"] == (teacher_p + TINY_P) * 2
+    offloaded = mp.plan(tiny("actor.megatron.param_offload=true"), mp.Shape.from_hf(TINY), 1, teacher_shapes={"a": teacher})
+    assert "teacher a params" not in rows(offloaded, "generation")
