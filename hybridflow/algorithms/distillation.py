@@ -53,7 +53,15 @@ def forward_kl_topk(student_logits: Tensor, teacher_topk_log_probs: Tensor, teac
     student_log_probs = torch.log_softmax(student_logits.to(dtype), dim=-1)
     student_topk_ids = torch.topk(student_log_probs, k=teacher_topk_ids.shape[-1], dim=-1).indices
     student = torch.gather(student_log_probs, dim=-1, index=teacher_topk_ids)
-    teacher = teacher_topk_log_probs.to(dtype)
+    return topk_kl_terms(student, student_topk_ids, teacher_topk_log_probs, teacher_topk_ids, log_prob_min_clamp)
+
+
+def topk_kl_terms(student: Tensor, student_topk_ids: Tensor, teacher_topk_log_probs: Tensor, teacher_topk_ids: Tensor,
+                  log_prob_min_clamp: float | None) -> Dict[str, Tensor]:
+    """``forward_kl_topk``'s outputs from the student's log-probs at the teacher's k ids [..., K] (differentiable) and
+    the student's own k most likely ids: what a vocabulary split over tensor-parallel ranks gives
+    (megatron/vocab_topk.py) without any rank holding the whole of it."""
+    teacher = teacher_topk_log_probs.to(student.dtype)
     student_mass, teacher_mass = student.exp().sum(-1), teacher.exp().sum(-1)
     if log_prob_min_clamp is not None:
         student, teacher = student.clamp_min(log_prob_min_clamp), teacher.clamp_min(log_prob_min_clamp)
@@ -104,19 +112,41 @@ def abs_loss_mean(losses: Tensor, response_mask: Tensor) -> Tensor:
     return masked_mean(losses.detach().abs(), response_mask)
 
 
-def distilled_loss(policy_loss: Tensor | float, log_prob: Tensor, old_log_prob: Tensor, teacher_log_probs: Tensor,
+def distilled_loss(policy_loss: Tensor | float, losses: Tensor, log_prob: Tensor, old_log_prob: Tensor,
                    response_mask: Tensor, cfg, *, loss_agg_mode: str, global_batch: GlobalBatch | None = None,
                    rollout_is_weights: Tensor | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """The actor's loss with an estimator mode's distillation term (verl's distillation_ppo_loss with
-    compute_distillation_loss_reverse_kl_estimator): ``cfg`` is the distillation loss section
+    """The actor's loss with the distillation term of per-token ``losses`` [B, T] (``estimator_terms`` or
+    ``topk_kl_terms``; verl's distillation_ppo_loss): ``cfg`` is the distillation loss section
     (config/distillation.py DistillationLoss); ``log_prob`` the student's, differentiable; ``old_log_prob`` the
     student's at sampling (the policy-gradient form's ratio). Metrics as verl names them (``distillation/...``)."""
-    losses = estimator_losses(log_prob, teacher_log_probs, cfg.loss_mode)
     term, metrics = distillation_loss(
         losses, response_mask, use_policy_gradient=cfg.use_policy_gradient, loss_max_clamp=cfg.loss_max_clamp,
         loss_agg_mode=loss_agg_mode, global_batch=global_batch, log_prob=log_prob, old_log_prob=old_log_prob,
         clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, rollout_is_weights=rollout_is_weights)
-    metrics["distillation/abs_loss"] = abs_loss_mean(losses, response_mask)
     metrics["distillation/loss"] = term.detach()
     return combined_loss(policy_loss, term, use_task_rewards=cfg.use_task_rewards,
                          distillation_loss_coef=cfg.distillation_loss_coef), metrics
+
+
+def estimator_terms(log_prob: Tensor, teacher_log_probs: Tensor, response_mask: Tensor,
+                    loss_mode: str) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """An estimator mode's per-token losses and verl's metric of them (compute_distillation_loss_reverse_kl_estimator)."""
+    losses = estimator_losses(log_prob, teacher_log_probs, loss_mode)
+    return losses, {"distillation/abs_loss": abs_loss_mean(losses, response_mask)}
+
+
+def topk_metrics(terms: Dict[str, Tensor], response_mask: Tensor, k: int) -> Dict[str, Tensor]:
+    """verl's compute_forward_kl_topk metrics over the response tokens: each model's mass on the teacher's top-k
+    (mean, min, max), the overlap ratio with the student's own top-k and the overlapped tokens' mean advantage."""
+    valid = response_mask.bool()
+    out = {}
+    for who in ("student", "teacher"):
+        mass = terms[f"{who}_mass"].detach()[valid]
+        out.update({f"distillation/{who}_mass": mass.mean(), f"distillation/{who}_mass_min": mass.min(),
+                    f"distillation/{who}_mass_max": mass.max()} if mass.numel() else {})
+    count = terms["overlap_count"][valid]
+    overlapped = valid & (terms["overlap_count"] > 0)
+    out["distillation/overlap_ratio"] = count.float().mean() / k if count.numel() else torch.zeros(())
+    out["distillation/overlap_token_advantage"] = (terms["overlap_token_advantage"].detach()[overlapped].mean()
+                                                   if overlapped.any() else torch.zeros(()))
+    return out

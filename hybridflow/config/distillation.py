@@ -39,14 +39,17 @@ class DistillationLoss:
     clip_ratio_low: float = 0.2  # that loss's own clip range
     clip_ratio_high: float = 0.2
 
+    @property
+    def uses_topk(self) -> bool:
+        """The teachers give their top-k at each position, not their log-prob of the sampled token."""
+        return self.loss_mode in TOPK_MODES
+
     def validate(self):
         if self.loss_mode not in ESTIMATOR_MODES + TOPK_MODES:
             raise ValueError(f"distillation.distillation_loss.loss_mode {self.loss_mode!r} is not one of "
                              f"{', '.join(ESTIMATOR_MODES + TOPK_MODES)}")
-        if self.loss_mode in TOPK_MODES:
-            raise ValueError("distillation.distillation_loss.loss_mode=forward_kl_topk is not supported yet: the "
-                             "teacher's top-k over a tensor-parallel vocabulary is not built (use k3, or k1 with "
-                             "use_policy_gradient)")
+        if self.uses_topk and self.topk is None:
+            raise ValueError("distillation.distillation_loss.loss_mode=forward_kl_topk needs topk")
         if not self.use_policy_gradient and self.loss_mode in ("kl", "k1"):
             raise ValueError(f"distillation.distillation_loss: loss_mode {self.loss_mode} as a supervised loss "
                              "(use_policy_gradient false) has a gradient that does not depend on the teacher (as "

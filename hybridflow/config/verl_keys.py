@@ -296,7 +296,8 @@ _TEACHER = re.compile(r"distillation\.teacher_models\.[^.]+\.(key|model_path)")
 _TEACHER_POOL = re.compile(r"distillation\.(n_gpus_per_node|nnodes|teacher_models\.[^.]+\.(num_replicas|inference\..+)|"
                            r"distillation_loss\.(use_chunked_topk|chunked_topk_chunk_size))")
 _TEACHER_POOL_WHY = ("verl serves each teacher from a vLLM pool of its own; a teacher runs in the actor's processes "
-                     "at the actor's layout here (config/distillation.py), and the chunked top-k is forward_kl_topk's")
+                     "at the actor's layout here (config/distillation.py); verl's chunked top-k saves the memory of "
+                     "a whole-vocabulary log-softmax, which forward_kl_topk never builds here (megatron/vocab_topk.py)")
 
 
 def _no_effect_section(key: str):

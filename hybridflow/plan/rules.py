@@ -205,11 +205,15 @@ def check_virtual_stages(cfg) -> None:
 
 def check_context_parallel(cfg) -> None:
     """megatron.context_parallel_size (megatron/context_parallel.py) of the actor (and its reference): not with
-    routing replay, whose routes are laid out per whole sequence."""
+    routing replay, whose routes are laid out per whole sequence, nor with distillation's top-k pairs."""
     cp = cfg.actor.megatron.context_parallel_size
     if cp > 1 and cfg.actor.megatron.router_replay.mode != "disabled":
         raise ValueError(f"actor.megatron.context_parallel_size {cp}: actor.megatron.router_replay is not supported "
                          "with context parallelism")
+    d = cfg.distillation
+    if cp > 1 and d.enabled and d.distillation_loss.uses_topk:  # per position, not summed over CP
+        raise ValueError(f"actor.megatron.context_parallel_size {cp}: distillation loss_mode forward_kl_topk is not "
+                         "supported with context parallelism (workers/topk_ops.py)")
 
 
 def check_agent(cfg, needs) -> None:

@@ -208,10 +208,11 @@ def group_prompts(batch: Batch) -> tuple[Batch, torch.Tensor]:
 def teacher_metrics(batch: Batch, distillation) -> dict:
     """distillation/<teacher key>/kl: the mean over each teacher's response tokens of log pi_student - log
     pi_teacher of the sampled token (the reverse KL's k1 estimate; the student's old log-probs, else vLLM's), and
-    distillation/kl over every row."""
+    distillation/kl over every row; none with forward_kl_topk, whose teachers give their top-k instead (the update's
+    actor/distillation/* metrics measure it)."""
     t = batch.tensors
     student = t["old_log_probs"] if "old_log_probs" in t else t.get("rollout_log_probs")
-    if student is None:  # neither: the update measures it (actor/distillation/...)
+    if student is None or "teacher_log_probs" not in t:  # the update measures it (actor/distillation/...)
         return {}
     k1, mask = (student - t["teacher_log_probs"]).float(), t["response_mask"].float()
     out = {"distillation/kl": float(masked_mean(k1, mask))}

@@ -183,9 +183,12 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE_3D)
     def compute_teacher_log_prob(self, batch: Batch) -> Batch:
-        """Each row's distillation teacher's log-probs of its response tokens (workers/teachers.py)."""
-        lp = self.teachers.log_probs(batch, role_ops.log_prob_batching(self.spec.actor, ref=True))
-        return role_ops.last_stage_batch(teacher_log_probs=lp)
+        """Each row's distillation teacher's scores of its response tokens (workers/teachers.py): their log-probs, or
+        the teacher's top-k at each position for forward_kl_topk."""
+        d = self.spec.distillation
+        scores = self.teachers.scores(batch, role_ops.log_prob_batching(self.spec.actor, ref=True),
+                                      d.topk if d.uses_topk else None)
+        return None if scores is None else role_ops.last_stage_batch(**scores)
 
     @register(Dispatch.DP_COMPUTE_3D)
     def update_actor(self, batch: Batch) -> dict:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from hybridflow import device
 from hybridflow.algorithms import (POLICY_LOSSES, GlobalBatch, aggregate_loss, kl_loss, masked_mean,
                                    value_loss)
-from hybridflow.algorithms.distillation import distilled_loss
+from hybridflow.algorithms.distillation import distilled_loss, estimator_terms, topk_metrics
 from hybridflow.algorithms.rollout_correction import compute_policy_loss_bypass_mode, mismatch_metrics
 from hybridflow.megatron import virtual_stages
 from hybridflow.megatron.model import te_available
@@ -21,6 +21,7 @@ from hybridflow.plan.layout import mini_batch_rows
 from hybridflow.protocol import Batch
 from hybridflow.workers import row_layout
 from hybridflow.workers.row_layout import TokenBudget
+from hybridflow.workers.topk_ops import student_topk_kl
 from hybridflow.util import mean_by_key
 
 def _picked(per_position: torch.Tensor, mb: dict) -> torch.Tensor:
@@ -304,6 +305,14 @@ def _policy_update_keys(batch: Batch, actor_cfg, on_policy: bool, measure: bool)
         ["rollout_is_weights"] if "rollout_is_weights" in batch.tensors else [])
 
 
+def _teacher_keys(distillation) -> list[str]:
+    """The batch tensors a distillation loss reads: the teachers' log-probs of the sampled tokens, or their top-k."""
+    if distillation is None:
+        return []
+    return ["teacher_topk_log_probs", "teacher_topk_ids"] if distillation.uses_topk else [
+        "teacher_log_probs"]
+
+
 def _surrogate_loss(old, log_prob, mb: dict, whole: GlobalBatch, actor_cfg, rollout_correction):
     """The policy-gradient loss of a micro-batch and its metrics: verl's bypass loss in rollout correction's
     ``bypass_mode``, else the loss ``actor.policy_loss.loss_mode`` names."""
@@ -337,7 +346,8 @@ def _with_entropy(loss, metrics: dict, logits, mb: dict, whole: GlobalBatch, act
     return loss
 
 
-def _with_teachers(loss, metrics: dict, log_prob, old, mb: dict, whole: GlobalBatch, actor_cfg, distillation):
+def _with_teachers(loss, metrics: dict, logits, log_prob, old, mb: dict, whole: GlobalBatch, actor_cfg, distillation,
+                   temperature: float):
     """``loss`` plus what pulls the policy toward another model: the KL loss to the reference (verl's actor/kl_loss and
     actor/kl_coef) and the distillation term toward each row's teacher (``distillation``: the loss section, or None)."""
     a, mask = actor_cfg, mb["response_mask"]
@@ -346,11 +356,20 @@ def _with_teachers(loss, metrics: dict, log_prob, old, mb: dict, whole: GlobalBa
         loss = loss + a.kl_loss_coef * kl
         metrics.update({f"actor/{k}": v for k, v in kl_metrics.items()})
     if distillation is not None:
-        loss, d_metrics = distilled_loss(loss, log_prob, old, mb["teacher_log_probs"], mask, distillation,
-                                         loss_agg_mode=a.loss_agg_mode, global_batch=whole,
-                                         rollout_is_weights=mb.get("rollout_is_weights"))
-        metrics.update({f"actor/{k}": v for k, v in d_metrics.items()})
+        losses, d_metrics = _distillation_losses(logits, log_prob, mb, distillation, temperature)
+        loss, more = distilled_loss(loss, losses, log_prob, old, mask, distillation, loss_agg_mode=a.loss_agg_mode,
+                                    global_batch=whole, rollout_is_weights=mb.get("rollout_is_weights"))
+        metrics.update({f"actor/{k}": v for k, v in {**d_metrics, **more}.items()})
     return loss, metrics
+
+
+def _distillation_losses(logits, log_prob, mb: dict, d, temperature: float):
+    """Each response token's distillation loss and its metrics: an estimator of the reverse KL at the sampled token
+    from the teacher's log-prob of it, or forward_kl_topk from the student's logits (workers/topk_ops.py)."""
+    if not d.uses_topk:
+        return estimator_terms(log_prob, mb["teacher_log_probs"], mb["response_mask"], d.loss_mode)
+    terms = student_topk_kl(_picked(_tempered(logits, temperature), mb), mb, d.log_prob_min_clamp)
+    return terms["losses"], topk_metrics(terms, mb["response_mask"], d.topk)
 
 
 def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rollout_n: int = 1,
@@ -373,8 +392,7 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
     # forward would have.
     on_policy = "old_log_probs" not in batch.tensors
     measure = on_policy and "rollout_log_probs" in batch.tensors
-    keys = _policy_update_keys(batch, a, on_policy, measure) + list(routes_of(role, batch)) + (
-        ["teacher_log_probs"] if distillation is not None else [])
+    keys = _policy_update_keys(batch, a, on_policy, measure) + list(routes_of(role, batch)) + _teacher_keys(distillation)
 
     def loss_fn(mb, logits, whole):
         log_prob = response_log_probs(logits, mb, temperature)
@@ -393,7 +411,7 @@ def update_policy(role: MegatronRole, batch: Batch, actor_cfg, dp_size: int, rol
             r = role.routing.outputs(mb)
             metrics["actor/routing_replay/update_differing_fraction"] = (r["routing_differing"].sum()
                                                                          / r["routing_counted"].sum().clamp(min=1))
-        return _with_teachers(loss, metrics, log_prob, old, mb, whole, a, distillation)
+        return _with_teachers(loss, metrics, logits, log_prob, old, mb, whole, a, distillation, temperature)
 
     metrics = _train(role, batch, name="actor", mini_batch_size=mini_batch_rows(a.ppo_mini_batch_size, rollout_n, dp_size),
                      micro=_update_batching(a, "actor"), epochs=a.ppo_epochs, keys=keys, loss_fn=loss_fn,

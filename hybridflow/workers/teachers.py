@@ -1,13 +1,15 @@
 """On-policy distillation's teachers in the actor's processes (config/distillation.py): each a frozen megatron-core
 role at the actor's layout, as the reference is, built from its own HF folder; it scores the sampled tokens of the
 rows routed to it at temperature 1 (verl 0.9.1 asks its teacher for prompt log-probs at temperature 1 whatever the
-rollout's: teacher_loop/teacher_manager.py)."""
+rollout's: teacher_loop/teacher_manager.py): the log-prob of each sampled token, or for forward_kl_topk its k most
+likely tokens at each position (verl's vLLM prompt_logprobs=topk; workers/topk_ops.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from hybridflow.megatron import vocab_topk
 from hybridflow.megatron.role import MegatronRole
 from hybridflow.protocol import Batch
 from hybridflow.workers import role_ops
@@ -41,18 +43,36 @@ class Teachers:
                              f"{sorted(self.roles)})")
         return {key: np.flatnonzero(keys == key) for key in self.roles}
 
-    def log_probs(self, batch: Batch, micro) -> torch.Tensor | None:
-        """[B, R] each row's teacher's log-probs of its response tokens (None off the last pipeline stage). Every
-        teacher runs on every rank, a row at least: the micro-batch counts are agreed over the data-parallel ranks
-        and the pipeline runs one schedule, so a rank with no rows of a teacher must not skip its forward."""
+    def scores(self, batch: Batch, micro, topk: int | None = None) -> dict | None:
+        """Each row's teacher's scores of its response (None off the last pipeline stage): {'teacher_log_probs':
+        [B, R]} of the sampled tokens, or with ``topk`` {'teacher_topk_log_probs', 'teacher_topk_ids': [B, R, k]} of
+        its k most likely tokens at each position (forward_kl_topk). Every teacher runs on every rank, a row at
+        least: the micro-batch counts are agreed over the data-parallel ranks and the pipeline runs one schedule, so
+        a rank with no rows of a teacher must not skip its forward."""
         out = None
         for key, rows in self.rows_of(batch).items():
-            picked = rows if len(rows) else np.arange(1)
-            lp = role_ops.log_probs(self.roles[key], batch[picked], micro)["log_probs"]
-            if lp is None:
+            got = self._score(self.roles[key], batch[rows if len(rows) else np.arange(1)], micro, topk)
+            if got is None:
                 continue
             if out is None:
-                out = torch.zeros(len(batch), lp.shape[1], dtype=lp.dtype, device=lp.device)
+                out = {name: torch.zeros((len(batch), *t.shape[1:]), dtype=t.dtype, device=t.device)
+                       for name, t in got.items()}
             if len(rows):
-                out[torch.as_tensor(rows, device=lp.device)] = lp
+                for name, t in got.items():
+                    out[name][torch.as_tensor(rows, device=t.device)] = t
         return out
+
+    @staticmethod
+    def _score(role: MegatronRole, batch: Batch, micro, topk: int | None) -> dict | None:
+        if topk is None:
+            lp = role_ops.log_probs(role, batch, micro)["log_probs"]
+            return None if lp is None else {"teacher_log_probs": lp}
+        def output_fn(mb, logits):  # at temperature 1, as verl's teacher (module docstring); not under CP (plan/rules)
+            lp, ids = vocab_topk.topk(role_ops._picked(logits.detach(), mb), topk)
+            valid = mb["response_valid"].bool()[..., None]
+            return {"teacher_topk_log_probs": torch.where(valid, lp, 0.0), "teacher_topk_ids": torch.where(valid, ids, 0)}
+
+        mbs, order = role_ops._micro_batches(role, batch, micro)
+        outs = role.forward(mbs, output_fn)
+        got = {key: role_ops._gathered(outs, key, order) for key in ("teacher_topk_log_probs", "teacher_topk_ids")}
+        return None if got["teacher_topk_log_probs"] is None else got

@@ -17,6 +17,7 @@ from tests.numerics import assert_close
 pytestmark = pytest.mark.distributed
 
 P, R, B = 8, 5, 8
+K = 4  # forward_kl_topk's k
 KEYS = np.array(["a", "b", "a", "b", "b", "b", "b", "b"], dtype=object)  # DP 2: the second rank has no "a" row
 CASES = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
 UPDATES = 3
@@ -60,14 +61,39 @@ def _rank_fn(rank, world, root, tp, pp):
     student = MegatronRole(cfg, state, ModelBuild(sequence_parallel=tp > 1),
                            optim=OptimSettings(lr=1e-2, eps=1e-3, use_distributed_optimizer=dp > 1))
     shard = batch().chunk(dp)[dp_rank]
-    lp = teachers.log_probs(shard, 2)  # None off the last pipeline stage, whose loss alone reads it
+    scores = teachers.scores(shard, 2)  # None off the last pipeline stage, whose loss alone reads it
+    lp = None if scores is None else scores["teacher_log_probs"]
     out = {"dp_rank": dp_rank, "collect": parallel.dispatch_info()["collect"], "teacher": lp,
            "before": role_ops.log_probs(student, shard, 2)["log_probs"]}
     shard = shard.union(Batch.from_dict(tensors={"teacher_log_probs": torch.zeros(len(shard), R) if lp is None else lp}))
     distill = DistillationLoss(loss_mode="k3", use_policy_gradient=False, use_task_rewards=False)
     out["metrics"] = [role_ops.update_policy(student, shard, actor_cfg, dp, distillation=distill) for _ in range(UPDATES)]
     out["after"] = role_ops.log_probs(student, shard, 2)["log_probs"]
+    out.update(_topk_side(teachers, cfg, state, shard, actor_cfg, dp, tp > 1))
     return out
+
+
+def _topk_side(teachers, cfg, state, shard, actor_cfg, dp: int, sequence_parallel: bool) -> dict:
+    """forward_kl_topk: the teachers' top-k, a fresh student's forward KL to it before any update (workers/topk_ops.py),
+    and supervised updates on it."""
+    from hybridflow.config.schema import DistillationLoss
+    from hybridflow.megatron.role import MegatronRole, ModelBuild, OptimSettings
+    from hybridflow.protocol import Batch
+    from hybridflow.workers import role_ops
+    from hybridflow.workers.topk_ops import student_topk_kl
+
+    scores = teachers.scores(shard, 2, topk=K)
+    zeros = {"teacher_topk_log_probs": torch.zeros(len(shard), R, K), "teacher_topk_ids": torch.zeros(len(shard), R, K,
+                                                                                                        dtype=torch.int64)}
+    shard = shard.union(Batch.from_dict(tensors=zeros if scores is None else scores))
+    student = MegatronRole(cfg, state, ModelBuild(sequence_parallel=sequence_parallel),
+                           optim=OptimSettings(lr=3e-3, eps=1e-3, use_distributed_optimizer=dp > 1))
+    keys = ("teacher_topk_log_probs", "teacher_topk_ids")
+    mbs, order = role_ops._micro_batches(student, shard, 2, keys)
+    outs = student.forward(mbs, lambda mb, logits: {"kl": student_topk_kl(role_ops._picked(logits, mb), mb, None)["losses"]})
+    distill = DistillationLoss(loss_mode="forward_kl_topk", topk=K, use_policy_gradient=False, use_task_rewards=False)
+    return {"topk": scores, "topk_kl": role_ops._gathered(outs, "kl", order),
+            "topk_metrics": [role_ops.update_policy(student, shard, actor_cfg, dp, distillation=distill) for _ in range(UPDATES)]}
 
 
 def _merged(results, key):
@@ -131,3 +157,37 @@ def test_distillation_updates_move_the_student_to_its_teachers_alike_at_every_la
         assert len(losses) >= UPDATES and all(x > 0 for x in losses), (case, losses)  # the last stage's
     for case in list(CASES)[1:]:
         assert_close(after[case][valid], after["tp2"][valid], slack=100, what=f"student after updates, {case} vs tp2")
+
+
+def _hf_logits(path: str) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    t = batch().tensors
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
+                     position_ids=t["position_ids"]).logits[:, P - 1:P - 1 + R]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_kl_topk_at_every_layout_equals_the_full_vocabulary_function(results, root, case):
+    """The teachers' top-k over the vocabulary split by TP equal HF's; the student's forward KL to them from its own
+    vocabulary shard equals algorithms/distillation.forward_kl_topk on HF's whole logits; supervised updates on it
+    lower it."""
+    from hybridflow.algorithms.distillation import forward_kl_topk
+
+    r = results(case)
+    collected = sorted((x for x in r if x["collect"]), key=lambda x: x["dp_rank"])
+    lp = torch.cat([x["topk"]["teacher_topk_log_probs"] for x in collected])
+    ids = torch.cat([x["topk"]["teacher_topk_ids"] for x in collected])
+    valid = batch().tensors["response_mask"].bool()
+    teacher = torch.where(torch.as_tensor(KEYS == "a")[:, None, None], _hf_logits(f"{root}/teacher_a"),
+                          _hf_logits(f"{root}/teacher_b"))
+    want_lp, want_ids = torch.topk(torch.log_softmax(teacher, -1), K, dim=-1)
+    assert_close(lp[valid], want_lp[valid], slack=10, what=f"teacher top-k log-probs at {case} vs HF")
+    assert (ids[valid] == want_ids[valid]).float().mean() > 0.95, "teacher top-k ids differ from HF's"
+    want_kl = forward_kl_topk(_hf_logits(f"{root}/student"), lp, ids, None)["losses"]
+    assert_close(torch.cat([x["topk_kl"] for x in collected])[valid], want_kl[valid], slack=10,
+                 what=f"student forward KL at {case} vs the full-vocabulary function")
+    losses = [[m["actor/distillation/loss"] for m in x["topk_metrics"]] for x in r if "actor/distillation/loss" in x["topk_metrics"][0]]
+    assert losses and all(run[-1] < run[0] for run in losses), losses

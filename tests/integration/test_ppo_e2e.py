@@ -156,8 +156,9 @@ def test_bf16_quickstart_steps(assets, tmp_path, ray_cluster):
     assert any(not torch.equal(first[k], last[k]) for k in first), "bf16 training did not move the actor"
 
 
-def _hf_response_log_probs(path: str, batch) -> torch.Tensor:
-    """[B, R] a HF model's log-probs of each row's response tokens, prompts left-padded as the batch lays them."""
+def _hf_response_logits(path: str, batch) -> torch.Tensor:
+    """[B, R, V] a HF model's logits at the positions predicting each row's response tokens, prompts left-padded as
+    the batch lays them."""
     from transformers import AutoModelForCausalLM
 
     t = batch.tensors
@@ -165,30 +166,47 @@ def _hf_response_log_probs(path: str, batch) -> torch.Tensor:
     P = t["input_ids"].shape[1] - R
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
-                       position_ids=t["position_ids"]).logits[:, P - 1:P - 1 + R]
-    return torch.log_softmax(logits, -1).gather(-1, t["input_ids"][:, P:, None])[..., 0]
+        return model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
+                     position_ids=t["position_ids"]).logits[:, P - 1:P - 1 + R]
 
 
-def test_distillation_teacher_scores_sampled_tokens_and_the_student_trains(assets, tmp_path, ray_cluster):
-    """GRPO with on-policy distillation (verl's keys: k1 as each token's reward in a second PPO term beside the task's)
-    through the real worker groups at actor TP 2: the teacher (here the warm start's own base model) scores the tokens
-    vLLM sampled in the actor's processes, equal to Hugging Face's forward of it, and the distillation term trains."""
+def _hf_response_log_probs(path: str, batch) -> torch.Tensor:
+    """[B, R] a HF model's log-probs of each row's response tokens."""
+    t = batch.tensors
+    R = t["responses"].shape[1]
+    return torch.log_softmax(_hf_response_logits(path, batch), -1).gather(-1, t["input_ids"][:, -R:, None])[..., 0]
+
+
+@pytest.mark.parametrize("mode", ["k1", "forward_kl_topk"])
+def test_distillation_teacher_scores_sampled_tokens_and_the_student_trains(mode, assets, tmp_path, ray_cluster):
+    """GRPO with on-policy distillation through the real worker groups at actor TP 2 (verl's keys): k1 as each token's
+    reward in a second PPO term beside the task's, or forward_kl_topk's supervised term. The teacher (here the warm
+    start's own base model) scores the tokens vLLM sampled in the actor's processes, equal to Hugging Face's forward
+    of it (their log-probs, or its top 4 at each position), and the distillation term trains."""
     from tests.numerics import assert_close
 
     teacher = f"{assets}/base"
+    loss = (["distillation.distillation_loss.loss_mode=k1", "distillation.distillation_loss.use_policy_gradient=true"]
+            if mode == "k1" else ["distillation.distillation_loss.loss_mode=forward_kl_topk",
+                                  "distillation.distillation_loss.topk=4"])
     cfg = make_cfg(assets, tmp_path, "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "rollout.n=2",
                    "data.batch_size=8", "actor.ppo_mini_batch_size=8", "actor.megatron.tensor_model_parallel_size=2",
                    "resources.n_workers=2", "resources.cpus_per_worker=1", "distillation.enabled=true",
-                   f"distillation.teacher_models.teacher_model.model_path={teacher}",
-                   "distillation.distillation_loss.loss_mode=k1", "distillation.distillation_loss.use_policy_gradient=true")
+                   f"distillation.teacher_models.teacher_model.model_path={teacher}", *loss)
+    keys = ["distillation/kl", "actor/distillation/ppo_kl"] if mode == "k1" else [
+        "actor/distillation/student_mass", "actor/distillation/teacher_mass", "actor/distillation/overlap_ratio"]
 
     def check(trainer, step, metrics):
-        for key in ("distillation/kl", "actor/distillation/loss", "actor/distillation/ppo_kl", "actor/pg_loss"):
+        for key in ("actor/distillation/loss", "actor/pg_loss", *keys):
             assert math.isfinite(metrics[key]), (key, metrics)
         sampled = trainer.actor_rollout.generate(with_meta(trainer.val_data.batch(list(range(8))), temperature=1.0))
-        got = trainer.actor_rollout.compute_teacher_log_prob(sampled).tensors["teacher_log_probs"]
+        got = trainer.actor_rollout.compute_teacher_log_prob(sampled).tensors
         valid = sampled.tensors["response_mask"].bool()
-        assert_close(got[valid], _hf_response_log_probs(teacher, sampled)[valid], slack=10, what="teacher log-probs vs HF")
+        if mode == "k1":
+            want = _hf_response_log_probs(teacher, sampled)
+            assert_close(got["teacher_log_probs"][valid], want[valid], slack=10, what="teacher log-probs vs HF")
+        else:
+            want = torch.topk(torch.log_softmax(_hf_response_logits(teacher, sampled), -1), 4, dim=-1).values
+            assert_close(got["teacher_topk_log_probs"][valid], want[valid], slack=10, what="teacher top-4 vs HF")
 
     run_steps(cfg, 2, check)

@@ -41,7 +41,6 @@ def test_several_teachers_are_routed_by_their_keys():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["distillation.distillation_loss.loss_mode=forward_kl_topk"], "forward_kl_topk is not supported yet"),
     (["distillation.distillation_loss.loss_mode=jsd"], "loss_mode 'jsd' is not one of kl, k1"),
     (["distillation.distillation_loss.policy_loss_mode=gspo"], "policy_loss_mode"),
     (["+distillation.teacher_models.t2.model_path=/b"], "distillation.teacher_models.teacher_model.key is not set"),
@@ -53,3 +52,10 @@ def test_refused_in_one_line(args, message):
     with pytest.raises(ConfigError, match=None) as e:
         load([*BASE, "--verl-overrides", "distillation.enabled=true", TEACHER, *args])
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_forward_kl_topk_is_refused_under_context_parallelism():
+    with pytest.raises(ConfigError, match="forward_kl_topk is not supported with context parallelism"):
+        load([*BASE, "--verl-overrides", "distillation.enabled=true", TEACHER,
+              "distillation.distillation_loss.loss_mode=forward_kl_topk", "trainer.n_gpus_per_node=2",
+              "actor_rollout_ref.actor.megatron.context_parallel_size=2"])
