@@ -190,7 +190,17 @@ MUST_AGREE = {
     _R + "data_parallel_size": 1,
     _R + "expert_parallel_size": 1,
     "distillation.distillation_loss.policy_loss_mode": "vanilla",  # verl's only one too
+    # Adam (megatron's): Muon is refused before these are checked (MUON_WHY)
+    **{f"{role}optim.optimizer": "adam" for role in (_A, "critic.")},
 }
+# megatron-core 0.16.1's Muon (optimizer/muon.py, TensorParallelMuon over emerging_optimizers' OrthogonalizedOptimizer
+# and newton_schulz_tp) asserts HAVE_EMERGING_OPTIMIZERS, and that package is not on PyPI (NVIDIA-NeMo/
+# Emerging-Optimizers on GitHub only), so no machine here can run or test it.
+MUON_WHY = ("optim.optimizer=muon is not supported: megatron-core 0.16.1's Muon needs the emerging_optimizers package, "
+            "which PyPI does not carry (NVIDIA-NeMo/Emerging-Optimizers); use adam")
+_MUON_LEAVES = ("muon_momentum", "muon_nesterov", "muon_split_qkv", "muon_scale_mode", "muon_coefficient_type",
+                "muon_num_ns_steps", "muon_tp_mode", "muon_fp32_matmul_prec", "muon_extra_scale_factor",
+                "muon_scalar_optimizer", "muon_match_adamw_update_rms")
 # verl's other rollout engines: a script naming one samples with vLLM here (a notice says so), its sampling
 # settings (rollout.temperature, top_p, top_k, n, response length) carried over as they are
 OTHER_ROLLOUT_ENGINES = {"sglang": "SGLang's server is not built here", "trtllm": "TensorRT-LLM is not built here"}
@@ -282,6 +292,8 @@ NO_EFFECT_SECTIONS = {
                                                "FSDP's mixed-precision dtypes; megatron-core computes in the role's "
                                                "megatron.dtype, keeps fp32 main params in the optimizer and reduces "
                                                "gradients in fp32") for role in (_A, _REF, "critic.model.")},
+    **{f"{role}optim.": (_MUON_LEAVES, "Muon's settings: verl reads them only with optim.optimizer=muon, which is "
+                                       "not built here (hybridflow/config/verl_keys.py MUON_WHY)") for role in (_A, "critic.")},
     _R + "engine_kwargs.trtllm.": (("batch_wait_timeout_iters", "batch_wait_max_tokens_ratio"),
                                    "TensorRT-LLM's batching; vLLM is the rollout engine here (verl's rollout.name)"),
     "reward_model.model.fsdp_config.": (("param_offload", "wrap_policy.", "reshard_after_forward", "fsdp_size",

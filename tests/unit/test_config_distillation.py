@@ -59,3 +59,4 @@ def test_forward_kl_topk_is_refused_under_context_parallelism():
         load([*BASE, "--verl-overrides", "distillation.enabled=true", TEACHER,
               "distillation.distillation_loss.loss_mode=forward_kl_topk", "trainer.n_gpus_per_node=2",
               "actor_rollout_ref.actor.megatron.context_parallel_size=2"])
+

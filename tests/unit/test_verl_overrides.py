@@ -454,3 +454,15 @@ def test_context_parallel_ulysses_and_virtual_stages_resolve():
                   + ["trainer.n_gpus_per_node=2"])
     assert (vpp.actor.megatron.virtual_pipeline_model_parallel_size,
             vpp.critic.megatron.virtual_pipeline_model_parallel_size) == (2, 2)
+
+
+def test_muon_is_refused_in_one_line_and_adam_agrees():
+    """megatron-core 0.16.1's Muon needs emerging_optimizers, which PyPI does not carry (config/verl_keys.MUON_WHY);
+    optim.optimizer=adam and Muon's own settings beside it change nothing."""
+    cfg = load([*BASE, "--verl-overrides", "actor_rollout_ref.actor.optim.optimizer=adam",
+                "actor_rollout_ref.actor.optim.muon_momentum=0.9", "critic.optim.optimizer=adam"])
+    assert cfg.actor.optim.lr > 0
+    for role in ("actor_rollout_ref.actor", "critic"):
+        with pytest.raises(ConfigError) as e:
+            load([*BASE, "--verl-overrides", f"{role}.optim.optimizer=muon"])
+        assert "needs the emerging_optimizers package" in str(e.value) and "\n" not in str(e.value)
