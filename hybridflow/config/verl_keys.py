@@ -265,8 +265,8 @@ NO_EFFECT = {  # verl key -> why it changes nothing here
     **{f"{m}use_shm": "verl copies the model folder into /dev/shm before loading it; the folder is read where it is"
        for m in (_MODEL, "critic.model.")},
     _REF + "use_torch_compile": "megatron-core's kernels are used as they are",
-    **{f"{role}entropy_from_logits_{k}": "the reference computes log-probs only, no entropy"
-       for role in (_REF,) for k in ("with_chunking", "chunk_size")},
+    **{f"{_REF}entropy_from_logits_{k}": "the reference computes log-probs only, no entropy"
+       for k in ("with_chunking", "chunk_size")},
     **{f"{role}fsdp_config.forward_prefetch": _FSDP_ONLY for role in (_A, _REF, "critic.model.")},
     _R + "multi_stage_wake_up": "sglang's staged wake-up of weights and KV cache; vLLM is the rollout engine here "
                                 "(its sleep levels: rollout.free_cache_engine)",
