@@ -5,8 +5,9 @@ holding ids r V/t .. (r + 1) V/t - 1): what on-policy distillation's forward_kl_
 - ``log_softmax_lse``: the log-normalizer over the whole vocabulary, differentiable (its sum crosses the ranks
   through megatron's ``reduce_from_tensor_model_parallel_region``: forward all-reduce, backward identity, as
   megatron's vocab_parallel_cross_entropy and ``role.vocab_parallel_entropy``).
-- ``topk``: the k largest log-probs and their global ids (no gradient: the teacher's, and the student's own for
-  the overlap diagnostics): each rank's k, all-gathered, the k largest of those.
+- ``top_logits``: the k largest logits and their global ids (no gradient; the student's own top ids for the overlap
+  diagnostics): each rank's k, all-gathered, the k largest of those. ``topk``: the same as log-probs (the
+  teacher's).
 - ``at_ids``: the logits at given global ids, differentiable: each rank contributes the ids it holds, summed over
   the group, so each rank's gradient is that of its own shard."""
 
@@ -39,8 +40,9 @@ def log_softmax_lse(logits: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([..., k] log-probs, [..., k] global ids, int64) of the k most likely tokens, largest first."""
+def top_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([..., k] fp32 logits, [..., k] global ids, int64) of the k largest logits, largest first: each rank's k,
+    all-gathered, the k largest of those (no normalizer: the student's own top ids need none)."""
     group, t, rank = _group()
     z = logits.float()
     values, ids = torch.topk(z, k=min(k, z.shape[-1]), dim=-1)
@@ -51,7 +53,14 @@ def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         dist.all_gather(parts_i, ids.contiguous(), group=group)
         values, picked = torch.topk(torch.cat(parts_v, -1), k=k, dim=-1)
         ids = torch.gather(torch.cat(parts_i, -1), -1, picked)
-    return values - log_softmax_lse(z)[..., None], ids
+    return values, ids
+
+
+@torch.no_grad()
+def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([..., k] log-probs, [..., k] global ids, int64) of the k most likely tokens, largest first."""
+    values, ids = top_logits(logits, k)
+    return values - log_softmax_lse(logits)[..., None], ids
 
 
 def at_ids(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

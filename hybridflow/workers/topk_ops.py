@@ -17,7 +17,7 @@ def student_topk_kl(z: torch.Tensor, mb: dict, log_prob_min_clamp: float | None)
     ``teacher_topk_log_probs`` and ``teacher_topk_ids`` [N, R, k]."""
     ids = mb["teacher_topk_ids"]
     student = vocab_topk.at_ids(z, ids) - vocab_topk.log_softmax_lse(z)[..., None]
-    _, own = vocab_topk.topk(z.detach(), ids.shape[-1])
+    _, own = vocab_topk.top_logits(z.detach(), ids.shape[-1])
     terms = topk_kl_terms(student, own, mb["teacher_topk_log_probs"], ids, log_prob_min_clamp)
     valid = mb["response_valid"].bool()
     return {key: torch.where(valid, v, torch.zeros((), dtype=v.dtype, device=v.device)) for key, v in terms.items()}
