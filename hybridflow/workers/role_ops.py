@@ -24,14 +24,16 @@ from hybridflow.workers.row_layout import TokenBudget
 from hybridflow.workers.topk_ops import student_topk_kl
 from hybridflow.util import mean_by_key
 
-def _picked(per_position: torch.Tensor, mb: dict) -> torch.Tensor:
+def picked(per_position: torch.Tensor, mb: dict) -> torch.Tensor:
     """Outputs [rows, s, ...] at the positions predicting each response token: [N, R, ...]."""
     return per_position[mb["sample_row"][:, None], mb["response_index"]]
 
 
-def _valid(x: torch.Tensor, mb: dict) -> torch.Tensor:
-    """0 where a row's response has ended."""
-    return torch.where(mb["response_valid"].bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+def zero_past_end(x: torch.Tensor, mb: dict) -> torch.Tensor:
+    """``x`` [N, R, ...] with 0 where a row's response has ended."""
+    valid = mb["response_valid"].bool()
+    valid = valid.reshape(*valid.shape, *(1,) * (x.dim() - valid.dim()))
+    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _at_responses(per_position: torch.Tensor, mb: dict, fn) -> torch.Tensor:
@@ -39,7 +41,7 @@ def _at_responses(per_position: torch.Tensor, mb: dict, fn) -> torch.Tensor:
     Under context parallelism each rank computes the tokens whose positions it holds (``cp_owned``,
     row_layout.split_for_context_parallel) and the parts are summed over the CP group."""
     if "cp_owned" not in mb:
-        return _valid(fn(_picked(per_position, mb), mb["response_labels"]), mb)
+        return zero_past_end(fn(picked(per_position, mb), mb["response_labels"]), mb)
     from hybridflow.megatron.context_parallel import sum_over_ranks
 
     owned = mb["cp_owned"]
@@ -102,7 +104,7 @@ def _concat(outputs: list[dict], key: str):
     return torch.cat([o[key] for o in outputs]) if outputs else None
 
 
-def _micro_batches(role: MegatronRole, batch: Batch, micro: int | TokenBudget,
+def micro_batches_of(role: MegatronRole, batch: Batch, micro: int | TokenBudget,
                    extra_keys=()) -> tuple[list[dict], torch.Tensor | None]:
     """The role's micro-batches of ``micro`` rows, or packed by a token budget; and the batch row of each
     concatenated output row (None: the batch's own order)."""
@@ -166,7 +168,7 @@ def agreed_count(own: int) -> int:
     return int(count.item())
 
 
-def _gathered(outs: list[dict], key: str, order: torch.Tensor | None):
+def gathered(outs: list[dict], key: str, order: torch.Tensor | None):
     out = _concat(outs, key)
     return out if out is None or order is None else row_layout.restore(out, order)
 
@@ -219,18 +221,18 @@ def log_probs(role: MegatronRole, batch: Batch, micro: int | TokenBudget, with_e
         return out
 
     replay = routes_of(role, batch)
-    mbs, order = _micro_batches(role, batch, micro, replay)
+    mbs, order = micro_batches_of(role, batch, micro, replay)
     outs = role.forward(mbs, output_fn, record_routes=record_routes and not replay)
     keys = ("log_probs",) + (("entropy",) if with_entropy else ()) + (("sum_pi_squared",) if with_sum_pi_squared else ())
     keys += ("routing_differing", "routing_counted") if replay else (
         ("routed_experts",) if record_routes and role.routing is not None else ())
-    return {k: _gathered(outs, k, order) for k in keys}
+    return {k: gathered(outs, k, order) for k in keys}
 
 
 def values(role: MegatronRole, batch: Batch, micro: int | TokenBudget):
     """Critic values [b, R] at the positions that predict each response token."""
-    mbs, order = _micro_batches(role, batch, micro)
-    return _gathered(role.forward(mbs, lambda mb, v: {"values": response_values(v, mb)}), "values", order)
+    mbs, order = micro_batches_of(role, batch, micro)
+    return gathered(role.forward(mbs, lambda mb, v: {"values": response_values(v, mb)}), "values", order)
 
 
 def global_batch(mask: torch.Tensor, loss_scale_factor: float | None = None) -> GlobalBatch:
@@ -269,7 +271,7 @@ def _train(role, batch, *, name, mini_batch_size, micro, epochs, keys, loss_fn, 
     def steps():  # built as the role asks for them, inside its residency
         for _ in range(epochs):
             for mini in batch.split(mini_batch_size):
-                mbs, _ = _micro_batches(role, mini, micro, keys)
+                mbs, _ = micro_batches_of(role, mini, micro, keys)
                 tokens["real_tokens"] += int(mini.tensors["attention_mask"].sum())
                 tokens["computed_tokens"] += row_layout.computed_tokens(mbs)
                 whole = global_batch(mini.tensors["response_mask"], loss_scale_factor)
@@ -368,7 +370,8 @@ def _distillation_losses(logits, log_prob, mb: dict, d, temperature: float):
     from the teacher's log-prob of it, or forward_kl_topk from the student's logits (workers/topk_ops.py)."""
     if not d.uses_topk:
         return estimator_terms(log_prob, mb["teacher_log_probs"], mb["response_mask"], d.loss_mode)
-    terms = student_topk_kl(_picked(_tempered(logits, temperature), mb), mb, d.log_prob_min_clamp)
+    terms = student_topk_kl(picked(_tempered(logits, temperature), mb), mb, d.log_prob_min_clamp)
+    terms = {key: zero_past_end(v, mb) for key, v in terms.items()}
     return terms["losses"], topk_metrics(terms, mb["response_mask"], d.topk)
 
 

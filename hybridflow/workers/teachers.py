@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hybridflow.config.distillation import routing_keys
 from hybridflow.megatron import vocab_topk
 from hybridflow.megatron.role import MegatronRole
 from hybridflow.protocol import Batch
@@ -36,7 +37,7 @@ class Teachers:
         if self.routing_key not in batch.non_tensors:
             raise ValueError(f"distillation.teacher_key: the rows have no {self.routing_key!r} column to route "
                              f"them to the teachers {sorted(self.roles)}")
-        keys = np.asarray([str(k) for k in batch.non_tensors[self.routing_key]], dtype=object)
+        keys = np.asarray(routing_keys(batch.non_tensors[self.routing_key]), dtype=object)
         unknown = sorted(set(keys) - set(self.roles))
         if unknown:
             raise ValueError(f"distillation.teacher_key: no teacher for {self.routing_key}={unknown[0]!r} (teachers: "
@@ -68,11 +69,11 @@ class Teachers:
             lp = role_ops.log_probs(role, batch, micro)["log_probs"]
             return None if lp is None else {"teacher_log_probs": lp}
         def output_fn(mb, logits):  # at temperature 1, as verl's teacher (module docstring); not under CP (plan/rules)
-            lp, ids = vocab_topk.topk(role_ops._picked(logits.detach(), mb), topk)
-            valid = mb["response_valid"].bool()[..., None]
-            return {"teacher_topk_log_probs": torch.where(valid, lp, 0.0), "teacher_topk_ids": torch.where(valid, ids, 0)}
+            lp, ids = vocab_topk.topk(role_ops.picked(logits.detach(), mb), topk)
+            return {"teacher_topk_log_probs": role_ops.zero_past_end(lp, mb),
+                    "teacher_topk_ids": role_ops.zero_past_end(ids, mb)}
 
-        mbs, order = role_ops._micro_batches(role, batch, micro)
+        mbs, order = role_ops.micro_batches_of(role, batch, micro)
         outs = role.forward(mbs, output_fn)
-        got = {key: role_ops._gathered(outs, key, order) for key in ("teacher_topk_log_probs", "teacher_topk_ids")}
+        got = {key: role_ops.gathered(outs, key, order) for key in ("teacher_topk_log_probs", "teacher_topk_ids")}
         return None if got["teacher_topk_log_probs"] is None else got

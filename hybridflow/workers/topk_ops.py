@@ -12,12 +12,10 @@ from hybridflow.megatron import vocab_topk
 
 
 def student_topk_kl(z: torch.Tensor, mb: dict, log_prob_min_clamp: float | None) -> dict:
-    """algorithms/distillation.topk_kl_terms ([N, R] each, 0 past a response's end) of the student's logits ``z``
+    """algorithms/distillation.topk_kl_terms ([N, R] each; the caller zeroes them past a response's end) of the student's logits ``z``
     [N, R, V/t] at the response positions (at the policy's temperature) against the micro-batch's
     ``teacher_topk_log_probs`` and ``teacher_topk_ids`` [N, R, k]."""
     ids = mb["teacher_topk_ids"]
     student = vocab_topk.at_ids(z, ids) - vocab_topk.log_softmax_lse(z)[..., None]
     _, own = vocab_topk.top_logits(z.detach(), ids.shape[-1])
-    terms = topk_kl_terms(student, own, mb["teacher_topk_log_probs"], ids, log_prob_min_clamp)
-    valid = mb["response_valid"].bool()
-    return {key: torch.where(valid, v, torch.zeros((), dtype=v.dtype, device=v.device)) for key, v in terms.items()}
+    return topk_kl_terms(student, own, mb["teacher_topk_log_probs"], ids, log_prob_min_clamp)

@@ -89,10 +89,13 @@ def _topk_side(teachers, cfg, state, shard, actor_cfg, dp: int, sequence_paralle
     student = MegatronRole(cfg, state, ModelBuild(sequence_parallel=sequence_parallel),
                            optim=OptimSettings(lr=3e-3, eps=1e-3, use_distributed_optimizer=dp > 1))
     keys = ("teacher_topk_log_probs", "teacher_topk_ids")
-    mbs, order = role_ops._micro_batches(student, shard, 2, keys)
-    outs = student.forward(mbs, lambda mb, logits: {"kl": student_topk_kl(role_ops._picked(logits, mb), mb, None)["losses"]})
+    mbs, order = role_ops.micro_batches_of(student, shard, 2, keys)
+    def kl(mb, logits):
+        return {"kl": role_ops.zero_past_end(student_topk_kl(role_ops.picked(logits, mb), mb, None)["losses"], mb)}
+
+    outs = student.forward(mbs, kl)
     distill = DistillationLoss(loss_mode="forward_kl_topk", topk=K, use_policy_gradient=False, use_task_rewards=False)
-    return {"topk": scores, "topk_kl": role_ops._gathered(outs, "kl", order),
+    return {"topk": scores, "topk_kl": role_ops.gathered(outs, "kl", order),
             "topk_metrics": [role_ops.update_policy(student, shard, actor_cfg, dp, distillation=distill) for _ in range(UPDATES)]}
 
 

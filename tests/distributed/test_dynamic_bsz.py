@@ -99,7 +99,7 @@ def _rank_fn(rank, world, hf_dir, tp, pp, cp=1):
         critic_cfg = Critic(**common)
         am = role_ops.update_policy(policy, batch, actor_cfg, dp)
         cm = role_ops.update_value(critic, batch, critic_cfg, dp)
-        n_mbs = len(role_ops._micro_batches(policy, shard, budget)[0])
+        n_mbs = len(role_ops.micro_batches_of(policy, shard, budget)[0])
         own = row_layout.micro_batch_count(shard, budget, shared) if dynamic else n_mbs
         out[mode] = dict(
             lp=lp, values=values, n_mbs=n_mbs, own=own, metrics={**am, **cm},
@@ -138,7 +138,7 @@ def _moe_rank_fn(rank, world, moe_dir):
         actor = Actor(ppo_mini_batch_size=len(shard), ppo_epochs=1, use_dynamic_bsz=dynamic,
                       ppo_max_token_len_per_gpu=BUDGET, ppo_micro_batch_size_per_gpu=1)
         metrics = role_ops.update_policy(policy, batch, actor, 1)  # one mini-batch: the shard
-        out[mode] = dict(lp=lp, loss=metrics["actor/pg_loss"], n_mbs=len(role_ops._micro_batches(policy, shard, budget)[0]),
+        out[mode] = dict(lp=lp, loss=metrics["actor/pg_loss"], n_mbs=len(role_ops.micro_batches_of(policy, shard, budget)[0]),
                          own=row_layout.micro_batch_count(shard, budget, True) if dynamic else len(shard),
                          grads={n: p.main_grad.detach().clone() for n, p in policy.module.named_parameters()})
     return out
