@@ -98,3 +98,9 @@ class Distillation:
         if len(self.teacher_models) == 1:
             return {None: next(iter(self.teacher_models.values())).model_path}
         return {t.key: t.model_path for t in self.teacher_models.values()}
+
+
+def routing_keys(values) -> list[str]:
+    """A data column's values as teacher routing keys: their text, since teacher_models.<name>.key is a string in
+    YAML while a column (data_source, or an int-valued one) may hold other types."""
+    return [str(v) for v in values]

@@ -8,6 +8,7 @@ import torch
 from hybridflow import rng
 from hybridflow.agent.vllm_parsers import HARMONY_CHANNEL, harmony_final
 from hybridflow.algorithms import ADVANTAGE_ESTIMATORS, compute_advantage, kl_penalty, masked_mean
+from hybridflow.config.distillation import routing_keys
 from hybridflow.protocol import Batch
 from hybridflow.rewards import on_last_token, score_batch
 from hybridflow.rewards.custom import CustomScorer, RewardFunctionError, verl_extra_info
@@ -218,7 +219,7 @@ def teacher_metrics(batch: Batch, distillation) -> dict:
     out = {"distillation/kl": float(masked_mean(k1, mask))}
     teachers = distillation.teachers()
     if None not in teachers:
-        keys = np.asarray([str(k) for k in batch.non_tensors[distillation.teacher_key]], dtype=object)
+        keys = np.asarray(routing_keys(batch.non_tensors[distillation.teacher_key]), dtype=object)
         for key in teachers:
             rows = torch.as_tensor(keys == key)
             if rows.any():

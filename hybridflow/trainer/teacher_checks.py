@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from hybridflow import device
+from hybridflow.config.distillation import routing_keys
 from hybridflow.config.loader import ConfigError
 
 
@@ -54,7 +55,7 @@ def _check_routing(data, column: str, keys: set) -> None:
     if values is None:
         raise ConfigError(f"distillation.teacher_key: {data.files[0]} has no column {column!r} to route its rows to "
                           f"the teachers {sorted(keys)}")
-    for row, value in enumerate(values):
-        if str(value) not in keys:
+    for row, value in enumerate(routing_keys(values)):
+        if value not in keys:
             raise ConfigError(f"distillation.teacher_key: {column}={value!r} at {data.where(row)} names no teacher "
                               f"(keys: {sorted(keys)})")
