@@ -1,6 +1,11 @@
-"""Shared assets for the end-to-end tests: one tiny warm-started model and task data per session."""
+"""Shared assets for the end-to-end tests: one tiny warm-started model and task data per test run (make test's xdist
+workers share them)."""
 
 from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -18,16 +23,35 @@ def digit_overlap(response: str, answer: str) -> float:
     return sum(c in response for c in set(answer)) / max(len(set(answer)), 1)
 
 
+def prepared_once(tmp_path_factory, name: str, prepare) -> Path:
+    """A folder ``prepare(folder)`` fills once per test run: make test's xdist workers share it (the first to ask
+    prepares it under a file lock, the other waits and reads it), where each would otherwise repeat a warm start."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's base temp dir, above each worker's own
+    out, done = root / f"shared_{name}", root / f"shared_{name}.done"
+    with FileLock(str(root / f"shared_{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # a half-made one from a worker that failed
+            out.mkdir()
+            prepare(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
-    out = tmp_path_factory.mktemp("assets")
-    cfg = load_experiment(["configs/quickstart_cpu.yaml"], [
-        f"prepare.data_dir={out}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
-        "prepare.vocab_multiple=128", *SMALL])  # vocab 128: vLLM's vocab shards match megatron's at TP 2
-    from hybridflow.trainer.prepare import prepare_quickstart
+    def prepare(out: Path):
+        cfg = load_experiment(["configs/quickstart_cpu.yaml"], [
+            f"prepare.data_dir={out}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
+            "prepare.vocab_multiple=128", *SMALL])  # vocab 128: vLLM's vocab shards match megatron's at TP 2
+        from hybridflow.trainer.prepare import prepare_quickstart
 
-    prepare_quickstart(cfg)
-    return out
+        prepare_quickstart(cfg)
+
+    return prepared_once(tmp_path_factory, "assets", prepare)
 
 
 @pytest.fixture(scope="session")
@@ -36,15 +60,16 @@ def moe_model(assets, tmp_path_factory):
     session's task data, briefly warm-started: the tests that use it check mechanics, the closing notes the
     learning. vLLM-CPU pads an expert's per-rank width to a multiple of 32 (cpu_moe.py's alignment) and its
     in-place reload cannot take a padded one: 64 stays unpadded at vLLM TP 1 and 2."""
-    out = tmp_path_factory.mktemp("moe")
-    cfg = load_experiment(["configs/quickstart_moe_cpu.yaml"], [
-        f"prepare.data_dir={assets}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
-        "prepare.vocab_multiple=128", *SMALL, "prepare.sft_steps=20", "prepare.sft_target_accuracy=null",
-        "prepare.moe_top_k=3"])
-    from hybridflow.trainer.prepare import prepare_quickstart
+    def prepare(out: Path):
+        cfg = load_experiment(["configs/quickstart_moe_cpu.yaml"], [
+            f"prepare.data_dir={assets}/data", f"prepare.base_model_dir={out}/base", f"model.path={out}/sft",
+            "prepare.vocab_multiple=128", *SMALL, "prepare.sft_steps=20", "prepare.sft_target_accuracy=null",
+            "prepare.moe_top_k=3"])
+        from hybridflow.trainer.prepare import prepare_quickstart
 
-    prepare_quickstart(cfg)
-    return out / "sft"
+        prepare_quickstart(cfg)
+
+    return prepared_once(tmp_path_factory, "moe", prepare) / "sft"
 
 
 def make_cfg(assets, tmp_path, *overrides, config="configs/quickstart_cpu.yaml"):

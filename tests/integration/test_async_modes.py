@@ -87,53 +87,47 @@ LAYOUTS = {  # rollout TP above the actor's (each shard a slice of the source's)
 }
 
 
+# DAPO's dynamic sampling and ReMax's greedy baseline ride along: every further generation batch of a step is taken
+# from the pool like the first (the pool keeps one in flight), and the greedy responses answer the prompts of the
+# batch generated ahead
+DYNAMIC_REMAX = ["algorithm.adv_estimator=remax", "rollout.n=2", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
+                 "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
+                 "algorithm.filter_groups.max_num_gen_batches=0"]
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_each_push_gives_vllm_the_trainers_weights(layout, assets, tmp_path, ray_cluster):
+    """With one batch of look-ahead, partial rollouts, dynamic sampling and the greedy baseline (DYNAMIC_REMAX)."""
     cfg = make_cfg(assets, tmp_path, *GRPO, *SEPARATE, "resources.cpus_per_worker=0.5", "schedule.num_warmup_batches=1",
-                   *LAYOUTS[layout])
+                   *DYNAMIC_REMAX, *LAYOUTS[layout])
     pushed = _check_push(cfg)
 
     def check(trainer, step, metrics):
         pushed(trainer, step, metrics)
+        # step 2's first batch was generated before the first push (lag 1); its further generation batches, if any,
+        # after it (lag 0)
         assert metrics["async/version_lag_max"] == (0 if step == 1 else 1), metrics
         # partial rollouts (the default): the pool returned its quota of complete groups, carrying the rest
         assert 0 <= metrics["async/partial_fraction"] <= 1 and metrics["async/dropped_stale_samples"] == 0, metrics
+        assert metrics["train/num_gen_batches"] >= 1 and metrics["async/in_flight_batches"] == 1, metrics
         assert math.isfinite(metrics["actor/pg_loss"])
 
     run_steps(cfg, 2, check)
 
 
-@pytest.mark.parametrize("rollout_tp", [1, 2])
-def test_moe_experts_reach_the_rollout_pool(rollout_tp, assets, moe_model, tmp_path, ray_cluster):
-    """A tiny Qwen3-MoE trained with expert parallelism 2 feeds a rollout pool of one vLLM engine over TP 1 or 2:
-    the experts are exchanged inside the training pool (each actor rank holds half of them), each rollout rank
-    receives its slice of every expert (bytes == formula, experts included), and the pool's greedy output equals
-    HF's at the trainer's weights. The overlay's routing replay (R3) takes the routes from the pool's engines."""
+def test_moe_experts_reach_the_rollout_pool(assets, moe_model, tmp_path, ray_cluster):
+    """A tiny Qwen3-MoE trained with expert parallelism 2 feeds a rollout pool of one vLLM engine over TP 2: the
+    experts are exchanged inside the training pool (each actor rank holds half of them), each rollout rank receives
+    its slice of every expert (bytes == formula, experts included), and the pool's greedy output equals HF's at the
+    trainer's weights. The overlay's routing replay (R3) takes the routes from the pool's engines. (Rollout TP 1 takes
+    the same path with one slice, the whole expert; the hybrid engine's EP 2 to TP 1: test_moe_resharding.py.)"""
+    rollout_tp = 2
     cfg = make_cfg(assets, tmp_path, f"model.path={moe_model}", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
                    *GRPO, *SEPARATE, "resources.cpus_per_worker=0.5", "schedule.partial_rollout=false",
                    f"rollout.tensor_model_parallel_size={rollout_tp}",
                    f"resources.rollout_n_workers={rollout_tp}", config="configs/quickstart_moe_cpu.yaml")
     assert cfg.actor.megatron.expert_model_parallel_size == 2 and cfg.resources.n_workers == 2
     run_steps(cfg, 1, _check_push(cfg))
-
-
-def test_dynamic_sampling_and_greedy_baseline_on_the_rollout_pool(assets, tmp_path, ray_cluster):
-    """DAPO's dynamic sampling and ReMax's greedy baseline with one batch of look-ahead: every further generation
-    batch of a step is taken from the pool like the first (the pool keeps one in flight), and the greedy
-    responses answer the prompts of the batch generated ahead."""
-    cfg = make_cfg(assets, tmp_path, *GRPO, *SEPARATE, "schedule.num_warmup_batches=1", "algorithm.adv_estimator=remax",
-                   "rollout.n=2", "data.batch_size=8", "actor.ppo_mini_batch_size=8",
-                   "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
-                   "algorithm.filter_groups.max_num_gen_batches=0")
-
-    def check(trainer, step, metrics):
-        assert metrics["train/num_gen_batches"] >= 1 and metrics["async/in_flight_batches"] == 1, metrics
-        # step 2's rows: from batches generated before the first push (lag 1) or, for further generation
-        # batches submitted in step 2, after it (lag 0)
-        assert metrics["async/version_lag_max"] == 0 if step == 1 else metrics["async/version_lag_max"] <= 1, metrics
-        assert math.isfinite(metrics["actor/pg_loss"]), metrics
-
-    run_steps(cfg, 2, check)
 
 
 def test_checkpoint_drops_the_batches_in_flight_and_resume_regenerates_them(assets, tmp_path, ray_cluster):

@@ -17,19 +17,23 @@ from tests.integration.conftest import make_cfg, run_steps
 
 pytestmark = pytest.mark.integration
 
+# GRPO with the KL loss (the reference kept, no critic) where the layout under test is the actor's: the critic's own
+# processes would double each run's start-up and it is covered beside the actor at DP 2 (actor_tp2_hybrid), in its own
+# pool (test_bf16_quickstart_steps) and at TP 2 (test_checkpoint_resume.py)
+NO_CRITIC = ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "actor.use_kl_loss=true", "rollout.n=2",
+             "data.batch_size=8", "actor.ppo_mini_batch_size=8"]
 LAYOUTS = {  # name -> overrides: one process, and 2-process TP / PP actors feeding per-rank vLLM engines
     "single": [],
     "actor_tp2_hybrid": ["actor.megatron.tensor_model_parallel_size=2", "actor.megatron.sequence_parallel=true",
                          "resources.n_workers=2", "resources.cpus_per_worker=1", "rollout.resharding=hybrid"],
     "actor_tp2_rollout_tp2": ["actor.megatron.tensor_model_parallel_size=2", "rollout.tensor_model_parallel_size=2",
-                              "resources.n_workers=2", "resources.cpus_per_worker=1"],  # one vLLM engine over 2 ranks
+                              "resources.n_workers=2", "resources.cpus_per_worker=1", *NO_CRITIC],  # one engine, 2 ranks
     # generation TP above training TP: each vLLM shard is cut from what its rank already holds. The actor and its
-    # reference at context parallel 2 (the same weights on both ranks, each half of every row), the critic at DP 2
+    # reference at context parallel 2 (the same weights on both ranks, each half of every row)
     "actor_cp2_rollout_tp2": ["actor.megatron.context_parallel_size=2", "rollout.tensor_model_parallel_size=2",
-                              "resources.n_workers=2", "resources.cpus_per_worker=1"],
+                              "resources.n_workers=2", "resources.cpus_per_worker=1", *NO_CRITIC],
     "actor_pp2_gather_all": ["actor.megatron.pipeline_model_parallel_size=2", "resources.n_workers=2",
-                             "resources.cpus_per_worker=1", "rollout.resharding=gather_all"],
-    "critic_separate_pool": ["critic.placement=separate", "resources.cpus_per_worker=1"],  # split placement
+                             "resources.cpus_per_worker=1", "rollout.resharding=gather_all", *NO_CRITIC],
     "remax": ["algorithm.adv_estimator=remax", "algorithm.use_kl_in_reward=false", "rollout.n=2",
               "data.batch_size=8", "actor.ppo_mini_batch_size=8"],  # a greedy rollout per prompt gives the baseline
 }
@@ -127,9 +131,13 @@ def _assert_near_tie(model, prompt: list[int], vllm: list[int], hf: list[int], w
 
 def test_bf16_quickstart_steps(assets, tmp_path, ray_cluster):
     """The GPU configs' precision on CPU with the same code: actor, critic and reference train in bf16
-    (megatron's fp32 main params), vLLM runs in bf16, and the synced weights are the actor's."""
+    (megatron's fp32 main params), vLLM runs in bf16, and the synced weights are the actor's. The critic is placed
+    in a pool of its own (split placement: critic.placement=separate)."""
     bf16 = ["actor.megatron.dtype=bfloat16", "critic.megatron.dtype=bfloat16", "rollout.dtype=bfloat16"]
-    cfg = make_cfg(assets, tmp_path, *bf16)
+    cfg = make_cfg(assets, tmp_path, *bf16, "critic.placement=separate", "resources.cpus_per_worker=1")
+    from hybridflow.plan import resolve
+
+    assert [p.groups for p in resolve(cfg).pools] == [("actor_rollout_ref",), ("critic",)]
     seen = []
 
     def check(trainer, step, metrics):
