@@ -22,15 +22,22 @@ ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ["-N2", "--cpus-per-task=2", "--gpus-per-node=0", "--partition=gpu", "--time=15"]
 
 
-def short_run(tmp: Path, steps: int = 2) -> list[str]:
-    """The README's short-run overrides: a small warm start and a few PPO steps on both nodes."""
-    return [f"prepare.data_dir={tmp}/data", f"prepare.base_model_dir={tmp}/base", f"model.path={tmp}/sft_model",
-            f"data.train_files=[{tmp}/data/train.parquet]", f"data.val_files=[{tmp}/data/val.parquet]",
+def short_run(tmp: Path, assets: Path, steps: int = 2) -> list[str]:
+    """The README's short-run overrides: a small warm start and a few PPO steps on both nodes. The warm start and
+    its data go to ``assets``, which the module's jobs share: the first job prepares them, the others find them
+    made (prepare skips what exists)."""
+    return [f"prepare.data_dir={assets}/data", f"prepare.base_model_dir={assets}/base", f"model.path={assets}/sft_model",
+            f"data.train_files=[{assets}/data/train.parquet]", f"data.val_files=[{assets}/data/val.parquet]",
             "prepare.sft_steps=30", "prepare.sft_target_accuracy=null", "prepare.num_layers=2", "prepare.n_val=32",
             "data.batch_size=16", "data.val_batch_size=32", "actor.ppo_mini_batch_size=16",
             "actor.ppo_micro_batch_size_per_gpu=8", "critic.ppo_mini_batch_size=16",
             "critic.ppo_micro_batch_size_per_gpu=8", f"trainer.total_steps={steps}", "trainer.val_every=2",
             f"trainer.output_dir={tmp}/run"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("slurm_assets")
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +104,9 @@ def settle(slurm, before: set[int], timeout_s: float = 30) -> list[str]:
     return left
 
 
-def test_ppo_runs_across_two_nodes(slurm, tmp_path):
+def test_ppo_runs_across_two_nodes(slurm, assets, tmp_path):
     before = {p.pid for p in psutil.process_iter()}
-    job = submit(slurm, tmp_path, *short_run(tmp_path))
+    job = submit(slurm, tmp_path, *short_run(tmp_path, assets))
     done = slurm.wait(job, timeout_s=600)
     log = job_log(tmp_path, job)
     assert (done["JobState"], done["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
@@ -113,15 +120,15 @@ def test_ppo_runs_across_two_nodes(slurm, tmp_path):
     assert not (tmp_path / "shared" / "jobs" / str(job)).exists(), "the job's token is removed"
 
 
-def test_failing_driver_fails_the_job_with_its_status(slurm, tmp_path):
-    job = submit(slurm, tmp_path, *short_run(tmp_path), "trainer.total_steps=0")  # a config error: exit 2
+def test_failing_driver_fails_the_job_with_its_status(slurm, assets, tmp_path):
+    job = submit(slurm, tmp_path, *short_run(tmp_path, assets), "trainer.total_steps=0")  # a config error: exit 2
     done = slurm.wait(job, timeout_s=300)
     log = job_log(tmp_path, job)
     assert (done["JobState"], done["ExitCode"]) == ("FAILED", "2:0"), log[-3000:]
     assert "config error: trainer: total_steps must be >= 1" in log
 
 
-def test_node_that_never_registers_is_named(slurm, tmp_path):
+def test_node_that_never_registers_is_named(slurm, assets, tmp_path):
     # node2's Ray never comes up: a python that hangs instead of starting it there.
     wrapper = tmp_path / "python"
     wrapper.write_text("#!/bin/bash\n"
@@ -130,7 +137,7 @@ def test_node_that_never_registers_is_named(slurm, tmp_path):
     wrapper.chmod(0o755)
     before = {p.pid for p in psutil.process_iter()}
     start = time.monotonic()
-    job = submit(slurm, tmp_path, *short_run(tmp_path), env={"HYBRIDFLOW_PYTHON": str(wrapper), "HYBRIDFLOW_NODE_WAIT_S": "12"})
+    job = submit(slurm, tmp_path, *short_run(tmp_path, assets), env={"HYBRIDFLOW_PYTHON": str(wrapper), "HYBRIDFLOW_NODE_WAIT_S": "12"})
     done = slurm.wait(job, timeout_s=240)
     log = job_log(tmp_path, job)
     assert done["JobState"] == "FAILED" and time.monotonic() - start < 120, log[-3000:]
@@ -138,11 +145,11 @@ def test_node_that_never_registers_is_named(slurm, tmp_path):
     assert settle(slurm, before) == []
 
 
-def test_scancel_leaves_nothing_behind(slurm, tmp_path):
+def test_scancel_leaves_nothing_behind(slurm, assets, tmp_path):
     before = {p.pid for p in psutil.process_iter()}
     # no critic, no reference, no step-0 validation: the job is cancelled once its first step is logged
     light = ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "trainer.val_before_train=false"]
-    job = submit(slurm, tmp_path, *short_run(tmp_path, steps=200), *light)
+    job = submit(slurm, tmp_path, *short_run(tmp_path, assets, steps=200), *light)
     deadline = time.monotonic() + 400
     metrics = tmp_path / "run" / "metrics.jsonl"
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
