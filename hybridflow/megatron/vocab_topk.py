@@ -59,8 +59,9 @@ def top_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 @torch.no_grad()
 def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """([..., k] log-probs, [..., k] global ids, int64) of the k most likely tokens, largest first."""
-    values, ids = top_logits(logits, k)
-    return values - log_softmax_lse(logits)[..., None], ids
+    z = logits.float()  # once: both readers below would otherwise each copy bf16 logits to fp32
+    values, ids = top_logits(z, k)
+    return values - log_softmax_lse(z)[..., None], ids
 
 
 def at_ids(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,7 @@ def _concat(outputs: list[dict], key: str):
 
 
 def micro_batches_of(role: MegatronRole, batch: Batch, micro: int | TokenBudget,
-                   extra_keys=()) -> tuple[list[dict], torch.Tensor | None]:
+                     extra_keys=()) -> tuple[list[dict], torch.Tensor | None]:
     """The role's micro-batches of ``micro`` rows, or packed by a token budget; and the batch row of each
     concatenated output row (None: the batch's own order)."""
     mbs, order = _laid_out(role, batch, micro, extra_keys)

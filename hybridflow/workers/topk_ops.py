@@ -12,9 +12,10 @@ from hybridflow.megatron import vocab_topk
 
 
 def student_topk_kl(z: torch.Tensor, mb: dict, log_prob_min_clamp: float | None) -> dict:
-    """algorithms/distillation.topk_kl_terms ([N, R] each; the caller zeroes them past a response's end) of the student's logits ``z``
-    [N, R, V/t] at the response positions (at the policy's temperature) against the micro-batch's
-    ``teacher_topk_log_probs`` and ``teacher_topk_ids`` [N, R, k]."""
+    """algorithms/distillation.topk_kl_terms ([N, R] each; the caller zeroes them past a response's end) of the
+    student's logits ``z`` [N, R, V/t] at the response positions (at the policy's temperature) against the
+    micro-batch's ``teacher_topk_log_probs`` and ``teacher_topk_ids`` [N, R, k]."""
+    z = z.float()  # once: the three readers below would otherwise each copy bf16 logits to fp32
     ids = mb["teacher_topk_ids"]
     student = vocab_topk.at_ids(z, ids) - vocab_topk.log_softmax_lse(z)[..., None]
     _, own = vocab_topk.top_logits(z.detach(), ids.shape[-1])
