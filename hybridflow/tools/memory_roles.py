@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 from hybridflow.plan import ParallelLayout
 from hybridflow.plan.layout import mini_batch_rows
-from hybridflow.plan.model_shape import Shape, count_params, expert_params, lora_expert_params, lora_params
+from hybridflow.plan.model_shape import (Shape, count_params, expert_params, lora_expert_params, lora_params,
+                                        non_matrix_params)
 
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -106,6 +107,9 @@ def make_role(name, cfg_role, P: int, shape: Shape, seq: int, n: int, out_width:
     items["grads"] = per_gpu * 4
     sharded = ((P - experts) / tp / d + experts / etp / ed) if mg.use_distributed_optimizer else per_gpu
     items["optimizer"] = sharded * ((4 if by < 4 else 0) + 8 * (1 - offloaded_fraction(cfg_role.optim)))
+    if cfg_role.optim.optimizer == "muon":  # the matrices' state is one momentum buffer (4 B), not Adam's m and v
+        adam = 0 if lora is not None else non_matrix_params(shape, value_head=out_width == 1) / tp
+        items["optimizer"] -= 4 * max(0.0, per_gpu - adam)
     off |= {k for k, flag in (("grads", mg.grad_offload), ("optimizer", mg.optimizer_offload)) if flag}
     b, fb = cfg_role.ppo_micro_batch_size_per_gpu, cfg_role.log_prob_micro_batch_size_per_gpu
     rows = mini_batch_rows(cfg_role.ppo_mini_batch_size, rollout_n, max(1, layout.dp))  # as role_ops trains them

@@ -18,7 +18,7 @@ from hybridflow.config.schema import ExperimentConfig
 from hybridflow.device import DTYPES
 from hybridflow.megatron import lr_schedule
 from hybridflow.megatron.checkpoint_files import resolve_dist_checkpoint
-from hybridflow.megatron.optimizer_config import check_optimizer_overrides
+from hybridflow.megatron.optimizer_config import check_muon, check_optimizer_overrides
 from hybridflow.megatron.model import check_grouped_gemm_dtype, check_trained_layout, check_transformer_config
 from hybridflow.megatron.overrides import check_transformer_overrides
 from hybridflow.plan import RunPlan, model_shape, resolve
@@ -118,6 +118,7 @@ def check_config(cfg: ExperimentConfig) -> RunPlan:
                                       dtype=DTYPES[section.megatron.dtype],
                                       use_distributed_optimizer=section.megatron.use_distributed_optimizer,
                                       on_gpu=cfg.resources.gpus_per_worker > 0)
+            check_muon(section.optim, section.megatron, role)
         check_engine_kwargs(cfg.rollout.engine_kwargs)
         check_multi_turn(cfg.rollout.multi_turn)
         if cfg.agent.enable:

@@ -11,6 +11,7 @@ from hybridflow.megatron.checkpoint import load_role, load_weights, save_role
 from hybridflow.megatron.checkpoint_files import resolve_dist_checkpoint
 from hybridflow.megatron.hf_weights import HFWeights
 from hybridflow.megatron.lora import LoRASettings
+from hybridflow.megatron.optimizer_config import muon_fields
 from hybridflow.megatron.role import ModelBuild, OffloadSettings, OptimSettings
 
 
@@ -53,7 +54,8 @@ def optim_settings(optim, megatron_cfg, total_steps: int, key: str = "optim"):
     errors, e.g. ``actor.optim``)."""
     return OptimSettings(lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas),
                          clip_grad=optim.clip_grad, use_distributed_optimizer=megatron_cfg.use_distributed_optimizer,
-                         schedule=lr_schedule.resolve(optim, total_steps, key), overrides=optim.override_optimizer_config)
+                         schedule=lr_schedule.resolve(optim, total_steps, key), overrides=optim.override_optimizer_config,
+                         muon=muon_fields(optim))
 
 
 def lora_settings(lora_cfg, seed: int):

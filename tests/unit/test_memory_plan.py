@@ -119,6 +119,18 @@ def test_reference_and_critic_items(tiny):
     assert gen["critic optimizer"] == TINY_CRITIC_P * 8  # fp32: Adam m, v only; no distributed optimizer
 
 
+def test_muon_keeps_one_momentum_buffer_for_the_matrices(tiny):
+    """Muon: the 2D weights keep a momentum buffer (4 B) where Adam keeps m and v (8 B); embeddings, lm_head and the
+    norms stay with Adam (megatron-core's get_megatron_muon_optimizer); the state is on every data-parallel rank."""
+    cfg = tiny("algorithm.adv_estimator=gae", "actor.megatron.use_distributed_optimizer=false",
+               "actor.optim.optimizer=muon", "critic.optim.optimizer=muon")
+    gen = rows(mp.plan(cfg, mp.Shape.from_hf(TINY), 1), "generation")
+    adam = 100 * 64 * 2 + 2 * 128 + 64  # embeddings, lm_head, the layers' two norms, the final norm
+    assert gen["actor optimizer"] == (TINY_P - adam) * (4 + 4) + adam * (4 + 8)  # bf16: fp32 main params too
+    adam = 100 * 64 + 64 + 2 * 128 + 64  # embeddings, the value head, norms
+    assert gen["critic optimizer"] == (TINY_CRITIC_P - adam) * (4 + 4) + adam * (4 + 8)
+
+
 def test_tensor_parallel_and_pipeline_split_the_state(tiny):
     cfg = tiny("resources.n_workers=4", "actor.megatron.tensor_model_parallel_size=2",
                "actor.megatron.pipeline_model_parallel_size=2", "rollout.tensor_model_parallel_size=2")

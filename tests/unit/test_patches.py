@@ -35,7 +35,7 @@ EXPECTED = {
     "vllm.cpu_routed_experts_capture", "vllm.aux_output_on_every_tp_rank", "vllm.reload_warnings_once",
     "vllm.cpu_seeded_partial_prefill", "vllm.cpu_seeded_partial_prefill_offset",
     "transformers.rope_init_functions", "ray.daemons_in_own_session", "ray.keep_callers_sigterm_handler",
-    "ray.driver_without_failure_signal_handler",
+    "ray.driver_without_failure_signal_handler", "emerging_optimizers.triton_kernels_without_triton",
 }
 
 
@@ -93,6 +93,10 @@ def test_patch_target_exists_in_the_installed_library(name):
 
         assert "te_general_gemm" in moe_utils.RouterGatingLinearFunction.forward.__code__.co_names
         return
+    if patch.library == "emerging-optimizers":  # its target imports only once the patch made it importable
+        from hybridflow.patches import emerging_optimizers
+
+        assert emerging_optimizers.importable()
     patch.require()
 
 

@@ -456,13 +456,28 @@ def test_context_parallel_ulysses_and_virtual_stages_resolve():
             vpp.critic.megatron.virtual_pipeline_model_parallel_size) == (2, 2)
 
 
-def test_muon_is_refused_in_one_line_and_adam_agrees():
-    """megatron-core 0.16.1's Muon needs emerging_optimizers, which PyPI does not carry (config/verl_keys.MUON_WHY);
-    optim.optimizer=adam and Muon's own settings beside it change nothing."""
-    cfg = load([*BASE, "--verl-overrides", "actor_rollout_ref.actor.optim.optimizer=adam",
-                "actor_rollout_ref.actor.optim.muon_momentum=0.9", "critic.optim.optimizer=adam"])
-    assert cfg.actor.optim.lr > 0
-    for role in ("actor_rollout_ref.actor", "critic"):
-        with pytest.raises(ConfigError) as e:
-            load([*BASE, "--verl-overrides", f"{role}.optim.optimizer=muon"])
-        assert "needs the emerging_optimizers package" in str(e.value) and "\n" not in str(e.value)
+def test_muon_keys_map_and_the_distributed_optimizer_is_refused_in_one_line():
+    """verl 0.9.1's optim.optimizer=muon and muon_* keys become the role's (megatron/optimizer_config.py builds
+    megatron-core's Muon from them); megatron-core 0.16.1 builds Muon without the distributed optimizer, so
+    leaving it on is one line naming the key, before start."""
+    from hybridflow.megatron.optimizer_config import muon_fields
+    from hybridflow.trainer.preflight import check_config
+
+    args = [*BASE, "--verl-overrides", "actor_rollout_ref.actor.optim.optimizer=muon",
+            "actor_rollout_ref.actor.optim.muon_momentum=0.9", "actor_rollout_ref.actor.optim.muon_tp_mode=duplicated",
+            "actor_rollout_ref.actor.optim.muon_match_adamw_update_rms=true",
+            "actor_rollout_ref.actor.optim.use_layer_wise_distributed_optimizer=false", "critic.optim.optimizer=adam"]
+    cfg = load(args)
+    assert (cfg.actor.optim.optimizer, cfg.critic.optim.optimizer) == ("muon", "adam")
+    fields = muon_fields(cfg.actor.optim)
+    assert fields["muon_momentum"] == 0.9 and fields["muon_tp_mode"] == "duplicated"
+    assert fields["muon_extra_scale_factor"] == pytest.approx(((1 - 0.9) / (1 + 0.9)) ** 0.5)  # betas[0] = 0.9
+    assert muon_fields(cfg.critic.optim) is None
+    cfg.actor.megatron.use_distributed_optimizer = True
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg)
+    assert str(e.value).startswith("actor.optim.optimizer=muon keeps its state") and "\n" not in str(e.value)
+    assert "actor.megatron.use_distributed_optimizer=false" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load([*args, "actor_rollout_ref.actor.optim.muon_coefficient_type=cubic"])
+    assert "muon_coefficient_type" in str(e.value) and "\n" not in str(e.value)

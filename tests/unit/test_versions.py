@@ -214,4 +214,4 @@ def test_specifiers_parse():
     for name, spec, stack, required, why in versions.SUPPORTED:
         SpecifierSet(spec)
         Requirement(name)
-        assert stack in ("both", "gpu", "cpu", "flash-attn") and isinstance(required, bool) and why
+        assert stack in ("both", "gpu", "cpu", "flash-attn", "muon") and isinstance(required, bool) and why
