@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 
 from hybridflow.config.loader import ConfigError, Override
-from hybridflow.config.verl_keys import (MUST_AGREE, NO_EFFECT, OTHER_ROLLOUT_ENGINES, REWARD_MANAGER_KEYS,
-                                         REWARD_MANAGERS, _CHECKPOINTING,
+from hybridflow.config.verl_keys import (AGREE_WHY, MUST_AGREE, NO_EFFECT, OTHER_ROLLOUT_ENGINES,
+                                         REWARD_MANAGER_KEYS, REWARD_MANAGERS, _CHECKPOINTING,
                                          _GPU_KEYS, _LISTS, _MODEL, _OVERLONG_SECTIONS, _R, _RECOMPUTE, _check_hydra,
                                          _no_effect_section, _ours)
 
@@ -228,4 +228,5 @@ def check_agreement(cfg, agree: dict) -> None:
         else:
             ours, target = target, "supported here"
         if value != ours:
-            raise ConfigError(f"verl override {arg!r} must equal {target} ({ours!r}) in hybridflow")
+            why = f": {AGREE_WHY[key]}" if key in AGREE_WHY else ""
+            raise ConfigError(f"verl override {arg!r} must equal {target} ({ours!r}) in hybridflow{why}")

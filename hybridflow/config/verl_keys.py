@@ -195,7 +195,12 @@ MUST_AGREE = {
     # Muon's state replicated on each data-parallel rank (megatron-core 0.16.1's get_megatron_muon_optimizer without
     # its LayerWiseDistributedOptimizer, which verl turns on with this key)
     **{f"{role}optim.use_layer_wise_distributed_optimizer": False for role in (_A, "critic.")},
+    # multi-token prediction: not trained here, nor used to draft tokens (MTP_WHY)
+    _MODEL + "mtp.enable": False,
 }
+MTP_WHY = ("multi-token prediction is neither trained nor used for speculative decoding here (model.mtp.enable must be "
+           "false); a checkpoint's MTP layers are skipped on import with a note (trainer/model_files.py)")
+AGREE_WHY = {_MODEL + "mtp.enable": MTP_WHY}  # a MUST_AGREE key -> why it must agree, in its error
 # verl's other rollout engines: a script naming one samples with vLLM here (a notice says so), its sampling
 # settings (rollout.temperature, top_p, top_k, n, response length) carried over as they are
 OTHER_ROLLOUT_ENGINES = {"sglang": "SGLang's server is not built here", "trtllm": "TensorRT-LLM is not built here"}
@@ -287,6 +292,9 @@ NO_EFFECT_SECTIONS = {
                                                "FSDP's mixed-precision dtypes; megatron-core computes in the role's "
                                                "megatron.dtype, keeps fp32 main params in the optimizer and reduces "
                                                "gradients in fp32") for role in (_A, _REF, "critic.model.")},
+    _MODEL + "mtp.": (("enable_train", "enable_rollout", "detach_encoder", "mtp_loss_scaling_factor",
+                       "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+                       "speculative_num_draft_tokens", "method", "num_speculative_tokens"), MTP_WHY),
     _R + "engine_kwargs.trtllm.": (("batch_wait_timeout_iters", "batch_wait_max_tokens_ratio"),
                                    "TensorRT-LLM's batching; vLLM is the rollout engine here (verl's rollout.name)"),
     "reward_model.model.fsdp_config.": (("param_offload", "wrap_policy.", "reshard_after_forward", "fsdp_size",

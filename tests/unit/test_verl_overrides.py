@@ -481,3 +481,13 @@ def test_muon_keys_map_and_the_distributed_optimizer_is_refused_in_one_line():
     with pytest.raises(ConfigError) as e:
         load([*args, "actor_rollout_ref.actor.optim.muon_coefficient_type=cubic"])
     assert "muon_coefficient_type" in str(e.value) and "\n" not in str(e.value)
+
+def test_mtp_off_is_accepted_and_on_is_refused_in_one_line_saying_why():
+    """verl 0.9.1's model.mtp.*: multi-token prediction is not built here; off (verl's default) with its settings
+    beside it changes nothing, on is refused in one line naming the key and why (config/verl_keys.MTP_WHY)."""
+    off = ["actor_rollout_ref.model.mtp.enable=false", "actor_rollout_ref.model.mtp.num_speculative_tokens=1"]
+    assert load([*BASE, "--verl-overrides", *off]).actor.optim.lr > 0
+    with pytest.raises(ConfigError) as e:
+        load([*BASE, "--verl-overrides", "actor_rollout_ref.model.mtp.enable=true"])
+    assert "'actor_rollout_ref.model.mtp.enable=true'" in str(e.value) and "\n" not in str(e.value)
+    assert "neither trained nor used for speculative decoding" in str(e.value)
