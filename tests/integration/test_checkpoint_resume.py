@@ -1,10 +1,11 @@
 """Checkpoints resume exactly: a run of N steps equals k steps, a checkpoint, and a resumed run to N (final
 weights bit-identical, per-step metrics identical) — PPO with a critic and KL in the reward (its controller's
-state too), at TP=2. One uninterrupted run serves every test. A checkpoint resumed at another layout is covered
-below the driver: tests/distributed/test_checkpoint.py (TP 2 -> TP 1, the same losses within the fp32 tolerance) and
+state too), at TP=2, checked on the CLI rerun of a run stopped by SIGTERM (by path when that run named no
+checkpoint). One uninterrupted run serves every test. A checkpoint resumed at another layout is covered below the
+driver: tests/distributed/test_checkpoint.py (TP 2 -> TP 1, the same losses within the fp32 tolerance) and
 test_lora.py (adapters at any layout); per-sample sampling seeds make a layout's rollouts the same
-(test_async_modes.py). The checkpoint's HF export loads in transformers and vLLM
-with the actor's greedy outputs. TensorBoard and wandb (offline) files are written and readable."""
+(test_async_modes.py). The checkpoint's HF export loads in transformers and vLLM with the actor's greedy outputs.
+TensorBoard and wandb (offline) files are written and readable."""
 
 from __future__ import annotations
 
@@ -67,17 +68,25 @@ def straight(assets, tmp_path_factory, ray_cluster):
     return run
 
 
-def test_resume_is_exact(straight, assets, tmp_path):
-    out, rows, extra = straight
-    cfg = make_cfg(assets, tmp_path, *RUN, *extra, "reward.name=arithmetic",
-                   "trainer.resume_mode=resume_path", f"trainer.resume_from_path={out}/checkpoints/step_{K}")
-    resumed = fit(cfg)
-    assert [r["step"] for r in resumed] == list(range(K + 1, N + 1)), "a resumed run starts after its checkpoint"
-    got, want = comparable(resumed, K), comparable(rows, K)
+def assert_resumed_exactly(resumed: list[dict], straight: list[dict], after: int) -> None:
+    """A run resumed from the checkpoint of step ``after`` logs the uninterrupted run's metrics for every later
+    step (wall-clock and memory readings aside)."""
+    got, want = comparable(resumed, after), comparable(straight, after)
+    assert sorted(got) == sorted(want) == list(range(after + 1, N + 1)), (sorted(got), sorted(want))
     for step in want:
         differ = {k: (got[step].get(k), v) for k, v in want[step].items() if got[step].get(k) != v}
         assert not differ and got[step].keys() == want[step].keys(), f"step {step}: {differ}"
-    assert_same_weights(out / "actor_hf", Path(cfg.trainer.output_dir) / "actor_hf")
+
+
+def resume_from_path(straight, assets, out: Path) -> None:
+    """The straight run's checkpoint of step K resumed by path (trainer.resume_mode=resume_path): it starts after
+    it and equals the straight run from there, weights and metrics."""
+    cfg = make_cfg(assets, out, *RUN, *TP2, "reward.name=arithmetic", "trainer.resume_mode=resume_path",
+                   f"trainer.resume_from_path={straight[0]}/checkpoints/step_{K}")
+    resumed = fit(cfg)
+    assert [r["step"] for r in resumed] == list(range(K + 1, N + 1)), "a resumed run starts after its checkpoint"
+    assert_resumed_exactly(resumed, straight[1], K)
+    assert_same_weights(straight[0] / "actor_hf", Path(cfg.trainer.output_dir) / "actor_hf")
 
 
 def test_export_command_round_trip(straight, assets, tmp_path):
@@ -185,3 +194,8 @@ def test_sigterm_checkpoints_and_resumes_to_the_same_weights(straight, assets, t
     assert again.returncode == 0, err[-3000:]
     assert logged_steps(out) == list(range(N + 1))
     assert_same_weights(straight[0] / "actor_hf", out / "actor_hf")
+    # The rerun's steps after the named checkpoint (the whole run when none was named) are the straight run's
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert_resumed_exactly(rows, straight[1], 0 if named == "None" else int(Path(named).name.split("_")[1]))
+    if named == "None":  # the rerun started over: resume from a checkpoint is checked by path instead
+        resume_from_path(straight, assets, tmp_path / "by_path")
