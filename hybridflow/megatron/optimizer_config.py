@@ -1,8 +1,9 @@
-"""megatron-core's OptimizerConfig and optimizer for a role: hybridflow's settings plus a role's ``optim.override_optimizer_config``
-(verl 0.9.1's key: fields of OptimizerConfig set as given, verl's utils/megatron/optimizer.py
-``init_megatron_optim_config``), e.g. the distributed optimizer's CPU offload (``optimizer_cpu_offload``,
-``optimizer_offload_fraction``, ``overlap_cpu_optimizer_d2h_h2d``: megatron's HybridDeviceOptimizer, which keeps that
-fraction of the Adam state in host memory and steps it there) or ``use_precision_aware_optimizer`` (TE's FusedAdam).
+"""megatron-core's OptimizerConfig and optimizer for a role: hybridflow's settings plus a role's
+``optim.override_optimizer_config`` (verl 0.9.1's key: fields of OptimizerConfig set as given, verl's
+utils/megatron/optimizer.py ``init_megatron_optim_config``), e.g. the distributed optimizer's CPU offload
+(``optimizer_cpu_offload``, ``optimizer_offload_fraction``, ``overlap_cpu_optimizer_d2h_h2d``: megatron's
+HybridDeviceOptimizer, which keeps that fraction of the Adam state in host memory and steps it there) or
+``use_precision_aware_optimizer`` (TE's FusedAdam).
 
 The offload moves state off a GPU: HybridDeviceOptimizer copies only CUDA parameters to host and steps the copies
 with torch's AdamW (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py ``_get_sub_optimizer_param_groups``),
@@ -14,8 +15,9 @@ orthogonalized by a Newton-Schulz iteration) and Adam over the embeddings, the o
 its state on every data-parallel rank: megatron-core refuses it with the distributed optimizer and with fp16 (its
 LayerWiseDistributedOptimizer, verl's ``use_layer_wise_distributed_optimizer``, is not built here). It runs
 emerging_optimizers 0.1.0 (third_party/README.md). verl 0.9.1 hands ``optimizer="muon"`` to megatron-core's
-``get_megatron_optimizer``, which routes it there in the megatron-core verl pins; 0.16.1's has no such route, so
-``build_optimizer`` calls the Muon builder itself.
+``get_megatron_optimizer``, which (its utils/megatron/optimizer.py says) routes any optimizer but adam and sgd to the
+emerging-optimizers path; 0.16.1's has no such route (it reads adam or sgd only), so ``build_optimizer`` calls
+0.16.1's Muon builder itself.
 """
 
 from __future__ import annotations
