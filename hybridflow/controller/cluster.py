@@ -168,6 +168,22 @@ def _stop_started(me: psutil.Process, before: set, temp_dir: str | None) -> None
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+# Ray gives a new node's raylet 30 s to register with the GCS, then raises this (ray/_private/node.py, Node.__init__:
+# raylet_start_wait_time_s, not configurable). On two cores under a test run's load it once took longer: the start is
+# tried once more, from scratch.
+NODE_START_TIMEOUT = "The current node timed out during startup"
+
+
+def _init_embedded(temp_dir: str, num_cpus: int | None, system_config: dict, init_kwargs: dict):
+    """``ray.init`` of a new local cluster in ``temp_dir``, its daemons in a session of their own."""
+    # The workers' TMPDIR lies inside the cluster's temp dir (they inherit it from the raylet): what
+    # they leave there (wandb's media folders from megatron's import, multiprocessing's pymp-*,
+    # torchinductor_*; a worker stopped by ray.kill never cleans up) goes with the cluster.
+    with environ(TMPDIR=worker_tmp_dir(temp_dir)), ray_daemons.own_session(), ray_daemons.keep_sigterm_handler():
+        return ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+                        _temp_dir=temp_dir, _system_config=system_config, **init_kwargs)
+
+
 def start_ray(address: str | None = None, num_cpus: int | None = None,
               temp_dir: str | None = None, **init_kwargs) -> RayHandle:
     """Start an embedded single-node cluster (address None) or join one.
@@ -189,20 +205,19 @@ def start_ray(address: str | None = None, num_cpus: int | None = None,
 
     owns = temp_dir is None
     temp_dir = _embedded_temp_dir(temp_dir)
+    system_config = {**HEALTH_CHECKS, **NO_PRESTART, **init_kwargs.pop("_system_config", {})}
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
-    try:
-        # The workers' TMPDIR lies inside the cluster's temp dir (they inherit it from the raylet): what
-        # they leave there (wandb's media folders from megatron's import, multiprocessing's pymp-*,
-        # torchinductor_*; a worker stopped by ray.kill never cleans up) goes with the cluster.
-        with environ(TMPDIR=worker_tmp_dir(temp_dir)), ray_daemons.own_session(), \
-                ray_daemons.keep_sigterm_handler():
-            system_config = {**HEALTH_CHECKS, **NO_PRESTART, **init_kwargs.pop("_system_config", {})}
-            ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-                           log_to_driver=True, _temp_dir=temp_dir, _system_config=system_config, **init_kwargs)
-    except BaseException:  # e.g. SIGTERM while starting (Ray's handler exits): stop what had started
-        _stop_started(me, before, temp_dir if owns else None)
-        raise
+    for attempt in (1, 2):
+        try:
+            ctx = _init_embedded(temp_dir, num_cpus, system_config, init_kwargs)
+            break
+        except BaseException as e:  # e.g. SIGTERM while starting (Ray's handler exits): stop what had started
+            _stop_started(me, before, temp_dir if owns else None)
+            if attempt == 2 or NODE_START_TIMEOUT not in str(e):
+                raise
+            log.warning("Ray's node did not register with its GCS within Ray's 30 s: starting the cluster again")
+            temp_dir = _embedded_temp_dir(None if owns else temp_dir)
     procs = [p for p in me.children(recursive=True) if p.pid not in before]
     # Outside our process group and session: a terminal's Ctrl-C or a kill of the driver's group leaves
     # the watcher to do its one job.
