@@ -32,10 +32,10 @@ LAYOUTS = {  # name -> overrides: one process, and 2-process TP / PP actors feed
     # reference at context parallel 2 (the same weights on both ranks, each half of every row)
     "actor_cp2_rollout_tp2": ["actor.megatron.context_parallel_size=2", "rollout.tensor_model_parallel_size=2",
                               "resources.n_workers=2", "resources.cpus_per_worker=1", *NO_CRITIC],
-    "actor_pp2_gather_all": ["actor.megatron.pipeline_model_parallel_size=2", "resources.n_workers=2",
-                             "resources.cpus_per_worker=1", "rollout.resharding=gather_all", *NO_CRITIC],
-    "remax": ["algorithm.adv_estimator=remax", "algorithm.use_kl_in_reward=false", "rollout.n=2",
-              "data.batch_size=8", "actor.ppo_mini_batch_size=8"],  # a greedy rollout per prompt gives the baseline
+    # ReMax: a greedy rollout per prompt gives the baseline (both push layouts of test_async_modes.py run it too)
+    "actor_pp2_gather_all_remax": ["actor.megatron.pipeline_model_parallel_size=2", "resources.n_workers=2",
+                                   "resources.cpus_per_worker=1", "rollout.resharding=gather_all", *NO_CRITIC,
+                                   "algorithm.adv_estimator=remax"],
 }
 
 
