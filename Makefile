@@ -14,6 +14,7 @@ MUON_WHEEL := third_party/emerging_optimizers-0.1.0-py3-none-any.whl
 # stay within one): on 2 cores one session left 40 % of the CPU idle (process start-ups, Ray's waits). Each session's
 # processes get its share of the cores as torch threads: OpenMP threads beyond the cores spin (a test subset took 247 s
 # with torch's default threads, 206 s with one each). nproc without OMP_NUM_THREADS, which it would report.
+# --no-loadscope-reorder: modules in tests/conftest.py's order (the longest first), not xdist's (most tests first).
 NPROC := $(shell env -u OMP_NUM_THREADS nproc)
 TEST_WORKERS ?= $(shell n=$(NPROC); echo $$(( n < 2 ? n : 2 )))
 
@@ -36,7 +37,8 @@ run: $(STAMP)
 	$(PY) -m hybridflow.trainer.main --config configs/quickstart_cpu.yaml $(ARGS)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=$$(( $(NPROC) / $(TEST_WORKERS) )) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$$(( $(NPROC) / $(TEST_WORKERS) )) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder $(PYTEST_ARGS)
 
 # Side by side, one at a time (2 cores): TRL, the rollout engines, the controller's cost, start-up.
 bench: $(STAMP)

@@ -64,7 +64,25 @@ def ray_cluster():
     return _SHARED.get()
 
 
+# The longest modules (seconds each in a fresh-clone make test), run first: make test's two xdist sessions
+# (--dist loadfile --no-loadscope-reorder, the Makefile) take modules in this order as they free up, so the many
+# short ones fill the end and neither session is left running a long module alone (xdist's default order, most
+# tests first, put these few-test modules last: the end of the run used one core). The Slurm tests come second: they
+# prepare their own warm start while the first module's session prepares the one the others share (a file lock).
+LONGEST_FIRST = ("integration/test_failures.py", "cluster/test_slurm_launcher.py", "integration/test_async_modes.py",
+                 "integration/test_moe_quickstart.py", "integration/test_ppo_e2e.py",
+                 "integration/test_tools_quickstart.py", "integration/test_checkpoint_resume.py",
+                 "integration/test_rewards_e2e.py", "integration/test_controller.py", "distributed/test_check_model.py",
+                 "distributed/test_vllm_archs.py", "integration/test_reward_failures.py")
+
+
+def _longest_first(item) -> int:
+    where = item.path.as_posix()
+    return next((i for i, name in enumerate(LONGEST_FIRST) if where.endswith("tests/" + name)), len(LONGEST_FIRST))
+
+
 def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=_longest_first)  # stable: the other modules, and each module's tests, keep their order
     _RAY_MODULES.update(item.path for item in items if "ray_cluster" in item.fixturenames)
 
 
